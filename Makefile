@@ -1,0 +1,76 @@
+# Slipstream: the whole set-up is two commands.
+#   make demo   runs the main job
+#   make test   runs every test tier (unit, simulation, integration, cluster e2e)
+# Each installs what it needs: a virtual environment in .venv, Prometheus from
+# Debian, and the local Kubernetes control plane built from Go modules (cached
+# in ~/.cache/slipstream after the first build).
+
+SHELL      := /bin/bash
+PYTHON     ?= python3
+VENV       ?= .venv
+BIN        := $(VENV)/bin
+EXTRAS     ?= operator,sidecar,semantic,dev
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv system-deps cluster-build lint typecheck test test-fast demo demo-sim crds proto bench clean
+
+help:
+	@echo "make demo        run the main job (builds what it needs)"
+	@echo "make test        every test tier, as CI runs it"
+	@echo "make test-fast   unit + simulation tiers only (no cluster, no subprocesses)"
+	@echo "make lint        ruff, mypy --strict, import-linter"
+	@echo "make crds        regenerate CRDs from the API models"
+	@echo "make proto       regenerate the sidecar's gRPC code"
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@echo "==> Python environment in $(VENV) (extras: $(EXTRAS)); the first time this downloads torch for the [semantic] extra"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(BIN)/python -m pip install --quiet --progress-bar off -e '.[$(EXTRAS)]'
+	@touch $@
+
+system-deps:
+	@if ! command -v prometheus >/dev/null 2>&1; then \
+	  echo "==> Installing Prometheus from Debian (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	fi
+	@command -v openssl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq openssl >/dev/null; }
+
+cluster-build:
+	@echo "==> Local Kubernetes binaries (built from Go modules on the first run, then cached)"
+	@bash hack/cluster/build.sh
+
+lint: venv
+	@echo "==> ruff"
+	@$(BIN)/ruff check .
+	@echo "==> mypy --strict"
+	@$(BIN)/mypy --strict scheduler/slipstream_scheduler cli/slipstream_cli sidecar/slipstream_sidecar operator/slipstream_operator
+	@echo "==> import-linter (the core stays pure)"
+	@$(BIN)/lint-imports
+
+typecheck: lint
+
+test: venv system-deps cluster-build lint
+	@echo "==> pytest: every tier"
+	@$(BIN)/pytest $(PYTEST_ARGS) tests
+
+test-fast: venv
+	@$(BIN)/pytest -m "not integration and not cluster and not e2e" $(PYTEST_ARGS) tests
+
+demo: venv system-deps cluster-build
+	@$(BIN)/slipstream demo
+
+demo-sim: venv
+	@$(BIN)/slipstream sim --trace examples/data/azure_conv_10min.csv --policy budget --json out/demo-sim/report.json
+
+crds: venv
+	@$(BIN)/python -m slipstream_operator.crdgen
+
+proto: venv
+	@bash hack/gen-proto.sh
+
+clean:
+	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache

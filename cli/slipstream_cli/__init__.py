@@ -1,0 +1,1 @@
+"""The `slipstream` command line: simulator, benchmarks, local cluster, engine model and shells."""

@@ -1,0 +1,1 @@
+"""Slipstream operator: kopf handlers for InferenceService and OfflineJob."""

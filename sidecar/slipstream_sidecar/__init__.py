@@ -1,0 +1,1 @@
+"""Slipstream sidecar: the in-pod enforcer in front of vLLM (HTTP proxy + gRPC control)."""

@@ -1,0 +1,36 @@
+"""Shared pytest configuration.
+
+Fixtures that start real things (the local cluster) live in ``tests/fixtures``
+as plugins; the data directory is the real ``../shared/data`` beside the repo.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# The cluster fixtures are a plugin module; listed only once it exists so the
+# other tiers run on a checkout without it.
+pytest_plugins = ["fixtures.cluster"] if (Path(__file__).parent / "fixtures" / "cluster.py").exists() else []
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    """The shared real-data folder (``SLIPSTREAM_DATA`` or ``<repo>/../shared/data``)."""
+    return Path(os.environ.get("SLIPSTREAM_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    path = data_dir()
+    if not path.is_dir():
+        pytest.fail(f"real data folder {path} is missing: set SLIPSTREAM_DATA or check out ../shared")
+    return path
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
