@@ -1,0 +1,621 @@
+"""HyGen's batch-latency model: predicts one engine iteration's wall time.
+
+The model is linear in a handful of batch-composition features (HyGen §1.2 in
+``research/algorithms.md``)::
+
+    T = c0 + c1*S_p + c2*S_p**2 + c3*N_p + c4*N_d + c5*S_d_tok + c6*S_d_ctx + c7*P_c
+
+``S_p`` prefill tokens in the step, ``N_p``/``N_d`` prefill/decode requests,
+``S_d_tok`` decode tokens (the literal reading of HyGen's ``S_d``), ``S_d_ctx``
+the sum of the decode requests' context lengths (the attention reading of
+``S_d``) and ``P_c = sum(chunk_i * context_i)`` over prefill chunks (a chunk's
+attention against its already-computed prefix, which matters with chunked
+prefill and prefix caching). A :class:`FeatureSet` names which coefficients are
+fitted; the others are zero, so prediction is one fixed expression.
+
+Hot path: the planner never re-sums a batch. It keeps a :class:`BatchFeatures`
+accumulator, adds one item in O(1), and asks
+:meth:`LinearLatencyModel.predict_features` (a few multiply-adds over a
+precomputed coefficient tuple) or :meth:`LinearLatencyModel.max_prefill_tokens`
+(closed-form solution of the quadratic in the chunk size: HyGen's
+``get_max_prefill``). ``predict(batch)`` implements the ``LatencyModel``
+protocol for callers that hold a plain batch.
+
+Fitting: least squares with every coefficient except the intercept kept
+non-negative (active-set elimination: fit, drop the most negative feature,
+refit). Non-negative coefficients make the prediction monotone when an item is
+added, which the planner and the closed-form chunk solver rely on. Feature-set
+selection is by k-fold MAPE with a parsimony rule (see :func:`fit`).
+
+Persistence is a JSON *string* with a schema version and model / GPU /
+engine-settings metadata; reading and writing files is the caller's job.
+
+Deliberately left out: file I/O, online refitting from live step timings, and
+any feature that needs more than the batch composition (GPU clocks, TP
+collectives). Errors::
+
+    LatencyModelError
+     +-- FitError            (bad rows: too few, non-positive times, ...)
+     +-- ModelFormatError    (JSON that is not a latency model we can read)
+          +-- SchemaVersionError
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slipstream_scheduler.types import BatchItem, Phase
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+"""Version of the JSON document written by :meth:`LinearLatencyModel.to_json`."""
+
+MODEL_KIND = "slipstream.latency-model"
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "const",
+    "s_p",
+    "s_p_sq",
+    "n_p",
+    "n_d",
+    "s_d_tok",
+    "s_d_ctx",
+    "p_c",
+)
+"""Order of the coefficient tuple and of the columns of :func:`feature_matrix`."""
+
+_N_FEATURES = len(FEATURE_NAMES)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class LatencyModelError(Exception):
+    """Base of this module's errors."""
+
+
+class FitError(LatencyModelError):
+    """The rows given to :func:`fit` cannot produce a model."""
+
+    def __init__(self, message: str, *, rows: int) -> None:
+        super().__init__(f"{message} (rows={rows})")
+        self.rows = rows
+
+
+class ModelFormatError(LatencyModelError):
+    """A JSON document is not a latency model this code can read."""
+
+    def __init__(self, message: str, *, field_name: str | None = None) -> None:
+        super().__init__(message if field_name is None else f"{message} (field {field_name!r})")
+        self.field_name = field_name
+
+
+class SchemaVersionError(ModelFormatError):
+    """The document's schema version is not the one this code writes."""
+
+    def __init__(self, found: object, expected: int = SCHEMA_VERSION) -> None:
+        super().__init__(
+            f"latency model schema version {found!r} is not supported; this build reads "
+            f"version {expected}: re-run the profiler to write a current model",
+            field_name="schema_version",
+        )
+        self.found = found
+        self.expected = expected
+
+
+# --------------------------------------------------------------------------- features
+
+
+class FeatureSet(enum.Enum):
+    """Which readings of HyGen's features a model uses (the names of fitted columns).
+
+    ``TOKENS`` reads ``S_d`` as decode tokens (equal to ``N_d`` without
+    speculative decoding, so it adds nothing then); ``CONTEXT`` reads it as the
+    sum of decode context lengths; the ``*_CHUNK`` sets add ``P_c``.
+    """
+
+    TOKENS = "tokens"
+    CONTEXT = "context"
+    TOKENS_CHUNK = "tokens+chunk"
+    CONTEXT_CHUNK = "context+chunk"
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return _COLUMNS[self]
+
+    @property
+    def mask(self) -> tuple[bool, ...]:
+        cols = _COLUMNS[self]
+        return tuple(name in cols for name in FEATURE_NAMES)
+
+
+_BASE = ("const", "s_p", "s_p_sq", "n_p", "n_d")
+_COLUMNS: dict[FeatureSet, tuple[str, ...]] = {
+    FeatureSet.TOKENS: (*_BASE, "s_d_tok"),
+    FeatureSet.CONTEXT: (*_BASE, "s_d_ctx"),
+    FeatureSet.TOKENS_CHUNK: (*_BASE, "s_d_tok", "p_c"),
+    FeatureSet.CONTEXT_CHUNK: (*_BASE, "s_d_ctx", "p_c"),
+}
+
+
+class BatchFeatures:
+    """Running sums over a batch; adding or removing one item is O(1).
+
+    Mutable on purpose: the planner owns one per plan and grows it item by
+    item. ``tokens`` (all tokens in the step) is kept for the token cap.
+    """
+
+    __slots__ = ("n_d", "n_p", "p_c", "s_d_ctx", "s_d_tok", "s_p", "tokens")
+
+    def __init__(self) -> None:
+        self.s_p = 0
+        self.n_p = 0
+        self.n_d = 0
+        self.s_d_tok = 0
+        self.s_d_ctx = 0
+        self.p_c = 0
+        self.tokens = 0
+
+    @classmethod
+    def of(cls, batch: Iterable[BatchItem]) -> BatchFeatures:
+        acc = cls()
+        for item in batch:
+            acc.add(item)
+        return acc
+
+    def add_prefill(self, tokens: int, context: int) -> None:
+        self.s_p += tokens
+        self.n_p += 1
+        self.p_c += tokens * context
+        self.tokens += tokens
+
+    def add_decode(self, tokens: int, context: int) -> None:
+        self.n_d += 1
+        self.s_d_tok += tokens
+        self.s_d_ctx += context
+        self.tokens += tokens
+
+    def remove_prefill(self, tokens: int, context: int) -> None:
+        self.s_p -= tokens
+        self.n_p -= 1
+        self.p_c -= tokens * context
+        self.tokens -= tokens
+
+    def remove_decode(self, tokens: int, context: int) -> None:
+        self.n_d -= 1
+        self.s_d_tok -= tokens
+        self.s_d_ctx -= context
+        self.tokens -= tokens
+
+    def add(self, item: BatchItem) -> None:
+        if item.phase is Phase.PREFILL:
+            self.add_prefill(item.tokens, item.context)
+        else:
+            self.add_decode(item.tokens, item.context)
+
+    def remove(self, item: BatchItem) -> None:
+        if item.phase is Phase.PREFILL:
+            self.remove_prefill(item.tokens, item.context)
+        else:
+            self.remove_decode(item.tokens, item.context)
+
+    def copy(self) -> BatchFeatures:
+        other = BatchFeatures()
+        other.s_p = self.s_p
+        other.n_p = self.n_p
+        other.n_d = self.n_d
+        other.s_d_tok = self.s_d_tok
+        other.s_d_ctx = self.s_d_ctx
+        other.p_c = self.p_c
+        other.tokens = self.tokens
+        return other
+
+    def row(self) -> tuple[float, ...]:
+        """The raw feature row, in :data:`FEATURE_NAMES` order."""
+        s_p = float(self.s_p)
+        return (
+            1.0,
+            s_p,
+            s_p * s_p,
+            float(self.n_p),
+            float(self.n_d),
+            float(self.s_d_tok),
+            float(self.s_d_ctx),
+            float(self.p_c),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchFeatures(s_p={self.s_p}, n_p={self.n_p}, n_d={self.n_d}, "
+            f"s_d_tok={self.s_d_tok}, s_d_ctx={self.s_d_ctx}, p_c={self.p_c})"
+        )
+
+
+def feature_matrix(batches: Sequence[Sequence[BatchItem]]) -> npt.NDArray[np.float64]:
+    """Raw feature rows (``len(batches)`` x 8) for fitting or evaluation."""
+    out = np.empty((len(batches), _N_FEATURES), dtype=np.float64)
+    for i, batch in enumerate(batches):
+        out[i] = BatchFeatures.of(batch).row()
+    return out
+
+
+# --------------------------------------------------------------------------- model
+
+
+class LatencyModelMeta(BaseModel):
+    """Where a fitted model is valid: which model, GPU and engine settings it was profiled on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(default="", description="served model name, e.g. meta-llama/Llama-2-7b-hf")
+    gpu: str = Field(default="", description="GPU the rows come from, e.g. h100")
+    engine: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="engine settings that change iteration time (max_num_batched_tokens, "
+        "tensor_parallel_size, dtype, ...); default: empty",
+    )
+    source: str = Field(default="", description="how the rows were produced")
+
+
+def _default_meta() -> LatencyModelMeta:
+    return LatencyModelMeta()
+
+
+@dataclass(frozen=True, slots=True)
+class FitStats:
+    """How well a model fitted: k-fold MAPE of every candidate and of the chosen set."""
+
+    rows: int
+    folds: int
+    kfold_mape: float  # of the chosen feature set, fraction (0.02 = 2 %)
+    train_mape: float  # of the final model on all rows, fraction
+    candidates: tuple[tuple[str, float], ...]  # (feature-set value, k-fold MAPE)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearLatencyModel:
+    """A fitted (or hand-written) linear batch-latency model. Seconds per iteration.
+
+    ``coefficients`` follow :data:`FEATURE_NAMES`; entries outside
+    ``feature_set`` are zero. Every coefficient but the intercept must be
+    non-negative, which makes the prediction monotone in the batch.
+    """
+
+    feature_set: FeatureSet
+    coefficients: tuple[float, ...]
+    meta: LatencyModelMeta = field(default_factory=_default_meta)
+    stats: FitStats | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != _N_FEATURES:
+            raise ModelFormatError(
+                f"expected {_N_FEATURES} coefficients, got {len(self.coefficients)}",
+                field_name="coefficients",
+            )
+        mask = self.feature_set.mask
+        for name, used, value in zip(FEATURE_NAMES, mask, self.coefficients, strict=True):
+            if not math.isfinite(value):
+                raise ModelFormatError(f"coefficient {name} is not finite", field_name=name)
+            if not used and value != 0.0:
+                raise ModelFormatError(
+                    f"coefficient {name} is outside feature set {self.feature_set.value}",
+                    field_name=name,
+                )
+            if name != "const" and value < 0.0:
+                raise ModelFormatError(
+                    f"coefficient {name} is negative; the model must be monotone",
+                    field_name=name,
+                )
+
+    # -- prediction -------------------------------------------------------------------
+
+    def predict_features(self, f: BatchFeatures) -> float:
+        """Seconds for the batch summarised by ``f``. The planner's hot path."""
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        s_p = f.s_p
+        return (
+            c0
+            + (c1 + c2 * s_p) * s_p
+            + c3 * f.n_p
+            + c4 * f.n_d
+            + c5 * f.s_d_tok
+            + c6 * f.s_d_ctx
+            + c7 * f.p_c
+        )
+
+    def predict(self, batch: Sequence[BatchItem]) -> float:
+        """Seconds for one iteration over ``batch`` (the ``LatencyModel`` protocol)."""
+        if not batch:
+            return 0.0
+        return self.predict_features(BatchFeatures.of(batch))
+
+    def predict_with_prefill(self, f: BatchFeatures, tokens: int, context: int) -> float:
+        """Seconds for ``f`` plus one prefill chunk, without touching ``f``."""
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        s_p = f.s_p + tokens
+        return (
+            c0
+            + (c1 + c2 * s_p) * s_p
+            + c3 * (f.n_p + 1)
+            + c4 * f.n_d
+            + c5 * f.s_d_tok
+            + c6 * f.s_d_ctx
+            + c7 * (f.p_c + tokens * context)
+        )
+
+    def predict_with_decode(self, f: BatchFeatures, context: int, tokens: int = 1) -> float:
+        """Seconds for ``f`` plus one decode, without touching ``f``."""
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        s_p = f.s_p
+        return (
+            c0
+            + (c1 + c2 * s_p) * s_p
+            + c3 * f.n_p
+            + c4 * (f.n_d + 1)
+            + c5 * (f.s_d_tok + tokens)
+            + c6 * (f.s_d_ctx + context)
+            + c7 * f.p_c
+        )
+
+    def max_prefill_tokens(
+        self, f: BatchFeatures, context: int, budget_s: float, limit: int
+    ) -> int:
+        """Largest chunk ``x <= limit`` with ``predict(f + prefill(x, context)) <= budget_s``.
+
+        HyGen's ``get_max_prefill``. The prediction is ``A + B*x + C*x**2`` in
+        the chunk size with ``B, C >= 0`` (non-negative coefficients), so the
+        answer is the positive root, floored, then checked against the model
+        to absorb rounding. Returns 0 when not even a 1-token chunk fits.
+        """
+        if limit <= 0:
+            return 0
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        s_p = f.s_p
+        a = (
+            c0
+            + (c1 + c2 * s_p) * s_p
+            + c3 * (f.n_p + 1)
+            + c4 * f.n_d
+            + c5 * f.s_d_tok
+            + c6 * f.s_d_ctx
+            + c7 * f.p_c
+        )
+        slack = budget_s - a
+        if slack < 0.0:
+            return 0
+        b = c1 + 2.0 * c2 * s_p + c7 * context
+        if c2 > 0.0:
+            x_real = (math.sqrt(b * b + 4.0 * c2 * slack) - b) / (2.0 * c2)
+        elif b > 0.0:
+            x_real = slack / b
+        else:
+            return limit
+        x = limit if x_real >= limit else int(x_real)
+        # Floating-point guard: at most a couple of steps either way.
+        while x > 0 and self.predict_with_prefill(f, x, context) > budget_s:
+            x -= 1
+        while x < limit and self.predict_with_prefill(f, x + 1, context) <= budget_s:
+            x += 1
+        return x
+
+    # -- persistence -----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "kind": MODEL_KIND,
+            "schema_version": SCHEMA_VERSION,
+            "feature_set": self.feature_set.value,
+            "coefficients": dict(zip(FEATURE_NAMES, self.coefficients, strict=True)),
+            "units": "seconds per iteration",
+            "meta": self.meta.model_dump(mode="json"),
+        }
+        if self.stats is not None:
+            doc["fit"] = {
+                "rows": self.stats.rows,
+                "folds": self.stats.folds,
+                "kfold_mape": self.stats.kfold_mape,
+                "train_mape": self.stats.train_mape,
+                "candidates": [list(c) for c in self.stats.candidates],
+            }
+        return doc
+
+    def to_json(self) -> str:
+        """The model as a JSON document (write it to a file yourself)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> LinearLatencyModel:
+        if doc.get("kind") != MODEL_KIND:
+            raise ModelFormatError(
+                f"not a latency model: kind is {doc.get('kind')!r}", field_name="kind"
+            )
+        version = doc.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise SchemaVersionError(version)
+        try:
+            feature_set = FeatureSet(doc["feature_set"])
+        except (KeyError, ValueError) as exc:
+            raise ModelFormatError(
+                "missing or unknown feature set", field_name="feature_set"
+            ) from exc
+        raw = doc.get("coefficients")
+        if not isinstance(raw, Mapping):
+            raise ModelFormatError("coefficients must be an object", field_name="coefficients")
+        unknown = set(raw) - set(FEATURE_NAMES)
+        if unknown:
+            raise ModelFormatError(
+                f"unknown coefficients {sorted(unknown)}", field_name="coefficients"
+            )
+        try:
+            coefficients = tuple(float(raw.get(name, 0.0)) for name in FEATURE_NAMES)
+            meta = LatencyModelMeta.model_validate(doc.get("meta", {}))
+        except (TypeError, ValueError, ValidationError) as exc:
+            raise ModelFormatError(f"invalid model document: {exc}") from exc
+        stats = None
+        fit_doc = doc.get("fit")
+        if isinstance(fit_doc, Mapping):
+            try:
+                stats = FitStats(
+                    rows=int(fit_doc["rows"]),
+                    folds=int(fit_doc["folds"]),
+                    kfold_mape=float(fit_doc["kfold_mape"]),
+                    train_mape=float(fit_doc["train_mape"]),
+                    candidates=tuple((str(k), float(v)) for k, v in fit_doc["candidates"]),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ModelFormatError(f"invalid fit block: {exc}", field_name="fit") from exc
+        return cls(feature_set=feature_set, coefficients=coefficients, meta=meta, stats=stats)
+
+    @classmethod
+    def from_json(cls, text: str) -> LinearLatencyModel:
+        """Parse a document written by :meth:`to_json`; checks kind and schema version."""
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ModelFormatError(f"latency model is not valid JSON: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise ModelFormatError("latency model JSON must be an object")
+        return cls.from_dict(doc)
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def _nonneg_lstsq(
+    x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], mask: Sequence[bool]
+) -> npt.NDArray[np.float64]:
+    """Least squares over the masked columns; all but column 0 (intercept) kept >= 0.
+
+    Active-set elimination: solve, drop the most negative coefficient, repeat.
+    Columns are scaled to unit max first: ``S_p**2`` and ``P_c`` are ~1e7 while
+    ``N_p`` is ~1, and unscaled least squares loses digits.
+    """
+    active = [i for i, used in enumerate(mask) if used]
+    coef = np.zeros(x.shape[1], dtype=np.float64)
+    while active:
+        sub = x[:, active]
+        scale = np.max(np.abs(sub), axis=0)
+        scale[scale == 0.0] = 1.0
+        sol, *_ = np.linalg.lstsq(sub / scale, y, rcond=None)
+        sol = sol / scale
+        negative = [(sol[k], k) for k, col in enumerate(active) if col != 0 and sol[k] < 0.0]
+        if not negative:
+            coef[:] = 0.0
+            coef[active] = sol
+            # Columns with no data (all zero) can come back as tiny non-zeros.
+            coef[[i for i in active if i != 0 and not np.any(x[:, i])]] = 0.0
+            return coef
+        _, worst = min(negative)
+        del active[worst]
+    return coef
+
+
+def _mape(
+    x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], coef: npt.NDArray[np.float64]
+) -> float:
+    return float(np.mean(np.abs(x @ coef - y) / y))
+
+
+def kfold_mape(
+    x: npt.NDArray[np.float64],
+    y: npt.NDArray[np.float64],
+    feature_set: FeatureSet,
+    *,
+    folds: int = 5,
+    seed: int = 0,
+) -> float:
+    """Mean absolute percentage error (fraction) of ``feature_set`` under k-fold CV.
+
+    Rows are shuffled with ``seed`` and split into ``folds`` near-equal parts;
+    each part is predicted by a model fitted on the others; the result is the
+    mean over *all rows* of ``|pred - y| / y``.
+    """
+    n = len(y)
+    if folds < 2 or n < folds:
+        raise FitError(f"k-fold needs at least {max(folds, 2)} rows and folds >= 2", rows=n)
+    order = np.random.default_rng(seed).permutation(n)
+    parts = np.array_split(order, folds)
+    mask = feature_set.mask
+    total = 0.0
+    for k, test in enumerate(parts):
+        train = np.concatenate([p for j, p in enumerate(parts) if j != k])
+        coef = _nonneg_lstsq(x[train], y[train], mask)
+        total += float(np.sum(np.abs(x[test] @ coef - y[test]) / y[test]))
+    return total / n
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """The chosen model and the evidence for choosing it."""
+
+    model: LinearLatencyModel
+    chosen: FeatureSet
+    kfold: Mapping[FeatureSet, float]
+
+
+def fit(
+    rows: Sequence[tuple[Sequence[BatchItem], float]],
+    *,
+    feature_sets: Sequence[FeatureSet] | None = None,
+    folds: int = 5,
+    seed: int = 0,
+    parsimony: float = 0.02,
+    meta: LatencyModelMeta | None = None,
+) -> FitResult:
+    """Fit a :class:`LinearLatencyModel` on ``(batch, seconds)`` rows.
+
+    Every candidate feature set (all four by default) is scored by k-fold
+    MAPE. The winner is the *smallest* set whose MAPE is within ``parsimony``
+    (relative, default 2 %) of the best one: a superset always fits the
+    training rows at least as well, so without this rule noise alone would
+    pick the largest set. Ties in size go to the lower MAPE. The winner is
+    refitted on all rows.
+    """
+    n = len(rows)
+    candidates = list(feature_sets) if feature_sets is not None else list(FeatureSet)
+    if not candidates:
+        raise FitError("no feature set to try", rows=n)
+    min_rows = max(folds, max(len(fs.columns) for fs in candidates) + 1)
+    if n < min_rows:
+        raise FitError(f"need at least {min_rows} rows to fit", rows=n)
+    y = np.fromiter((float(t) for _, t in rows), dtype=np.float64, count=n)
+    if not np.all(np.isfinite(y)) or np.any(y <= 0.0):
+        raise FitError("iteration times must be finite and positive", rows=n)
+    x = feature_matrix([b for b, _ in rows])
+    scores = {fs: kfold_mape(x, y, fs, folds=folds, seed=seed) for fs in candidates}
+    best = min(scores.values())
+    eligible = [fs for fs in candidates if scores[fs] <= best * (1.0 + parsimony)]
+    chosen = min(eligible, key=lambda fs: (len(fs.columns), scores[fs]))
+    coef = _nonneg_lstsq(x, y, chosen.mask)
+    stats = FitStats(
+        rows=n,
+        folds=folds,
+        kfold_mape=scores[chosen],
+        train_mape=_mape(x, y, coef),
+        candidates=tuple((fs.value, scores[fs]) for fs in candidates),
+    )
+    model = LinearLatencyModel(
+        feature_set=chosen,
+        coefficients=tuple(float(c) for c in coef),
+        meta=meta if meta is not None else LatencyModelMeta(),
+        stats=stats,
+    )
+    logger.info(
+        "latency model fitted: rows=%s set=%s kfold_mape=%.4f candidates=%s",
+        n,
+        chosen.value,
+        scores[chosen],
+        {fs.value: round(v, 5) for fs, v in scores.items()},
+    )
+    return FitResult(model=model, chosen=chosen, kfold=scores)
