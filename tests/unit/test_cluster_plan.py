@@ -1,0 +1,108 @@
+"""Unit tests of the local cluster's address plan, PKI and CLI wiring (no processes started)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+from pathlib import Path
+
+import pytest
+from slipstream_cli import cluster as lc
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("nodes", "prefix"), [(1, 24), (4, 24), (256, 24), (257, 25), (1000, 26)])
+def test_node_pod_prefix_fits_the_pod_network(nodes: int, prefix: int) -> None:
+    assert lc.node_pod_prefix(nodes) == prefix
+
+
+def test_thousand_nodes_get_disjoint_loopback_pod_cidrs() -> None:
+    cidrs = [lc.node_pod_cidr(i, lc.MAX_NODES) for i in range(lc.MAX_NODES)]
+    assert len(set(cidrs)) == lc.MAX_NODES
+    loopback = ipaddress.IPv4Network("127.0.0.0/8")
+    for cidr in cidrs:
+        assert cidr.subnet_of(lc.POD_NETWORK) and cidr.subnet_of(loopback)
+    ips = {lc.node_ip(i) for i in range(lc.MAX_NODES)}
+    assert len(ips) == lc.MAX_NODES
+    assert all(ip in lc.NODE_NETWORK and ip.is_loopback for ip in ips)
+
+
+def test_config_rejects_too_many_nodes() -> None:
+    with pytest.raises(lc.ClusterError, match="between 1 and 1000"):
+        lc.ClusterConfig(nodes=1001)
+
+
+def test_config_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SLIPSTREAM_CLUSTER_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("SLIPSTREAM_CLUSTER_NODES", "7")
+    monkeypatch.setenv("SLIPSTREAM_CLUSTER_PORT_BASE", "30000")
+    config = lc.ClusterConfig.from_env(gpus_per_node=2)
+    assert config.state_dir == tmp_path / "state"
+    assert (config.nodes, config.gpus_per_node) == (7, 2)
+    assert config.ports.etcd_client == 30000 and config.ports.kwok == 30005
+    monkeypatch.setenv("SLIPSTREAM_CLUSTER_NODES", "many")
+    with pytest.raises(lc.ClusterError, match="SLIPSTREAM_CLUSTER_NODES"):
+        lc.ClusterConfig.from_env()
+
+
+def test_gpu_node_manifest() -> None:
+    node = lc.gpu_node_manifest(3, lc.ClusterConfig(nodes=4, gpus_per_node=8))
+    assert node["metadata"]["name"] == "gpu-node-3"
+    assert node["metadata"]["annotations"] == {"kwok.x-k8s.io/node": "fake"}
+    assert node["spec"]["podCIDR"] == "127.1.3.0/24"
+    assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
+    assert node["status"]["allocatable"] == node["status"]["capacity"]
+    assert node["status"]["addresses"] == [{"type": "InternalIP", "address": "127.2.0.4"}]
+    small = lc.gpu_node_manifest(999, lc.ClusterConfig(nodes=1000))
+    assert small["status"]["capacity"]["pods"] == "62"  # a /26 holds 62 pod IPs
+
+
+def test_pki_chain_and_names(tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    pki = lc.write_pki(tmp_path / "pki", "10.0.0.1")
+    ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    serving = x509.load_pem_x509_certificate(pki.path("serving.crt").read_bytes())
+    admin = x509.load_pem_x509_certificate(pki.path("admin.crt").read_bytes())
+    for cert in (serving, admin):
+        cert.verify_directly_issued_by(ca)
+    sans = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ipaddress.ip_address("127.0.0.1") in sans.get_values_for_type(x509.IPAddress)
+    orgs = admin.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
+    assert [o.value for o in orgs] == ["system:masters"]
+    assert (pki.path("ca.key").stat().st_mode & 0o777) == 0o600
+
+
+def test_kubeconfig_is_numeric_loopback(tmp_path: Path) -> None:
+    path = tmp_path / "k.json"
+    lc.write_json(
+        path,
+        lc.kubeconfig("https://127.0.0.1:6443", tmp_path / "ca.crt", {"token": "t"}, "ctx", "ns"),
+        private=True,
+    )
+    data = json.loads(path.read_text())
+    assert data["clusters"][0]["cluster"]["server"] == "https://127.0.0.1:6443"
+    assert data["contexts"][0]["context"]["namespace"] == "ns"
+    assert (path.stat().st_mode & 0o777) == 0o600
+
+
+def test_cli_arguments() -> None:
+    parser = argparse.ArgumentParser()
+    lc.add_arguments(parser)
+    args = parser.parse_args(
+        ["up", "--nodes", "10", "--gpus-per-node", "2", "--port-base", "31000", "--no-build"]
+    )
+    config = lc._config_from_args(args)
+    assert (config.nodes, config.gpus_per_node, config.ports.apiserver) == (10, 2, 31002)
+    assert parser.parse_args(["kubeconfig", "--restricted"]).restricted
+
+
+def test_status_of_a_stopped_cluster(tmp_path: Path) -> None:
+    cluster = lc.LocalCluster(lc.ClusterConfig(state_dir=tmp_path, bin_dir=tmp_path / "bin"))
+    statuses = cluster.status()
+    assert [s.name for s in statuses] == list(lc.COMPONENT_ORDER)
+    assert not any(s.running or s.healthy for s in statuses)
+    assert not cluster.healthy()
