@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -122,16 +122,16 @@ def parse_slo(text: str) -> Slo:
         raise SloSyntaxError(
             text, "want METRIC:STAT:LIMIT with METRIC ttft|tbt|ttlt, STAT mean|p50|p99"
         )
-    metric, stat, limit = m.groups()
+    metric, stat, limit = cast(Metric, m.group(1)), cast(Stat, m.group(2)), m.group(3)
     a = _ABS.match(limit)
     if a:
         v = float(a.group(1)) * (1e-3 if a.group(2) == "ms" else 1.0)
         if v <= 0:
             raise SloSyntaxError(text, "limit must be > 0")
-        return Slo(metric=metric, stat=stat, limit_s=v)  # type: ignore[arg-type]
+        return Slo(metric=metric, stat=stat, limit_s=v, tolerance=None)
     t = _TOL.match(limit)
     if t:
-        return Slo(metric=metric, stat=stat, tolerance=float(t.group(1)) / 100.0)  # type: ignore[arg-type]
+        return Slo(metric=metric, stat=stat, limit_s=None, tolerance=float(t.group(1)) / 100.0)
     raise SloSyntaxError(text, f"limit {limit!r} is neither 2s / 150ms nor +10%")
 
 
@@ -254,5 +254,5 @@ def search_budget(
     """
     tbt_caps = [s.limit(baseline) for s in slos if s.metric == "tbt"]
     if tbt_caps:
-        hi_s = max(lo_s, min(hi_s, min(tbt_caps)))
+        hi_s = max(lo_s, min(hi_s, *tbt_caps))
     return bisect_largest(run, slos, lo_s, hi_s, baseline=baseline, iterations=iterations)
