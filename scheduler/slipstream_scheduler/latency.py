@@ -221,6 +221,18 @@ class BatchFeatures:
         other.tokens = self.tokens
         return other
 
+    def plus(self, other: BatchFeatures) -> BatchFeatures:
+        """A new accumulator for the union of the two batches."""
+        out = self.copy()
+        out.s_p += other.s_p
+        out.n_p += other.n_p
+        out.n_d += other.n_d
+        out.s_d_tok += other.s_d_tok
+        out.s_d_ctx += other.s_d_ctx
+        out.p_c += other.p_c
+        out.tokens += other.tokens
+        return out
+
     def row(self) -> tuple[float, ...]:
         """The raw feature row, in :data:`FEATURE_NAMES` order."""
         s_p = float(self.s_p)
