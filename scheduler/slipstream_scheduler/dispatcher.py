@@ -1,0 +1,565 @@
+"""The dispatcher: what the sidecar submits to, holds from and aborts in one vLLM engine.
+
+This is the sidecar's brain, kept in the pure core so the simulator runs
+exactly the code the sidecar ships (``docs/design/dispatcher.md``). It sees
+only what a client of vLLM sees: the requests it sent, the tokens streamed
+back, finishes and errors. From that it estimates the engine's running
+batch, and on every :meth:`Dispatcher.decide` asks the :class:`Planner`
+(admission mode) how far down each queue to go:
+
+* online requests wait here (not in vLLM's queue) in their ordering's order
+  whenever the engine is saturated, so the ordering is real;
+* offline requests are admitted only while the predicted iteration time stays
+  within the budget (or under a static cap, per the admission policy), in
+  FCFS or PSM order;
+* running offline requests the planner marks for preemption are aborted; each
+  keeps what it produced and re-enters the offline queue at its old place,
+  and is later resubmitted as a continuation (prompt + tokens so far).
+
+Algorithm note: ``decide`` is event-driven. It re-plans only when something
+the plan depends on changed (an arrival, a finish, a first token, an abort,
+a budget change) and there is something to admit; token progress alone only
+updates the running estimate. One plan per call at most.
+
+Deliberately left out: I/O, clocks (every call takes ``now_s``), the HTTP
+streams themselves, the engine's internals (chunk positions, actual KV use,
+vLLM's waiting queue) which a sidecar cannot see. Errors::
+
+    DispatcherError
+     +-- UnknownRequestError   (an event for a request id the dispatcher does not hold)
+     +-- DuplicateRequestError (arrive() with an id already held)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field
+from sortedcontainers import SortedList
+
+from slipstream_scheduler.protocols import LengthPredictor, Planner
+from slipstream_scheduler.psm import PsmQueue
+from slipstream_scheduler.types import (
+    EngineLimits,
+    QueuedRequest,
+    RequestClass,
+    RunningRequest,
+    Snapshot,
+)
+
+logger = logging.getLogger(__name__)
+
+Vector = npt.NDArray[np.float32]
+
+
+class DispatcherError(Exception):
+    """Base of the dispatcher's errors; ``request_id`` names the request concerned."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class UnknownRequestError(DispatcherError):
+    """An event arrived for a request the dispatcher does not hold."""
+
+
+class DuplicateRequestError(DispatcherError):
+    """``arrive`` was called twice with the same request id."""
+
+
+class DispatcherConfig(BaseModel):
+    """How the dispatcher maps queues onto one engine. Resolved once, before the loop."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    online_priority: int = Field(0, description="vLLM priority of online requests (lower first).")
+    offline_priority: int = Field(
+        100, description="vLLM priority of offline requests; larger than online's."
+    )
+    lookahead: int = Field(
+        32, ge=1, description="Queued requests per class shown to the planner per decision."
+    )
+    max_online_inflight: int | None = Field(
+        None,
+        ge=1,
+        description="Online requests in flight at most (None: up to max_num_seqs). A cap "
+        "below the engine's keeps online requests queued here, in the ordering's order.",
+    )
+    max_offline_inflight: int | None = Field(
+        None, ge=0, description="Offline requests in flight at most (None: the planner decides)."
+    )
+    admit_offline: bool = Field(True, description="False: never submit offline work.")
+    preempt_offline: bool = Field(
+        True, description="Abort running offline requests when the planner asks to."
+    )
+    kv_headroom_blocks: int = Field(
+        0, ge=0, description="KV blocks (16 tokens) kept free in the estimate; default 0."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A new request as the shell received it."""
+
+    request_id: str
+    cls: RequestClass
+    prompt_tokens: int
+    max_tokens: int
+    arrival_s: float
+    vector: Vector | None = field(default=None, compare=False, repr=False)
+    block_hashes: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Send ``request_id`` to the engine with vLLM ``priority``.
+
+    ``resume_from_tokens`` > 0: a continuation; the prompt is the original
+    prompt plus the first ``resume_from_tokens`` output tokens and
+    ``max_tokens`` is reduced by that many.
+    """
+
+    request_id: str
+    priority: int
+    resume_from_tokens: int = 0
+
+
+AbortReason = Literal["preempt", "reorder"]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Close the stream of ``request_id`` (the engine frees its KV)."""
+
+    request_id: str
+    reason: AbortReason
+
+
+@dataclass(frozen=True, slots=True)
+class Decisions:
+    """What the shell must carry out now, in this order: aborts, then submits."""
+
+    submit: tuple[Submit, ...] = ()
+    abort: tuple[Abort, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.submit or self.abort)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    """Counters and gauges for metrics and status."""
+
+    online_queued: int
+    offline_queued: int
+    online_inflight: int
+    offline_inflight: int
+    submitted: int
+    resumed: int
+    preemptions: int
+    finished: int
+    failed: int
+    plans: int
+    budget_s: float | None
+    est_free_kv_blocks: int
+
+
+class RequestQueue(Protocol):
+    """A queue of held requests in policy order (FCFS, PSM, an ordering's adapter).
+
+    Contract: ``push`` may be called again for a request that was taken (a
+    preempted request coming back; it should regain its old place);
+    ``head(n, now_s)`` lists the first ``n`` ids in order without removing
+    them; ``take`` removes an id that was just admitted (it was among the
+    head); ``remove`` drops any queued id (cancelled).
+    """
+
+    def push(self, request: Incoming) -> None: ...
+
+    def head(self, n: int, now_s: float) -> list[str]: ...
+
+    def take(self, request_id: str, now_s: float) -> None: ...
+
+    def remove(self, request_id: str) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+class FifoQueue:
+    """FCFS by first arrival; a request pushed again keeps its original place."""
+
+    def __init__(self) -> None:
+        self._order: SortedList = SortedList()
+        self._seq: dict[str, int] = {}
+        self._next = itertools.count()
+
+    def push(self, request: Incoming) -> None:
+        rid = request.request_id
+        seq = self._seq.setdefault(rid, next(self._next))
+        self._order.add((seq, rid))
+
+    def head(self, n: int, now_s: float) -> list[str]:
+        return [rid for _, rid in self._order.islice(0, n)]
+
+    def take(self, request_id: str, now_s: float) -> None:
+        self.remove(request_id)
+
+    def remove(self, request_id: str) -> None:
+        self._order.discard((self._seq[request_id], request_id))
+
+    def forget(self, request_id: str) -> None:
+        """The request left for good: drop its remembered place."""
+        self._seq.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class PsmOfflineQueue:
+    """Adapter: :class:`slipstream_scheduler.psm.PsmQueue` over prefix-block hashes.
+
+    The trie is keyed by the request's 16-token block hashes (one trie edge
+    per block, ``block_size=1`` over hashes), which is the granularity vLLM's
+    prefix cache shares at. A preempted request re-enters with its original
+    arrival, so the anti-starvation rule still sees its age.
+    """
+
+    def __init__(self, queue: PsmQueue) -> None:
+        self._q = queue
+
+    def push(self, request: Incoming) -> None:
+        keys = [h & 0x7FFF_FFFF_FFFF_FFFF for h in request.block_hashes]
+        self._q.push(request.request_id, keys, request.arrival_s)
+
+    def head(self, n: int, now_s: float) -> list[str]:
+        return list(self._q.peek_order(n, now_s))
+
+    def take(self, request_id: str, now_s: float) -> None:
+        order = self._q.peek_order(1, now_s)
+        if order and order[0] == request_id:
+            self._q.pop(now_s)  # moves the DFS cursor
+        else:
+            self._q.remove(request_id)
+
+    def remove(self, request_id: str) -> None:
+        self._q.remove(request_id)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
+@dataclass(slots=True)
+class _Rec:
+    request_id: str
+    cls: RequestClass
+    prompt_tokens: int
+    max_tokens: int
+    arrival_s: float
+    incoming: Incoming
+    generated: int = 0  # output tokens produced over all submissions
+    resume_from: int = 0  # ``generated`` when the current submission started
+    inflight: bool = False
+    aborting: bool = False
+    preemptions: int = 0
+
+
+class Dispatcher:
+    """One engine's admission layer. See the module docstring and ``docs/design/dispatcher.md``."""
+
+    def __init__(
+        self,
+        config: DispatcherConfig,
+        planner: Planner,
+        *,
+        online_queue: RequestQueue | None = None,
+        offline_queue: RequestQueue | None = None,
+        length_predictor: LengthPredictor | None = None,
+        limits: EngineLimits | None = None,
+        kv_blocks: int = 1 << 30,
+        budget_s: float | None = None,
+    ) -> None:
+        self.config = config
+        self.planner = planner
+        self.online_queue: RequestQueue = online_queue if online_queue is not None else FifoQueue()
+        self.offline_queue: RequestQueue = (
+            offline_queue if offline_queue is not None else FifoQueue()
+        )
+        self.length_predictor = length_predictor
+        self.limits = limits if limits is not None else EngineLimits()
+        self.kv_blocks = kv_blocks
+        self._budget_s = budget_s
+        self._recs: dict[str, _Rec] = {}
+        self._inflight: dict[str, _Rec] = {}
+        self._n_inflight = {RequestClass.ONLINE: 0, RequestClass.OFFLINE: 0}
+        self._dirty = True
+        self._bs = self.limits.block_size
+        # KV estimate: prompt blocks in flight counted once per distinct hash
+        self._block_refs: dict[int, int] = {}
+        self._private_blocks = 0  # blocks of in-flight requests without hashes + output blocks
+        self._submitted = self._resumed = self._preemptions = 0
+        self._finished = self._failed = self._plans = 0
+
+    # ---- events from the shell -------------------------------------------------
+
+    def arrive(self, req: Incoming, now_s: float) -> None:
+        """A new request (online from a client, offline from an assigned shard)."""
+        if req.request_id in self._recs:
+            raise DuplicateRequestError("request already held", req.request_id)
+        rec = _Rec(req.request_id, req.cls, req.prompt_tokens, req.max_tokens, req.arrival_s, req)
+        self._recs[req.request_id] = rec
+        self._queue(rec).push(req)
+        self._dirty = True
+
+    def progress(self, request_id: str, generated_tokens: int, now_s: float) -> None:
+        """``generated_tokens`` tokens seen so far on this submission's stream."""
+        rec = self._get(request_id)
+        before = rec.generated - rec.resume_from
+        if not rec.inflight or generated_tokens <= before:
+            return
+        if before == 0:
+            self._dirty = True  # prefill done: the batch estimate changes shape
+        self._private_blocks += self._out_blocks(rec.resume_from + generated_tokens) - (
+            self._out_blocks(rec.generated)
+        )
+        rec.generated = rec.resume_from + generated_tokens
+
+    def finished(self, request_id: str, output_tokens: int, now_s: float) -> None:
+        """This submission's stream ended normally after ``output_tokens`` tokens."""
+        rec = self._get(request_id)
+        self.progress(request_id, output_tokens, now_s)
+        self._release(rec)
+        self._recs.pop(request_id)
+        self._forget(rec)
+        self._finished += 1
+        if self.length_predictor is not None and rec.cls is RequestClass.ONLINE:
+            self.length_predictor.observe(rec.incoming.vector, rec.prompt_tokens, rec.generated)
+        self._dirty = True
+
+    def failed(self, request_id: str, now_s: float) -> None:
+        """The engine rejected or dropped the request: it leaves the dispatcher."""
+        rec = self._get(request_id)
+        if rec.inflight:
+            self._release(rec)
+        else:
+            self._queue(rec).remove(request_id)
+        self._recs.pop(request_id)
+        self._forget(rec)
+        self._failed += 1
+        self._dirty = True
+
+    def aborted(self, request_id: str, now_s: float) -> None:
+        """The shell closed the stream of an :class:`Abort`; the request is queued again."""
+        rec = self._get(request_id)
+        if not rec.aborting:
+            raise DispatcherError("aborted() for a request not being aborted", request_id)
+        self._release(rec)
+        rec.aborting = False
+        rec.preemptions += 1
+        self._queue(rec).push(rec.incoming)
+        self._dirty = True
+
+    def set_budget(self, budget_s: float | None) -> None:
+        """The per-iteration latency budget (seconds; None: unbounded)."""
+        self._budget_s = budget_s
+        self._dirty = True
+
+    @property
+    def budget_s(self) -> float | None:
+        return self._budget_s
+
+    # ---- decisions ---------------------------------------------------------------
+
+    def decide(self, now_s: float) -> Decisions:
+        """What to submit and abort now. Cheap (no plan) when nothing relevant changed."""
+        if not self._dirty:
+            return Decisions()
+        self._dirty = False
+        cfg = self.config
+        n_on = len(self.online_queue)
+        n_off = len(self.offline_queue) if cfg.admit_offline else 0
+        if n_on == 0 and n_off == 0:
+            return Decisions()
+        on_room = self.limits.max_num_seqs
+        if cfg.max_online_inflight is not None:
+            on_room = cfg.max_online_inflight - self._n_inflight[RequestClass.ONLINE]
+        off_room = self.limits.max_num_seqs
+        if cfg.max_offline_inflight is not None:
+            off_room = cfg.max_offline_inflight - self._n_inflight[RequestClass.OFFLINE]
+        online_ids = (
+            self.online_queue.head(min(cfg.lookahead, on_room), now_s) if n_on > 0 < on_room else []
+        )
+        offline_ids = (
+            self.offline_queue.head(min(cfg.lookahead, off_room), now_s)
+            if n_off > 0 < off_room
+            else []
+        )
+        if not online_ids and not offline_ids:
+            return Decisions()
+        snap = Snapshot(
+            now_s=now_s,
+            running=tuple(self._running_view()),
+            online_queue=tuple(self._queued_view(self._recs[r]) for r in online_ids),
+            offline_queue=tuple(self._queued_view(self._recs[r]) for r in offline_ids),
+            free_kv_blocks=self.est_free_kv_blocks,
+            limits=self.limits,
+            budget_s=self._budget_s,
+        )
+        plan = self.planner.plan(snap)
+        self._plans += 1
+        aborts: list[Abort] = []
+        if cfg.preempt_offline:
+            for rid in plan.preempted:
+                rec = self._inflight.get(rid)
+                if rec is None or rec.cls is not RequestClass.OFFLINE or rec.aborting:
+                    continue
+                rec.aborting = True
+                self._preemptions += 1
+                aborts.append(Abort(rid, "preempt"))
+        submits: list[Submit] = []
+        for adm in plan.admitted:
+            rec = self._recs.get(adm.request_id)
+            if rec is None or rec.inflight:
+                continue
+            if rec.cls is RequestClass.OFFLINE and not cfg.admit_offline:
+                continue
+            self._queue(rec).take(rec.request_id, now_s)
+            self._take(rec)
+            prio = cfg.online_priority if rec.cls is RequestClass.ONLINE else cfg.offline_priority
+            submits.append(Submit(rec.request_id, prio, rec.generated))
+            self._submitted += 1
+            if rec.generated:
+                self._resumed += 1
+        if submits or aborts:
+            # The engine estimate changed: a follow-up plan may admit more.
+            self._dirty = True
+            logger.debug(
+                "decide t=%.3f submit=%d abort=%d queued=%d/%d inflight=%d/%d",
+                now_s,
+                len(submits),
+                len(aborts),
+                len(self.online_queue),
+                len(self.offline_queue),
+                self._n_inflight[RequestClass.ONLINE],
+                self._n_inflight[RequestClass.OFFLINE],
+            )
+        return Decisions(tuple(submits), tuple(aborts))
+
+    # ---- views -------------------------------------------------------------------
+
+    def _running_view(self) -> Iterator[RunningRequest]:
+        on_p, off_p = self.config.online_priority, self.config.offline_priority
+        for rec in self._inflight.values():
+            if rec.aborting:
+                continue
+            prompt = rec.prompt_tokens + rec.resume_from
+            gen = rec.generated - rec.resume_from
+            yield RunningRequest(
+                request_id=rec.request_id,
+                cls=rec.cls,
+                prompt_tokens=prompt,
+                computed_tokens=prompt if gen else 0,
+                generated_tokens=gen,
+                max_tokens=rec.max_tokens - rec.resume_from,
+                arrival_s=rec.arrival_s,
+                priority=on_p if rec.cls is RequestClass.ONLINE else off_p,
+            )
+
+    def _queued_view(self, rec: _Rec) -> QueuedRequest:
+        return QueuedRequest(
+            request_id=rec.request_id,
+            cls=rec.cls,
+            prompt_tokens=rec.prompt_tokens + rec.generated,
+            max_tokens=rec.max_tokens,
+            arrival_s=rec.arrival_s,
+            cached_tokens=self._cached_estimate(rec),
+            already_generated=rec.generated,
+        )
+
+    def _cached_estimate(self, rec: _Rec) -> int:
+        n = 0
+        refs = self._block_refs
+        for h in rec.incoming.block_hashes:
+            if h not in refs:
+                break
+            n += 1
+        return min(n * self._bs, rec.prompt_tokens - 1) if n else 0
+
+    @property
+    def est_free_kv_blocks(self) -> int:
+        """KV blocks the engine should have free, as far as the streams tell."""
+        used = len(self._block_refs) + self._private_blocks
+        return max(self.kv_blocks - used - self.config.kv_headroom_blocks, 0)
+
+    def request_state(self, request_id: str) -> tuple[bool, int, int]:
+        """(in flight, output tokens produced in all, preemptions) of a held request."""
+        rec = self._get(request_id)
+        return rec.inflight, rec.generated, rec.preemptions
+
+    def stats(self) -> DispatcherStats:
+        return DispatcherStats(
+            online_queued=len(self.online_queue),
+            offline_queued=len(self.offline_queue),
+            online_inflight=self._n_inflight[RequestClass.ONLINE],
+            offline_inflight=self._n_inflight[RequestClass.OFFLINE],
+            submitted=self._submitted,
+            resumed=self._resumed,
+            preemptions=self._preemptions,
+            finished=self._finished,
+            failed=self._failed,
+            plans=self._plans,
+            budget_s=self._budget_s,
+            est_free_kv_blocks=self.est_free_kv_blocks,
+        )
+
+    # ---- bookkeeping -------------------------------------------------------------
+
+    def _get(self, request_id: str) -> _Rec:
+        rec = self._recs.get(request_id)
+        if rec is None:
+            raise UnknownRequestError("unknown request", request_id)
+        return rec
+
+    def _queue(self, rec: _Rec) -> RequestQueue:
+        return self.online_queue if rec.cls is RequestClass.ONLINE else self.offline_queue
+
+    def _forget(self, rec: _Rec) -> None:
+        q = self._queue(rec)
+        if isinstance(q, FifoQueue):
+            q.forget(rec.request_id)
+
+    def _out_blocks(self, generated: int) -> int:
+        return -(-generated // self._bs)
+
+    def _take(self, rec: _Rec) -> None:
+        rec.inflight = True
+        rec.resume_from = rec.generated
+        self._inflight[rec.request_id] = rec
+        self._n_inflight[rec.cls] += 1
+        refs = self._block_refs
+        for h in rec.incoming.block_hashes:
+            refs[h] = refs.get(h, 0) + 1
+        tail = rec.prompt_tokens - len(rec.incoming.block_hashes) * self._bs
+        self._private_blocks += self._out_blocks(max(tail, 0)) + self._out_blocks(rec.generated)
+
+    def _release(self, rec: _Rec) -> None:
+        if not rec.inflight:
+            raise DispatcherError("request is not in flight", rec.request_id)
+        rec.inflight = False
+        del self._inflight[rec.request_id]
+        self._n_inflight[rec.cls] -= 1
+        refs = self._block_refs
+        for h in rec.incoming.block_hashes:
+            left = refs[h] - 1
+            if left:
+                refs[h] = left
+            else:
+                del refs[h]
+        tail = rec.prompt_tokens - len(rec.incoming.block_hashes) * self._bs
+        self._private_blocks -= self._out_blocks(max(tail, 0)) + self._out_blocks(rec.generated)

@@ -1,0 +1,239 @@
+"""The dispatcher's bookkeeping and decisions, driven by hand with the real planner."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from slipstream_scheduler.admission import build_planner
+from slipstream_scheduler.dispatcher import (
+    Abort,
+    Dispatcher,
+    DispatcherConfig,
+    DispatcherError,
+    DuplicateRequestError,
+    FifoQueue,
+    Incoming,
+    PsmOfflineQueue,
+    Submit,
+    UnknownRequestError,
+)
+from slipstream_scheduler.latency import FeatureSet, LinearLatencyModel
+from slipstream_scheduler.planner import PlannerMode
+from slipstream_scheduler.psm import PsmParams, PsmQueue
+from slipstream_scheduler.sim.workload import unique_block_hashes
+from slipstream_scheduler.types import EngineLimits, RequestClass
+
+pytestmark = pytest.mark.unit
+
+ON, OFF = RequestClass.ONLINE, RequestClass.OFFLINE
+
+
+def _model() -> LinearLatencyModel:
+    # 5 ms per step + 0.02 ms per prefill token + 0.05 ms per decode sequence
+    coef = (0.005, 2e-5, 0.0, 0.0, 5e-5, 0.0, 0.0, 0.0)
+    return LinearLatencyModel(FeatureSet.CONTEXT, coef)
+
+
+def _disp(
+    policy: str = "naive",
+    *,
+    seqs: int = 8,
+    kv: int = 10_000,
+    budget: float | None = None,
+    cfg: DispatcherConfig | None = None,
+    params: dict[str, object] | None = None,
+) -> Dispatcher:
+    planner = build_planner(
+        policy,
+        params,
+        latency_model=_model() if policy == "budget" else None,
+        mode=PlannerMode.ADMISSION,
+    )
+    return Dispatcher(
+        cfg or DispatcherConfig(),
+        planner,
+        limits=EngineLimits(max_num_seqs=seqs),
+        kv_blocks=kv,
+        budget_s=budget,
+    )
+
+
+def _inc(rid: str, cls: RequestClass, prompt: int = 100, out: int = 50, t: float = 0.0) -> Incoming:
+    return Incoming(rid, cls, prompt, out, t, block_hashes=unique_block_hashes(hash(rid), prompt))
+
+
+def test_online_is_submitted_with_priority_zero_and_offline_behind() -> None:
+    d = _disp()
+    d.arrive(_inc("on1", ON), 0.0)
+    d.arrive(_inc("off1", OFF), 0.0)
+    dec = d.decide(0.0)
+    assert Submit("on1", 0, 0) in dec.submit
+    assert Submit("off1", 100, 0) in dec.submit
+    assert dec.abort == ()
+    st = d.stats()
+    assert (st.online_inflight, st.offline_inflight, st.online_queued) == (1, 1, 0)
+
+
+def test_decide_is_a_no_op_when_nothing_changed() -> None:
+    d = _disp()
+    d.arrive(_inc("on1", ON), 0.0)
+    assert d.decide(0.0).submit
+    while d.decide(0.0):
+        pass
+    plans = d.stats().plans
+    d.progress("on1", 1, 0.1)  # first token: the estimate changes shape
+    d.decide(0.1)
+    d.progress("on1", 2, 0.2)  # steady decode: no re-plan
+    assert not d.decide(0.2)
+    assert d.stats().plans <= plans + 1
+
+
+def test_online_only_never_submits_offline() -> None:
+    d = _disp("online-only", cfg=DispatcherConfig(admit_offline=False))
+    d.arrive(_inc("off1", OFF), 0.0)
+    d.arrive(_inc("on1", ON), 0.0)
+    subs = [s.request_id for s in d.decide(0.0).submit]
+    assert subs == ["on1"]
+    assert d.stats().offline_queued == 1
+
+
+def test_online_waits_in_the_dispatcher_when_seqs_are_full() -> None:
+    d = _disp("online-only", seqs=2)
+    for i in range(4):
+        d.arrive(_inc(f"on{i}", ON, t=i), float(i))
+    assert [s.request_id for s in d.decide(3.0).submit] == ["on0", "on1"]
+    assert not d.decide(3.0)
+    d.finished("on0", 50, 4.0)
+    assert [s.request_id for s in d.decide(4.0).submit] == ["on2"]
+
+
+def test_preempted_offline_keeps_its_output_and_resumes_first() -> None:
+    d = _disp("naive", seqs=2)
+    d.arrive(_inc("off1", OFF), 0.0)
+    d.arrive(_inc("off2", OFF), 0.0)
+    d.arrive(_inc("off3", OFF), 0.0)
+    assert [s.request_id for s in d.decide(0.0).submit] == ["off1", "off2"]
+    d.progress("off2", 7, 1.0)
+    d.progress("off1", 7, 1.0)
+    d.arrive(_inc("on1", ON, t=1.0), 1.0)
+    dec = d.decide(1.0)
+    assert dec.abort == (Abort("off2", "preempt"),)  # vLLM's victim: latest arrival
+    assert [s.request_id for s in dec.submit] == ["on1"]
+    d.aborted("off2", 1.0)
+    assert d.request_state("off2") == (False, 7, 1)
+    d.finished("on1", 50, 2.0)
+    dec = d.decide(2.0)
+    # off2 is older than off3: it goes first, as a continuation of its 7 tokens
+    assert dec.submit[0] == Submit("off2", 100, 7)
+    d.progress("off2", 43, 3.0)
+    d.finished("off2", 43, 3.0)
+    assert d.stats().preemptions == 1
+    assert d.stats().resumed == 1
+
+
+def test_budget_holds_offline_back_when_the_step_would_exceed_it() -> None:
+    # a 2000-token offline prefill predicts 5 + 40 = 45 ms > 20 ms budget
+    d = _disp("budget", budget=0.020)
+    d.arrive(_inc("big", OFF, prompt=2000), 0.0)
+    assert not d.decide(0.0).submit
+    d.set_budget(0.100)
+    assert [s.request_id for s in d.decide(0.0).submit] == ["big"]
+
+
+def test_static_cap_bounds_offline_in_flight() -> None:
+    d = _disp("static-cap", seqs=16, params={"max_offline_in_flight": 3})
+    for i in range(6):
+        d.arrive(_inc(f"off{i}", OFF), 0.0)
+    n = 0
+    while dec := d.decide(0.0):
+        n += len(dec.submit)
+    assert n == 3 == d.stats().offline_inflight
+
+
+class _Recording:
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def predict(
+        self, vector: npt.NDArray[np.float32] | None, input_tokens: int
+    ) -> npt.NDArray[np.float64]:
+        return np.array([10.0])
+
+    def observe(
+        self, vector: npt.NDArray[np.float32] | None, input_tokens: int, output_tokens: int
+    ) -> None:
+        self.seen.append((input_tokens, output_tokens))
+
+
+def test_finished_online_feeds_the_length_predictor() -> None:
+    pred = _Recording()
+    planner = build_planner("naive", mode=PlannerMode.ADMISSION)
+    d = Dispatcher(DispatcherConfig(), planner, length_predictor=pred)
+    d.arrive(_inc("on1", ON, prompt=30), 0.0)
+    d.arrive(_inc("off1", OFF), 0.0)
+    d.decide(0.0)
+    d.finished("on1", 12, 1.0)
+    d.finished("off1", 50, 1.0)
+    assert pred.seen == [(30, 12)]
+
+
+def test_errors_carry_the_request_id() -> None:
+    d = _disp()
+    d.arrive(_inc("a", ON), 0.0)
+    with pytest.raises(DuplicateRequestError):
+        d.arrive(_inc("a", ON), 0.0)
+    with pytest.raises(UnknownRequestError) as e:
+        d.progress("nope", 1, 0.0)
+    assert e.value.request_id == "nope"
+    with pytest.raises(DispatcherError):
+        d.aborted("a", 0.0)
+
+
+def test_failed_request_leaves_queue_or_flight() -> None:
+    d = _disp()
+    d.arrive(_inc("a", ON), 0.0)
+    d.arrive(_inc("b", OFF), 0.0)
+    d.failed("b", 0.0)
+    d.decide(0.0)
+    d.failed("a", 0.1)
+    st = d.stats()
+    assert (st.online_inflight, st.offline_queued, st.failed) == (0, 0, 2)
+    assert st.est_free_kv_blocks == 10_000
+
+
+def test_kv_estimate_counts_shared_prefix_blocks_once() -> None:
+    d = _disp(kv=1000)
+    shared = unique_block_hashes(1, 320)
+    d.arrive(Incoming("a", OFF, 330, 5, 0.0, block_hashes=shared), 0.0)
+    d.arrive(Incoming("b", OFF, 330, 5, 0.0, block_hashes=shared), 0.0)
+    d.decide(0.0)
+    # 20 shared prompt blocks + one partial tail block each
+    assert d.stats().est_free_kv_blocks == 1000 - 20 - 2
+
+
+def _psm_inc(rid: str, prefix: int) -> Incoming:
+    hashes = unique_block_hashes(prefix, 160) + unique_block_hashes(hash(rid), 64)
+    return Incoming(rid, OFF, 224, 1, 0.0, block_hashes=hashes)
+
+
+def test_psm_queue_groups_shared_prefixes() -> None:
+    q = PsmOfflineQueue(PsmQueue(PsmParams(block_size=1, fairness="none")))
+    for rid, p in [("a1", 1), ("b1", 2), ("a2", 1), ("b2", 2), ("a3", 1)]:
+        q.push(_psm_inc(rid, p))
+    order: list[str] = []
+    while len(q):
+        rid = q.head(1, 0.0)[0]
+        q.take(rid, 0.0)
+        order.append(rid)
+    groups = [r[0] for r in order]
+    assert groups in (["a", "a", "a", "b", "b"], ["b", "b", "a", "a", "a"])
+
+
+def test_fifo_queue_reinserts_at_old_place() -> None:
+    q = FifoQueue()
+    for rid in "abc":
+        q.push(_inc(rid, OFF))
+    q.take("a", 0.0)
+    q.push(_inc("a", OFF))
+    assert q.head(3, 0.0) == ["a", "b", "c"]
