@@ -74,9 +74,9 @@ class Slo(BaseModel):
 
     metric: Metric = Field(description="ttft, tbt or ttlt.")
     stat: Stat = Field(description="mean, p50 or p99.")
-    limit_s: float | None = Field(None, gt=0, description="Absolute limit in seconds.")
+    limit_s: float | None = Field(default=None, gt=0, description="Absolute limit in seconds.")
     tolerance: float | None = Field(
-        None, ge=0, description="Allowed fraction over online-only (0.1 = +10 %)."
+        default=None, ge=0, description="Allowed fraction over online-only (0.1 = +10 %)."
     )
 
     @model_validator(mode="after")

@@ -79,28 +79,32 @@ class DispatcherConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    online_priority: int = Field(0, description="vLLM priority of online requests (lower first).")
+    online_priority: int = Field(
+        default=0, description="vLLM priority of online requests (lower first)."
+    )
     offline_priority: int = Field(
-        100, description="vLLM priority of offline requests; larger than online's."
+        default=100, description="vLLM priority of offline requests; larger than online's."
     )
     lookahead: int = Field(
-        32, ge=1, description="Queued requests per class shown to the planner per decision."
+        default=32, ge=1, description="Queued requests per class shown to the planner per decision."
     )
     max_online_inflight: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Online requests in flight at most (None: up to max_num_seqs). A cap "
         "below the engine's keeps online requests queued here, in the ordering's order.",
     )
     max_offline_inflight: int | None = Field(
-        None, ge=0, description="Offline requests in flight at most (None: the planner decides)."
+        default=None,
+        ge=0,
+        description="Offline requests in flight at most (None: the planner decides).",
     )
-    admit_offline: bool = Field(True, description="False: never submit offline work.")
+    admit_offline: bool = Field(default=True, description="False: never submit offline work.")
     preempt_offline: bool = Field(
-        True, description="Abort running offline requests when the planner asks to."
+        default=True, description="Abort running offline requests when the planner asks to."
     )
     kv_headroom_blocks: int = Field(
-        0, ge=0, description="KV blocks (16 tokens) kept free in the estimate; default 0."
+        default=0, ge=0, description="KV blocks (16 tokens) kept free in the estimate; default 0."
     )
 
 
