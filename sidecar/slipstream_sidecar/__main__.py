@@ -1,0 +1,90 @@
+"""``slipstream sidecar``: run the in-pod sidecar (OpenAI HTTP proxy + control gRPC).
+
+Flags override ``SLIPSTREAM_SIDECAR_*`` environment variables (``settings.py``).
+The process serves until SIGTERM or SIGINT, then stops admitting, closes its
+streams (offline progress is durable) and exits 0.
+
+Deliberately left out: daemonisation and log shipping (the container runtime's job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+log = logging.getLogger(__name__)
+
+# flag -> (settings field, type, help)
+_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--engine": ("engine", str, "engine base URL (default http://127.0.0.1:8001)"),
+    "--host": ("host", str, "address to bind (default 127.0.0.1)"),
+    "--http-port": ("http_port", int, "OpenAI HTTP port (default 8000; 0: any)"),
+    "--grpc-port": ("grpc_port", int, "control gRPC port (default 9000; 0: any)"),
+    "--auth-token-file": ("auth_token_file", Path, "bearer token file of the control API"),
+    "--state-dir": ("state_dir", Path, "directory for durable state (shards, configuration)"),
+    "--model": ("model", str, "served model name (default: the engine's first)"),
+    "--max-num-seqs": ("max_num_seqs", int, "the engine's --max-num-seqs"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "the engine's token cap"),
+    "--kv-blocks": ("kv_blocks", int, "KV blocks the engine has"),
+    "--ordering": ("ordering", str, "initial online ordering (gittins, fcfs)"),
+    "--budget-s": ("budget_s", float, "initial per-iteration latency budget, seconds"),
+    "--latency-model": ("latency_model_file", Path, "latency model JSON (slipstream profile)"),
+    "--offline-priority": ("offline_priority", int, "vLLM priority of offline requests"),
+    "--online-prompt-tokens": ("online_prompt_tokens", str, "tokenize | estimate"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, (dest, typ, help_text) in _FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slipstream_sidecar.settings import SidecarSettings
+
+    overrides = {dest: getattr(args, dest) for dest, _, _ in _FLAGS.values()}
+    try:
+        settings = SidecarSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        print(f"slipstream sidecar: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        return asyncio.run(_serve(settings))
+    return int(uvloop.run(_serve(settings)))
+
+
+async def _serve(settings: Any) -> int:
+    from slipstream_sidecar.app import Sidecar
+    from slipstream_sidecar.grpc_server import serve_grpc
+    from slipstream_sidecar.proxy import serve
+
+    sidecar = Sidecar(settings)
+    await sidecar.start()
+    runner, http_port = await serve(sidecar.proxy.app(), settings.host, settings.http_port)
+    grpc_server, grpc_port = await serve_grpc(sidecar, settings.host, settings.grpc_port)
+    log.warning(
+        "sidecar serving: http %s:%d grpc %s:%d engine %s",
+        settings.host, http_port, settings.host, grpc_port, settings.engine,
+    )
+    print(f"sidecar ready http={http_port} grpc={grpc_port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    sidecar.proxy_state.draining = True
+    await grpc_server.stop(grace=1.0)
+    await sidecar.stop()
+    await runner.cleanup()
+    return 0

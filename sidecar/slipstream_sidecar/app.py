@@ -1,0 +1,280 @@
+"""The sidecar process: engine client, dispatcher shell, HTTP proxy, shards, control state.
+
+:class:`Sidecar` owns every long-lived object and the operations the control
+API exposes (``configure``, ``assign``, ``revoke``, ``status``, ``drain``);
+``grpc_server.py`` only translates them to and from protobuf. ``run`` starts
+everything, waits for a stop signal and shuts down in order.
+
+Deliberately left out: argument parsing (``__main__.py``), protobuf types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from slipstream_scheduler.latency import LinearLatencyModel
+
+from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
+from slipstream_sidecar.controller import Controller
+from slipstream_sidecar.engine import EngineClient
+from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.proxy import Proxy, ProxyState
+from slipstream_sidecar.settings import SidecarSettings
+from slipstream_sidecar.shards import EngineWatch, ShardProgress, ShardRunner, ShardSpec, ShardState
+from slipstream_sidecar.state import StateDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_p99_s: float | None = None
+    ttft_mean_s: float | None = None
+    tbt_p99_s: float | None = None
+    tbt_mean_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigUpdate:
+    """A ``Configure`` call as a value (``None``: keep the current value)."""
+
+    generation: int
+    budget_s: float | None
+    slo: Slo = field(default_factory=Slo)
+    ordering: str = ""
+    latency_kind: str = ""
+    latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStatus:
+    queued: int
+    in_flight: int
+    admitted_total: int
+    preempted_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarStatus:
+    generation: int
+    online: ClassStatus
+    offline: ClassStatus
+    budget_s: float | None
+    spare_capacity: float
+    engine_ready: bool
+    draining: bool
+    shards: tuple[ShardProgress, ...]
+    predicted_step_s: float
+    observed_step_s: float
+    ordering: str
+
+
+class Sidecar:
+    """Everything one sidecar process runs."""
+
+    def __init__(self, settings: SidecarSettings) -> None:
+        self.settings = settings
+        self.metrics = SidecarMetrics()
+        self.state_dir = StateDir(settings.state_dir)
+        self.engine = EngineClient(
+            settings.engine,
+            connections=settings.engine_connections,
+            timeout_s=settings.engine_timeout_s,
+        )
+        model = None
+        if settings.latency_model_file is not None:
+            model = LinearLatencyModel.from_json(settings.latency_model_file.read_text())
+        self.generation = 0
+        self.slo = Slo()
+        self.brain = BrainConfig(settings.budget_s, settings.ordering, model)
+        self._restore_config()
+        self.dispatcher = build_dispatcher(settings, self.brain)
+        self.controller = Controller(self.dispatcher, self.metrics, tick_s=settings.tick_s)
+        self.proxy_state = ProxyState()
+        self.proxy = Proxy(
+            self.engine,
+            self.controller,
+            self.metrics,
+            self.proxy_state,
+            tokenize=settings.online_prompt_tokens == "tokenize",
+            block_size=settings.block_size,
+        )
+        self.watch = EngineWatch()
+        self.shards: dict[str, ShardRunner] = {}
+        self._specs: dict[str, dict[str, Any]] = {}
+        self._ready_task: asyncio.Task[None] | None = None
+        self.metrics.budget.set(self.brain.budget_s or 0.0)
+        self.metrics.generation.set(self.generation)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.controller.start()
+        self._ready_task = asyncio.get_running_loop().create_task(self._watch_engine())
+        for doc in (self.state_dir.load("shards") or {}).values():
+            spec = ShardSpec(**doc)
+            self.assign(spec, persist=False)
+
+    async def stop(self) -> None:
+        for runner in list(self.shards.values()):
+            await runner.revoke()
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+            await asyncio.gather(self._ready_task, return_exceptions=True)
+        await self.controller.stop()
+        await self.engine.close()
+
+    async def _watch_engine(self) -> None:
+        while True:
+            ok = await self.engine.health()
+            if ok != self.proxy_state.engine_ready:
+                log.info("engine %s", "ready" if ok else "not ready")
+            self.proxy_state.engine_ready = ok
+            self.watch.set(ok)
+            self.metrics.engine_ready.set(1 if ok else 0)
+            self._refresh_shard_gauge()
+            await asyncio.sleep(self.settings.ready_poll_s if ok else 0.2)
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def _restore_config(self) -> None:
+        doc = self.state_dir.load("config")
+        if not doc:
+            return
+        try:
+            self._apply_update(ConfigUpdate(
+                generation=int(doc["generation"]),
+                budget_s=doc.get("budget_s"),
+                slo=Slo(**doc.get("slo", {})),
+                ordering=doc.get("ordering", ""),
+                latency_kind=doc.get("latency_kind", ""),
+                latency_coefficients=doc.get("latency_coefficients", {}),
+            ), live=False)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("ignoring unreadable saved configuration: %s", exc)
+
+    def configure(self, update: ConfigUpdate) -> tuple[int, bool]:
+        """Apply ``update`` if its generation is newer; returns (generation in force, applied)."""
+        if update.generation <= self.generation:
+            return self.generation, False
+        self._apply_update(update, live=True)
+        self.state_dir.save("config", asdict(update))
+        return self.generation, True
+
+    def _apply_update(self, update: ConfigUpdate, *, live: bool) -> None:
+        model = self.brain.latency_model
+        if update.latency_coefficients:
+            model = latency_model_from_spec(update.latency_kind, update.latency_coefficients)
+        new = BrainConfig(update.budget_s, update.ordering or self.brain.ordering, model)
+        if live:
+            apply(self.dispatcher, self.brain, new)
+            self.controller._schedule_pump()
+        self.brain = new
+        self.slo = update.slo
+        self.generation = update.generation
+        self.metrics.budget.set(new.budget_s or 0.0)
+        self.metrics.generation.set(self.generation)
+        log.info(
+            "configuration generation %d: budget=%s ordering=%s latency_model=%s",
+            self.generation, new.budget_s, new.ordering, "yes" if model else "no",
+        )
+
+    # -- shards -------------------------------------------------------------------------------
+
+    def assign(self, spec: ShardSpec, *, persist: bool = True) -> tuple[bool, ShardProgress]:
+        known = self.shards.get(spec.shard_id)
+        if known is not None and known.progress.state != ShardState.REVOKED:
+            return True, known.snapshot()
+        if self.proxy_state.draining:
+            return False, ShardProgress(spec.shard_id, ShardState.PENDING, message="draining")
+        if spec.line_end < spec.line_start:
+            return False, ShardProgress(spec.shard_id, ShardState.FAILED, message="bad range")
+        runner = ShardRunner(
+            spec,
+            controller=self.controller,
+            engine=self.engine,
+            metrics=self.metrics,
+            watch=self.watch,
+            window=self.settings.shard_window,
+            max_retries=self.settings.offline_max_retries,
+            block_size=self.settings.block_size,
+            staging_dir=self.settings.state_dir,
+        )
+        self.shards[spec.shard_id] = runner
+        if persist:
+            self._specs[spec.shard_id] = asdict(spec)
+            self.state_dir.save("shards", self._specs)
+        else:
+            self._specs[spec.shard_id] = asdict(spec)
+        runner.start()
+        self._refresh_shard_gauge()
+        return True, runner.snapshot()
+
+    async def revoke(self, shard_id: str) -> tuple[bool, ShardProgress | None]:
+        runner = self.shards.get(shard_id)
+        if runner is None:
+            return False, None
+        await runner.revoke()
+        self._specs.pop(shard_id, None)
+        self.state_dir.save("shards", self._specs)
+        self._refresh_shard_gauge()
+        return True, runner.snapshot()
+
+    def _refresh_shard_gauge(self) -> None:
+        counts = {s.name.lower(): 0 for s in ShardState}
+        for runner in self.shards.values():
+            counts[runner.progress.state.name.lower()] += 1
+        for state, n in counts.items():
+            self.metrics.shards.labels(state).set(n)
+
+    # -- status and drain ---------------------------------------------------------------------
+
+    def status(self) -> SidecarStatus:
+        c = self.controller
+        stats = c.stats()
+        limit = self.settings.max_num_seqs
+        busy = c.in_flight["online"] + c.in_flight["offline"]
+        spare = max(0.0, 1.0 - busy / limit)
+        if self.settings.kv_blocks:
+            spare = min(spare, stats.est_free_kv_blocks / self.settings.kv_blocks)
+        model = self.brain.latency_model
+        predicted = model.predict(c.running_batch()) if model is not None else 0.0
+        self.metrics.step.labels("predicted").set(predicted)
+        return SidecarStatus(
+            generation=self.generation,
+            online=ClassStatus(c.held["online"], c.in_flight["online"],
+                               c.admitted_total["online"], c.preempted_total["online"]),
+            offline=ClassStatus(c.held["offline"], c.in_flight["offline"],
+                                c.admitted_total["offline"], c.preempted_total["offline"]),
+            budget_s=self.dispatcher.budget_s,
+            spare_capacity=spare,
+            engine_ready=self.proxy_state.engine_ready,
+            draining=self.proxy_state.draining,
+            shards=tuple(r.snapshot() for r in self.shards.values()),
+            predicted_step_s=predicted,
+            observed_step_s=c.observed_step_s,
+            ordering=self.brain.ordering,
+        )
+
+    async def drain(self, timeout_s: float) -> tuple[bool, int]:
+        self.proxy_state.draining = True
+        for shard_id in list(self.shards):
+            if not self.shards[shard_id].done:
+                await self.shards[shard_id].revoke()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.controller.in_flight["online"] + self.controller.held["online"] > 0:
+            if loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        left = self.controller.in_flight["online"] + self.controller.held["online"]
+        return left == 0, left
+
+
+def shard_spec_from_json(doc: dict[str, Any]) -> ShardSpec:
+    return ShardSpec(**doc)
+

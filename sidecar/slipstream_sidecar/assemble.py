@@ -1,0 +1,132 @@
+"""Turning streamed segments of one offline request into its non-streaming answer.
+
+An offline request is sent streaming (so it can be preempted and resumed
+without losing what it produced) but must be written to the batch output as
+the non-streaming body an uninterrupted request would have returned. This
+module accumulates the ``data:`` chunks of every segment (the original
+submission and its continuations) and builds that body: text concatenated,
+``usage.completion_tokens`` summed, ``usage.prompt_tokens`` the original
+prompt's, id/created/model from the first segment, finish reason from the last.
+
+The shapes follow vLLM's ``CompletionResponse`` and ``ChatCompletionResponse``
+(field order included). Deliberately left out: logprobs, ``n > 1`` and tool
+calls, which batch lines may not ask for (``batch_io.parse_line``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Assembly:
+    """Everything one offline request has produced so far, over all its segments."""
+
+    chat: bool
+    text_parts: list[str] = field(default_factory=list)
+    completion_tokens: int = 0  # over finished segments
+    segment_tokens: int = 0  # in the current segment (cumulative usage or event count)
+    prompt_tokens: int | None = None  # the original prompt's (first segment's usage)
+    response_id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    segments: int = 0
+    last_segment_tokens: int = 0  # tokens of the segment that ended last
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens produced over all segments, the current one included."""
+        return self.completion_tokens + self.segment_tokens
+
+    def begin_segment(self) -> None:
+        self.segments += 1
+        self.segment_tokens = 0
+        self.finish_reason = None
+        self.stop_reason = None
+
+    def end_segment(self) -> None:
+        """The current segment ended (finished or aborted): bank its tokens."""
+        self.completion_tokens += self.segment_tokens
+        self.last_segment_tokens = self.segment_tokens
+        self.segment_tokens = 0
+
+    def feed(self, payload: bytes) -> None:
+        """One SSE ``data:`` payload (not ``[DONE]``) of the current segment."""
+        doc = json.loads(payload)
+        if self.response_id is None:
+            self.response_id = doc.get("id")
+            self.created = doc.get("created")
+            self.model = doc.get("model")
+        got_text = False
+        for choice in doc.get("choices") or ():
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if self.chat else choice.get("text")
+            if piece:
+                self.text_parts.append(piece)
+                got_text = True
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")
+        usage = doc.get("usage")
+        if isinstance(usage, dict):
+            if self.prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens = usage["prompt_tokens"]
+            ct = usage.get("completion_tokens")
+            if isinstance(ct, int):
+                self.segment_tokens = ct
+        elif got_text:
+            self.segment_tokens += 1
+
+    def body(self) -> dict[str, Any]:
+        """The non-streaming response an uninterrupted request would have returned."""
+        prompt = self.prompt_tokens or 0
+        usage = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + self.tokens,
+            "completion_tokens": self.tokens,
+            "prompt_tokens_details": None,
+        }
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": self.text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": self.text,
+                "logprobs": None,
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+                "prompt_logprobs": None,
+            }
+            obj = "text_completion"
+        return {
+            "id": self.response_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        }

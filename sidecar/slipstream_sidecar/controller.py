@@ -1,0 +1,253 @@
+"""The asyncio shell around the core's :class:`Dispatcher`.
+
+The dispatcher (``slipstream_scheduler.dispatcher``) decides everything: which
+held request enters the engine next, with which vLLM priority, and which
+offline request to abort to make room. This module only feeds it events on
+``time.monotonic()`` and carries out its decisions:
+
+* ``register`` → ``arrive``; the caller awaits its :class:`Ticket` until the
+  dispatcher submits it (the request is *held* in the sidecar until then);
+* the streams report ``progress`` / ``finished`` / ``failed`` / ``aborted``;
+* after every event a *pump* runs ``decide`` once per event-loop turn
+  (coalesced), resolves the tickets it submits and fires the abort callbacks
+  of the ones it aborts; a ticker also pumps every ``tick_s`` while anything
+  is held, for decisions that depend only on time.
+
+It keeps its own counts of held and in-flight requests per class, for metrics
+and Status, and the observed iteration time (token gaps).
+
+Deliberately left out: any ordering or admission logic (the dispatcher's job),
+HTTP (``proxy.py``) and batch files (``shards.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from slipstream_scheduler.dispatcher import Dispatcher, DispatcherStats, Incoming
+from slipstream_scheduler.types import BatchItem, Phase, RequestClass
+
+from slipstream_sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+CLASS_LABEL = {RequestClass.ONLINE: "online", RequestClass.OFFLINE: "offline"}
+
+_HELD, _GRANTED, _DONE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The dispatcher's submit decision for one request."""
+
+    priority: int
+    resume_from_tokens: int
+
+
+class Ticket:
+    """One request's place in the dispatcher, as seen by the task that serves it."""
+
+    __slots__ = (
+        "_fut", "_on_abort", "abort_reason", "arrival_s", "cls", "generated", "label",
+        "prompt_tokens", "request_id", "state",
+    )
+
+    def __init__(
+        self, request_id: str, cls: RequestClass, arrival_s: float, prompt_tokens: int = 0
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0  # tokens of the current submission
+        self.cls = cls
+        self.label = CLASS_LABEL[cls]
+        self.arrival_s = arrival_s
+        self.state = _HELD
+        self.abort_reason: str | None = None
+        self._fut: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        self._on_abort: Callable[[], None] | None = None
+
+    async def granted(self) -> Grant:
+        """Wait until the dispatcher submits this request."""
+        return await asyncio.shield(self._fut)
+
+    def on_abort(self, callback: Callable[[], None] | None) -> None:
+        """What to do when the dispatcher aborts this request (close its stream)."""
+        self._on_abort = callback
+
+    @property
+    def aborting(self) -> bool:
+        return self.abort_reason is not None
+
+
+class Controller:
+    """Feeds a :class:`Dispatcher` and carries out its decisions."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        metrics: SidecarMetrics,
+        *,
+        tick_s: float = 0.005,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self._clock = clock
+        self._tick_s = tick_s
+        self._tickets: dict[str, Ticket] = {}
+        self._pump_scheduled = False
+        self._ticker: asyncio.Task[None] | None = None
+        self.held = {"online": 0, "offline": 0}
+        self.in_flight = {"online": 0, "offline": 0}
+        self.admitted_total = {"online": 0, "offline": 0}
+        self.preempted_total = {"online": 0, "offline": 0}
+        self.observed_step_s = 0.0
+        self.decide_calls = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="dispatch-tick")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+            self._ticker = None
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            if self.held["online"] or self.held["offline"]:
+                self._pump()
+
+    def now(self) -> float:
+        return self._clock()
+
+    # -- events from the streams -------------------------------------------------------------
+
+    def register(self, incoming: Incoming) -> Ticket:
+        """A new request arrives; it is held until :meth:`Ticket.granted` resolves."""
+        if incoming.request_id in self._tickets:
+            raise KeyError(f"request {incoming.request_id} is already registered")
+        ticket = Ticket(
+            incoming.request_id, incoming.cls, incoming.arrival_s, incoming.prompt_tokens
+        )
+        self._tickets[incoming.request_id] = ticket
+        self.held[ticket.label] += 1
+        self.dispatcher.arrive(incoming, self.now())
+        self._pump()  # NOTE: not deferred: an online arrival may preempt within this iteration
+        return ticket
+
+    def progress(self, ticket: Ticket, generated_tokens: int) -> None:
+        """``generated_tokens`` seen so far on this submission's stream."""
+        if ticket.state == _GRANTED:
+            ticket.generated = generated_tokens
+            self.dispatcher.progress(ticket.request_id, generated_tokens, self.now())
+            self._schedule_pump()
+
+    def observe_gap(self, gap_s: float) -> None:
+        """A token gap of any stream: the engine's iteration time, smoothed."""
+        self.observed_step_s += 0.05 * (gap_s - self.observed_step_s)
+
+    def finished(self, ticket: Ticket, output_tokens: int) -> None:
+        if self._leave(ticket):
+            self.dispatcher.finished(ticket.request_id, output_tokens, self.now())
+            self._schedule_pump()
+
+    def failed(self, ticket: Ticket) -> None:
+        """The request leaves: engine error, client gone, or shard revoked."""
+        if self._leave(ticket):
+            self.dispatcher.failed(ticket.request_id, self.now())
+            self._schedule_pump()
+
+    def aborted(self, ticket: Ticket) -> None:
+        """The stream of an aborted request is closed; it waits for its next grant."""
+        if ticket.state != _GRANTED:
+            return
+        self.in_flight[ticket.label] -= 1
+        self.held[ticket.label] += 1
+        ticket.state = _HELD
+        ticket.prompt_tokens += ticket.generated
+        ticket.generated = 0
+        ticket.abort_reason = None
+        ticket._on_abort = None
+        ticket._fut = asyncio.get_running_loop().create_future()
+        self.dispatcher.aborted(ticket.request_id, self.now())
+        self._schedule_pump()
+
+    def _leave(self, ticket: Ticket) -> bool:
+        if ticket.state == _DONE:
+            return False
+        if ticket.state == _HELD:
+            self.held[ticket.label] -= 1
+        else:
+            self.in_flight[ticket.label] -= 1
+        ticket.state = _DONE
+        self._tickets.pop(ticket.request_id, None)
+        if not ticket._fut.done():
+            ticket._fut.cancel()
+        return True
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def set_budget(self, budget_s: float | None) -> None:
+        self.dispatcher.set_budget(budget_s)
+        self.metrics.budget.set(budget_s or 0.0)
+        self._schedule_pump()
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        self.decide_calls += 1
+        dec = self.dispatcher.decide(self.now())
+        for sub in dec.submit:
+            ticket = self._tickets.get(sub.request_id)
+            if ticket is None or ticket.state != _HELD:
+                log.warning("dispatcher submitted unknown or busy request %s", sub.request_id)
+                continue
+            ticket.state = _GRANTED
+            self.held[ticket.label] -= 1
+            self.in_flight[ticket.label] += 1
+            self.admitted_total[ticket.label] += 1
+            self.metrics.admitted.labels(ticket.label).inc()
+            ticket._fut.set_result(Grant(sub.priority, sub.resume_from_tokens))
+        for ab in dec.abort:
+            ticket = self._tickets.get(ab.request_id)
+            if ticket is None or ticket.state != _GRANTED or ticket.aborting:
+                continue
+            ticket.abort_reason = ab.reason
+            self.preempted_total[ticket.label] += 1
+            self.metrics.preemptions.labels(ticket.label).inc()
+            if ticket._on_abort is not None:
+                ticket._on_abort()
+        if dec.submit or dec.abort:
+            log.debug(
+                "dispatch: submit=%d abort=%d held=%s in_flight=%s",
+                len(dec.submit), len(dec.abort), self.held, self.in_flight,
+            )
+
+    def stats(self) -> DispatcherStats:
+        return self.dispatcher.stats()
+
+    def running_batch(self) -> list[BatchItem]:
+        """The engine's steady-state decode batch as the streams show it (for predictions)."""
+        return [
+            BatchItem(Phase.DECODE, 1, t.prompt_tokens + t.generated)
+            for t in self._tickets.values()
+            if t.state == _GRANTED
+        ]
+
+    def refresh_gauges(self) -> None:
+        for label in ("online", "offline"):
+            self.metrics.queued.labels(label).set(self.held[label])
+            self.metrics.in_flight.labels(label).set(self.in_flight[label])
+        self.metrics.step.labels("observed").set(self.observed_step_s)

@@ -1,0 +1,138 @@
+"""The sidecar's client of the engine's public HTTP API (vLLM's OpenAI server).
+
+One pooled :class:`aiohttp.ClientSession` for everything: the proxied requests,
+``/tokenize`` for prompt lengths and prefix-block hashes, ``/health`` and
+``/v1/models``. Aborting a request is closing its response (vLLM cancels the
+request when the connection drops); the connection is then not reused.
+
+Deliberately left out: retries (callers decide) and any parsing of response
+bodies beyond ``/tokenize`` and ``/v1/models``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from slipstream_sidecar.errors import EngineError, EngineUnavailableError
+
+log = logging.getLogger(__name__)
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """The engine's ``/tokenize`` answer."""
+
+    tokens: tuple[int, ...]
+    max_model_len: int | None
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
+
+class EngineClient:
+    """Pooled HTTP client to one engine."""
+
+    def __init__(self, base_url: str, *, connections: int, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._connections = connections
+        self._timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self._connections, limit_per_host=self._connections, ttl_dns_cache=None
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self._timeout_s, sock_connect=5.0),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("EngineClient.start() was not called")
+        return self._session
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    async def post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """Send a request; the caller reads and releases (or closes, to abort) the response."""
+        try:
+            return await self.session.post(self.url(path), data=body, headers=JSON_HEADERS)
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise EngineUnavailableError(f"POST {path}: {exc!r}") from exc
+
+    async def health(self) -> bool:
+        try:
+            async with self.session.get(
+                self.url("/health"), timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def get(self, path: str) -> tuple[int, bytes, str]:
+        """GET ``path``: (status, body, content type)."""
+        try:
+            async with self.session.get(self.url(path)) as resp:
+                return resp.status, await resp.read(), resp.content_type
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise EngineUnavailableError(f"GET {path}: {exc!r}") from exc
+
+    async def first_model(self) -> str:
+        status, body, _ = await self.get("/v1/models")
+        if status != 200:
+            raise EngineError("GET /v1/models failed", status=status, body=body)
+        try:
+            return str(json.loads(body)["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EngineError("GET /v1/models: unexpected answer", body=body) from exc
+
+    async def tokenize(self, request: dict[str, Any]) -> Tokenized:
+        """Tokenize a completion prompt or chat messages the way the engine will."""
+        if "messages" in request:
+            payload: dict[str, Any] = {
+                "messages": request["messages"],
+                "add_generation_prompt": True,
+            }
+            for key in ("model", "continue_final_message", "add_generation_prompt",
+                        "chat_template", "chat_template_kwargs"):
+                if key in request:
+                    payload[key] = request[key]
+            if payload.get("continue_final_message"):
+                payload["add_generation_prompt"] = False
+        else:
+            payload = {"prompt": request.get("prompt", "")}
+            if "model" in request:
+                payload["model"] = request["model"]
+            if "add_special_tokens" in request:
+                payload["add_special_tokens"] = request["add_special_tokens"]
+        resp = await self.post("/tokenize", json.dumps(payload).encode())
+        async with resp:
+            body = await resp.read()
+            if resp.status != 200:
+                raise EngineError("POST /tokenize failed", status=resp.status, body=body)
+        try:
+            doc = json.loads(body)
+            tokens = tuple(int(t) for t in doc["tokens"])
+            mml = doc.get("max_model_len")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EngineError("POST /tokenize: unexpected answer", body=body) from exc
+        return Tokenized(tokens=tokens, max_model_len=int(mml) if mml is not None else None)

@@ -1,0 +1,177 @@
+"""The control API (gRPC, ``proto/sidecar.proto``): protobuf in, :class:`Sidecar` calls out.
+
+Every method translates a request into a call on :class:`~slipstream_sidecar.app.Sidecar`
+and its answer back into protobuf; errors become gRPC status codes here and
+nowhere else. Authentication is the :class:`BearerAuthInterceptor`'s.
+
+Deliberately left out: any state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from slipstream_sidecar.app import ConfigUpdate, Sidecar, SidecarStatus, Slo
+from slipstream_sidecar.auth import BearerAuthInterceptor, TokenFile
+from slipstream_sidecar.proto import sidecar_pb2 as pb
+from slipstream_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from slipstream_sidecar.shards import ShardProgress, ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+def progress_pb(p: ShardProgress) -> pb.ShardProgress:
+    return pb.ShardProgress(
+        shard_id=p.shard_id,
+        state=int(p.state),  # type: ignore[arg-type]
+        total=p.total,
+        completed=p.completed,
+        failed=p.failed,
+        in_flight=p.in_flight,
+        output_tokens=p.output_tokens,
+        preemptions=p.preemptions,
+        tokens_per_second=p.tokens_per_second,
+        message=p.message,
+    )
+
+
+def status_pb(s: SidecarStatus) -> pb.StatusResponse:
+    msg = pb.StatusResponse(
+        generation=s.generation,
+        online=pb.ClassStatus(
+            queued=s.online.queued, in_flight=s.online.in_flight,
+            admitted_total=s.online.admitted_total, preempted_total=s.online.preempted_total,
+        ),
+        offline=pb.ClassStatus(
+            queued=s.offline.queued, in_flight=s.offline.in_flight,
+            admitted_total=s.offline.admitted_total, preempted_total=s.offline.preempted_total,
+        ),
+        spare_capacity=s.spare_capacity,
+        engine_ready=s.engine_ready,
+        draining=s.draining,
+        shards=[progress_pb(p) for p in s.shards],
+        predicted_step_s=s.predicted_step_s,
+        observed_step_s=s.observed_step_s,
+        ordering=s.ordering,
+    )
+    if s.budget_s is not None:
+        msg.budget_s = s.budget_s
+    return msg
+
+
+def shard_spec(shard: pb.Shard) -> ShardSpec:
+    defaults = json.loads(shard.request_defaults_json) if shard.request_defaults_json else {}
+    if not isinstance(defaults, dict):
+        raise ValueError("request_defaults_json is not a JSON object")
+    return ShardSpec(
+        shard_id=shard.shard_id,
+        job_namespace=shard.job_namespace,
+        job_name=shard.job_name,
+        model=shard.model,
+        input_uri=shard.input_uri,
+        line_start=shard.line_start,
+        line_end=shard.line_end,
+        output_uri=shard.output_uri,
+        error_uri=shard.error_uri,
+        priority=shard.priority,
+        request_defaults=defaults,
+    )
+
+
+def _opt(msg: pb.Slo, name: str) -> float | None:
+    return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[arg-type]
+
+
+class SidecarServicer(pb_grpc.SidecarServicer):
+    """Implements ``slipstream.sidecar.v1alpha1.Sidecar``."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    async def Configure(  # noqa: N802
+        self, request: pb.ConfigureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ConfigureResponse:
+        if request.budget_s < 0 if request.HasField("budget_s") else False:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "budget_s must be positive")
+        update = ConfigUpdate(
+            generation=request.generation,
+            budget_s=request.budget_s if request.HasField("budget_s") else None,
+            slo=Slo(
+                ttft_p99_s=_opt(request.slo, "ttft_p99_s"),
+                ttft_mean_s=_opt(request.slo, "ttft_mean_s"),
+                tbt_p99_s=_opt(request.slo, "tbt_p99_s"),
+                tbt_mean_s=_opt(request.slo, "tbt_mean_s"),
+            ),
+            ordering=request.ordering,
+            latency_kind=request.latency_model.kind,
+            latency_coefficients=dict(request.latency_model.coefficients),
+        )
+        try:
+            generation, applied = self.sidecar.configure(update)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.ConfigureResponse(generation=generation, applied=applied)
+
+    async def AssignShard(  # noqa: N802
+        self, request: pb.AssignShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AssignShardResponse:
+        shard = request.shard
+        if not shard.shard_id or not shard.input_uri or not shard.output_uri:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "shard_id, input_uri and output_uri are required"
+            )
+        try:
+            spec = shard_spec(shard)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not spec.error_uri:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "error_uri is required")
+        accepted, progress = self.sidecar.assign(spec)
+        return pb.AssignShardResponse(accepted=accepted, progress=progress_pb(progress))
+
+    async def RevokeShard(  # noqa: N802
+        self, request: pb.RevokeShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RevokeShardResponse:
+        revoked, progress = await self.sidecar.revoke(request.shard_id)
+        resp = pb.RevokeShardResponse(revoked=revoked)
+        if progress is not None:
+            resp.progress.CopyFrom(progress_pb(progress))
+        return resp
+
+    async def Status(  # noqa: N802
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusResponse:
+        return status_pb(self.sidecar.status())
+
+    async def WatchStatus(  # noqa: N802
+        self, request: pb.WatchStatusRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StatusResponse]:
+        interval = request.interval_s or self.sidecar.settings.status_interval_s
+        interval = max(interval, 0.01)
+        while True:
+            yield status_pb(self.sidecar.status())
+            await asyncio.sleep(interval)
+
+    async def Drain(  # noqa: N802
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainResponse:
+        drained, left = await self.sidecar.drain(max(request.timeout_s, 0.0))
+        return pb.DrainResponse(drained=drained, online_in_flight=left)
+
+
+async def serve_grpc(sidecar: Sidecar, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the control server; returns it and the bound port."""
+    server = grpc.aio.server(
+        interceptors=[BearerAuthInterceptor(TokenFile(sidecar.settings.auth_token_file))]
+    )
+    pb_grpc.add_SidecarServicer_to_server(SidecarServicer(sidecar), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    if sidecar.settings.auth_token_file is None:
+        log.warning("no --auth-token-file: every control call will be refused")
+    return server, bound

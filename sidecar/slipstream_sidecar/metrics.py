@@ -1,0 +1,115 @@
+"""Prometheus metrics of one sidecar, class-separated, in a private registry.
+
+Every name starts with ``slipstream_``, uses base units (seconds, tokens) and
+ends in ``_total`` for counters. Labels are low-cardinality: ``class``
+(online/offline), ``outcome``, ``state``, ``source``. vLLM's own ``vllm:*``
+metrics stay on the engine; these are what only the sidecar can see, because
+it tells the two classes apart.
+
+Deliberately left out: per-request, per-shard or per-model labels (unbounded
+cardinality) and anything derived over time windows (that is PromQL's job).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CLASSES = ("online", "offline")
+
+_TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+_TBT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class SidecarMetrics:
+    """The sidecar's metric families; one instance per process (or per test)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "slipstream_ttft_seconds",
+            "Time from arrival at the sidecar to the first output token, per class.",
+            ["class"], buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.tbt = Histogram(
+            "slipstream_tbt_seconds",
+            "Gap between consecutive output tokens of one stream, per class.",
+            ["class"], buckets=_TBT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "slipstream_request_duration_seconds",
+            "Time from arrival at the sidecar to the last byte, per class.",
+            ["class"], buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.admitted = Counter(
+            "slipstream_requests_admitted_total",
+            "Requests the dispatcher sent to the engine (a resumption counts again).",
+            ["class"], registry=r,
+        )
+        self.finished = Counter(
+            "slipstream_requests_finished_total",
+            "Requests that left the sidecar, by outcome (ok, engine_error, cancelled, rejected).",
+            ["class", "outcome"], registry=r,
+        )
+        self.preemptions = Counter(
+            "slipstream_preemptions_total",
+            "Requests aborted by the dispatcher to make room (offline) or to reorder.",
+            ["class"], registry=r,
+        )
+        self.output_tokens = Counter(
+            "slipstream_output_tokens_total",
+            "Output tokens streamed from the engine, per class (offline rate = offline tok/s).",
+            ["class"], registry=r,
+        )
+        self.queued = Gauge(
+            "slipstream_queued_requests",
+            "Requests held in the sidecar waiting for admission, per class.",
+            ["class"], registry=r,
+        )
+        self.in_flight = Gauge(
+            "slipstream_in_flight_requests",
+            "Requests submitted to the engine and not finished, per class.",
+            ["class"], registry=r,
+        )
+        self.budget = Gauge(
+            "slipstream_budget_seconds",
+            "Per-iteration latency budget in force (0: no budget).", registry=r,
+        )
+        self.generation = Gauge(
+            "slipstream_config_generation",
+            "Generation of the configuration in force.", registry=r,
+        )
+        self.step = Gauge(
+            "slipstream_step_seconds",
+            "Engine iteration time: predicted by the latency model, or observed from token gaps.",
+            ["source"], registry=r,
+        )
+        self.engine_ready = Gauge(
+            "slipstream_engine_ready",
+            "1 when the engine's /health answered 200 at the last check.", registry=r,
+        )
+        self.batch_lines = Counter(
+            "slipstream_batch_lines_total",
+            "Offline input lines written to a shard's output, by outcome (completed, failed).",
+            ["outcome"], registry=r,
+        )
+        self.shards = Gauge(
+            "slipstream_shards",
+            "Shards known to this sidecar, by state.", ["state"], registry=r,
+        )
+        for c in CLASSES:
+            for fam in (self.ttft, self.tbt, self.e2e, self.admitted, self.preemptions,
+                        self.output_tokens, self.queued, self.in_flight):
+                fam.labels(c)
+        for src in ("predicted", "observed"):
+            self.step.labels(src)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,289 @@
+"""The OpenAI-compatible HTTP front door of one pod (online traffic).
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming
+SSE and not), ``GET /v1/models``, ``GET /health`` (liveness: the process
+answers), ``GET /ready`` (readiness: the engine's ``/health`` answered 200 at
+the last check and no Drain is in progress), ``GET /metrics``.
+
+A request is held in the sidecar until the dispatcher submits it, then sent
+to the engine with the priority the dispatcher chose. The engine's answer is
+passed through byte for byte (status, content type, body or SSE chunks); the
+sidecar only *reads* the stream to time tokens (TTFT, TBT) and count them.
+
+Choices made here (``docs/sidecar.md``):
+
+* A client's ``priority`` field is removed and replaced: clients never choose
+  their class or priority; both come from the operator's configuration.
+* A client's non-streaming request is sent upstream non-streaming and its
+  bytes passed through unchanged; its token count comes from ``usage`` at the
+  end (no TTFT/TBT samples for it). Streaming requests are forwarded as sent
+  (no ``stream_options`` injected, so the bytes are what vLLM would send the
+  client) and tokens are counted from the events (``sse.py``).
+* Prompt lengths come from the engine's ``/tokenize`` (setting
+  ``online_prompt_tokens``), whose token ids also give the prefix-block hashes.
+
+Deliberately left out: the control API (gRPC port only), authentication of
+online clients (the Service/Gateway in front does that), request rewriting
+beyond ``priority``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+from slipstream_scheduler.dispatcher import Incoming
+from slipstream_scheduler.textgen import block_hashes
+from slipstream_scheduler.types import RequestClass
+
+from slipstream_sidecar.controller import Controller, Ticket
+from slipstream_sidecar.engine import EngineClient
+from slipstream_sidecar.errors import EngineError, EngineUnavailableError
+from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.sse import EventScanner
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+_PREFIX = os.urandom(3).hex()
+_DEFAULT_MAX_TOKENS = 256
+
+
+def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
+    """An error in vLLM's ErrorResponse shape (used only for the sidecar's own errors)."""
+    doc = {"object": "error", "message": message, "type": err_type, "param": None, "code": status}
+    return web.json_response(doc, status=status)
+
+
+class ProxyState:
+    """Flags the proxy shares with the rest of the sidecar."""
+
+    def __init__(self) -> None:
+        self.engine_ready = False
+        self.draining = False
+        self.max_model_len: int | None = None
+
+
+class Proxy:
+    """The aiohttp application serving online clients."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        controller: Controller,
+        metrics: SidecarMetrics,
+        state: ProxyState,
+        *,
+        tokenize: bool = True,
+        block_size: int = 16,
+    ) -> None:
+        self.engine = engine
+        self.controller = controller
+        self.metrics = metrics
+        self.state = state
+        self._tokenize = tokenize
+        self._bs = block_size
+        self._ttft = metrics.ttft.labels("online")
+        self._tbt = metrics.tbt.labels("online")
+        self._e2e = metrics.e2e.labels("online")
+        self._tokens = metrics.output_tokens.labels("online")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    # -- simple routes ------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        if self.state.draining:
+            return web.Response(status=503, text="draining")
+        if not self.state.engine_ready:
+            return web.Response(status=503, text="engine not ready")
+        return web.Response(status=200, text="ok")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.controller.refresh_gauges()
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            status, body, ctype = await self.engine.get("/v1/models")
+        except EngineUnavailableError as exc:
+            return error_response(503, str(exc), "ServiceUnavailableError")
+        return _passthrough(status, body, ctype)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/chat/completions")
+
+    async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
+        arrival = self.controller.now()
+        if self.state.draining:
+            return error_response(503, "the sidecar is draining", "ServiceUnavailableError")
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error_response(400, "request body is not JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "request body is not a JSON object")
+        # NOTE: clients cannot raise their own priority; the dispatcher sets it.
+        body.pop("priority", None)
+        try:
+            prompt_tokens, hashes = await self._measure(body, raw)
+        except EngineUnavailableError as exc:
+            return error_response(503, str(exc), "ServiceUnavailableError")
+        except EngineError as exc:
+            # The engine refuses what it cannot tokenize; it would refuse the request too.
+            self.metrics.finished.labels("online", "rejected").inc()
+            return _passthrough(exc.status, exc.body, "application/json")
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            mml = self.state.max_model_len
+            max_tokens = mml - prompt_tokens if mml and mml > prompt_tokens else _DEFAULT_MAX_TOKENS
+        rid = f"on-{_PREFIX}-{next(_ids)}"
+        ticket = self.controller.register(
+            Incoming(rid, RequestClass.ONLINE, prompt_tokens, max_tokens, arrival,
+                     block_hashes=hashes)
+        )
+        outcome = "cancelled"
+        try:
+            grant = await ticket.granted()
+            body["priority"] = grant.priority
+            data = json.dumps(body, separators=(",", ":")).encode()
+            if body.get("stream"):
+                resp, outcome = await self._stream(request, path, data, ticket)
+            else:
+                resp, outcome = await self._unary(path, data, ticket)
+            return resp
+        except EngineUnavailableError as exc:
+            outcome = "engine_error"
+            return error_response(503, str(exc), "ServiceUnavailableError")
+        finally:
+            if outcome != "ok":
+                self.controller.failed(ticket)
+            self.metrics.finished.labels("online", outcome).inc()
+            self._e2e.observe(self.controller.now() - arrival)
+
+    async def _measure(self, body: dict[str, Any], raw: bytes) -> tuple[int, tuple[int, ...]]:
+        if not self._tokenize:
+            return max(len(raw) // 4, 1), ()
+        tok = await self.engine.tokenize(body)
+        if tok.max_model_len:
+            self.state.max_model_len = tok.max_model_len
+        return max(tok.count, 1), block_hashes(tok.tokens, self._bs)
+
+    async def _unary(
+        self, path: str, data: bytes, ticket: Ticket
+    ) -> tuple[web.StreamResponse, str]:
+        upstream = await self.engine.post(path, data)
+        async with upstream:
+            body = await upstream.read()
+        if upstream.status != 200:
+            return _passthrough(upstream.status, body, upstream.content_type), "engine_error"
+        tokens = 0
+        try:
+            usage = json.loads(body).get("usage") or {}
+            tokens = int(usage.get("completion_tokens") or 0)
+        except (ValueError, AttributeError, TypeError):
+            log.warning("engine answer without usage; counting 0 output tokens")
+        self._tokens.inc(tokens)
+        self.controller.finished(ticket, tokens)
+        return _passthrough(200, body, upstream.content_type), "ok"
+
+    async def _stream(
+        self, request: web.Request, path: str, data: bytes, ticket: Ticket
+    ) -> tuple[web.StreamResponse, str]:
+        upstream = await self.engine.post(path, data)
+        complete = False
+        try:
+            if upstream.status != 200:
+                body = await upstream.read()
+                complete = True
+                return _passthrough(upstream.status, body, upstream.content_type), "engine_error"
+            resp = web.StreamResponse(status=200)
+            resp.headers["Content-Type"] = upstream.headers.get(
+                "Content-Type", "text/event-stream; charset=utf-8"
+            )
+            await resp.prepare(request)
+            write: Callable[[bytes], Awaitable[None]] = resp.write
+            scanner = EventScanner()
+            now = self.controller.now
+            counted = 0
+            exact: int | None = None
+            last = ticket.arrival_s
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await write(chunk)
+                    t = now()
+                    for ev in scanner.feed(chunk):
+                        if ev.usage is not None:
+                            ct = ev.usage.get("completion_tokens")
+                            if isinstance(ct, int):
+                                exact = ct
+                        if ev.tokens:
+                            if counted == 0:
+                                self._ttft.observe(t - ticket.arrival_s)
+                            else:
+                                gap = t - last
+                                self._tbt.observe(gap)
+                                self.controller.observe_gap(gap)
+                            last = t
+                            counted += 1
+                    self.controller.progress(ticket, exact if exact is not None else counted)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                log.warning("engine stream of %s broke after %d events", ticket.request_id, counted)
+                return resp, "engine_error"
+            complete = True
+            await resp.write_eof()
+            n = exact if exact is not None else counted
+            self._tokens.inc(n)
+            self.controller.finished(ticket, n)
+            return resp, "ok"
+        finally:
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()  # the engine aborts the request when its connection drops
+
+
+def _passthrough(status: int, body: bytes, content_type: str | None) -> web.Response:
+    resp = web.Response(status=status, body=body)
+    resp.headers["Content-Type"] = content_type or "application/json"
+    return resp
+
+
+async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start ``app`` on ``host:port`` (0: any free port); returns the runner and the port."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    await asyncio.sleep(0)
+    return runner, int(bound)

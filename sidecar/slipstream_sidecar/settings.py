@@ -1,0 +1,93 @@
+"""Process settings of the sidecar, read once in ``__main__`` and passed down.
+
+Environment variables use the prefix ``SLIPSTREAM_SIDECAR_`` (for example
+``SLIPSTREAM_SIDECAR_ENGINE_URL``); command-line flags override them. The
+engine limits must match the flags vLLM was started with: the sidecar cannot
+read them from vLLM's HTTP API.
+
+Deliberately left out: scheduling policy parameters that the operator sets at
+run time (budget, SLOs, ordering, latency-model coefficients arrive through the
+gRPC ``Configure`` call).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SidecarSettings(BaseSettings):
+    """Everything the sidecar process needs to start."""
+
+    model_config = SettingsConfigDict(env_prefix="SLIPSTREAM_SIDECAR_", extra="forbid", frozen=True)
+
+    engine: str = Field(
+        default="http://127.0.0.1:8001", description="Base URL of the vLLM engine (loopback)."
+    )
+    host: str = Field(default="127.0.0.1", description="Address both servers bind to.")
+    http_port: int = Field(default=8000, ge=0, le=65535, description="OpenAI HTTP port; 0: any.")
+    grpc_port: int = Field(default=9000, ge=0, le=65535, description="Control gRPC port; 0: any.")
+    auth_token_file: Path | None = Field(
+        default=None,
+        description="File holding the control API's bearer token (a mounted Secret). "
+        "Without it every gRPC call is refused.",
+    )
+    state_dir: Path | None = Field(
+        default=None,
+        description="Directory for durable state (configuration in force, assigned shards); "
+        "a restarted sidecar resumes its shards from here. None: nothing survives a restart.",
+    )
+    model: str | None = Field(
+        default=None, description="Served model name; None: the engine's first /v1/models entry."
+    )
+    max_num_seqs: int = Field(default=256, ge=1, description="vLLM --max-num-seqs (requests).")
+    max_num_batched_tokens: int = Field(
+        default=2048, ge=1, description="vLLM --max-num-batched-tokens (tokens per iteration)."
+    )
+    block_size: int = Field(default=16, ge=1, description="vLLM KV block size (tokens).")
+    kv_blocks: int = Field(
+        default=8192, ge=1, description="KV blocks the engine has (vLLM logs '# GPU blocks')."
+    )
+    ordering: str = Field(default="gittins", description="Initial online ordering policy name.")
+    offline_priority: int = Field(
+        default=100, description="vLLM priority of offline requests (online requests get 0)."
+    )
+    latency_model_file: Path | None = Field(
+        default=None,
+        description="Initial batch-latency model (JSON written by `slipstream profile`); "
+        "None: none until Configure sends coefficients (offline then runs without a budget).",
+    )
+    budget_s: float | None = Field(
+        default=None, gt=0, description="Initial per-iteration latency budget (s); None: none."
+    )
+    online_prompt_tokens: Literal["tokenize", "estimate"] = Field(
+        default="tokenize",
+        description="How online prompt lengths are measured: the engine's /tokenize (exact, one "
+        "extra loopback round trip) or bytes/4 (no round trip).",
+    )
+    engine_connections: int = Field(
+        default=1024, ge=1, description="Size of the connection pool to the engine (connections)."
+    )
+    engine_timeout_s: float = Field(
+        default=3600.0, gt=0, description="Total timeout of one engine request (s)."
+    )
+    ready_poll_s: float = Field(
+        default=1.0, gt=0, description="How often /ready re-checks the engine's /health (s)."
+    )
+    tick_s: float = Field(
+        default=0.005, gt=0, description="Period of the dispatcher's time-driven decide (s)."
+    )
+    status_interval_s: float = Field(
+        default=1.0, gt=0, description="Default WatchStatus period (s)."
+    )
+    shard_window: int = Field(
+        default=256,
+        ge=1,
+        description="Offline requests of one shard registered with the dispatcher at once.",
+    )
+    offline_max_retries: int = Field(
+        default=3, ge=0, description="Engine failures tolerated per offline line before an error."
+    )
