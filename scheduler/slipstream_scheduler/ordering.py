@@ -1,0 +1,412 @@
+"""Request orderings (FCFS, SJF, TRAIL-like, Gittins) behind one small Protocol, and the queue.
+
+An ``Ordering`` turns a request's state (``RequestView``) into a sort key,
+smaller first. Keys are computed when the state changes (arrival, and for
+refreshing orderings when ``refresh_needed`` says a bucket boundary was
+crossed), never per token, and kept in a ``KeyedQueue``: a heap of
+``(key, seq, request_id)`` with lazy deletion, shared by the sidecar and the
+simulator.
+
+The orderings (registry ``ORDERINGS``; each has a pydantic params model):
+
+* ``fcfs``: arrival time. Never refreshed, never preempts.
+* ``sjf``: expected cost ``E[C] = E[O²]/2 + I·E[O]`` over the predicted sample
+  ("mean of costs", unbiased, unlike the cost of the mean length, which
+  ignores the spread; ``key="cost_of_mean"`` selects the latter). Key fixed at
+  arrival, non-preemptive: SageSched's "Mean" ablation.
+* ``trail``: shortest expected remaining cost ``E[C(O) − C(o) | O > o]``,
+  refreshed every ``refresh_every_tokens``; limited preemption after TRAIL: a
+  running request may be preempted only while ``o < c·E[O]`` (``c`` = 0.5)
+  and at most ``max_preemptions`` times.
+* ``gittins``: the Gittins rank at attained service (``gittins.py``), refreshed
+  at bucket boundaries (200 tokens); a waiting request preempts the worst
+  running one when its rank is below ``(1 − margin)`` times that one's
+  (``margin`` = 0.15), at most ``max_preemptions`` times per request.
+
+A request that outlived its predicted sample is handled by the outliving rule
+of ``gittins.surviving_lengths`` (fallback sample, else ``O = 2·o``).
+
+Errors::
+
+    OrderingError
+     └── UnknownOrderingError(name)
+
+Deliberately left out: how requests are admitted or preempted (the planner and
+the sidecar decide; an ordering only says whether a preemption is allowed), and
+where the predicted sample comes from (``lengths.py``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field
+
+from slipstream_scheduler.gittins import (
+    DEFAULT_REFRESH_EVERY_TOKENS,
+    gittins_rank_sorted,
+    remaining_cost_sample,
+    request_cost,
+)
+
+__all__ = [
+    "ORDERINGS",
+    "FcfsOrdering",
+    "FcfsParams",
+    "GittinsOrdering",
+    "GittinsParams",
+    "KeyedQueue",
+    "Ordering",
+    "OrderingError",
+    "RequestView",
+    "SjfOrdering",
+    "SjfParams",
+    "TrailOrdering",
+    "TrailParams",
+    "UnknownOrderingError",
+    "make_ordering",
+]
+
+FloatArray = npt.NDArray[np.float64]
+_EMPTY: FloatArray = np.empty(0, dtype=np.float64)
+
+
+class OrderingError(Exception):
+    """Base of this module's errors."""
+
+
+class UnknownOrderingError(OrderingError, KeyError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown ordering {name!r}; known: {sorted(ORDERINGS)}")
+        self.name = name
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestView:
+    """What an ordering may look at. Build with ``RequestView.create`` (sorts the samples).
+
+    ``lengths`` are the predicted output-length samples (tokens, ascending,
+    equally likely); ``fallback`` the sample used once a request outlives them
+    (e.g. the global distribution; empty: the ``O = 2·o`` rule).
+    ``keyed_at_tokens`` is ``generated_tokens`` when the current key was
+    computed (-1: never).
+    """
+
+    request_id: str
+    arrival_s: float
+    input_tokens: int
+    lengths: FloatArray
+    generated_tokens: int = 0
+    fallback: FloatArray = field(default_factory=lambda: _EMPTY)
+    keyed_at_tokens: int = -1
+    preemptions: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        arrival_s: float,
+        input_tokens: int,
+        lengths: FloatArray | Sequence[float],
+        *,
+        fallback: FloatArray | Sequence[float] | None = None,
+        generated_tokens: int = 0,
+    ) -> RequestView:
+        fb = _EMPTY if fallback is None else np.sort(np.asarray(fallback, dtype=np.float64))
+        return cls(
+            request_id=request_id,
+            arrival_s=arrival_s,
+            input_tokens=input_tokens,
+            lengths=np.sort(np.asarray(lengths, dtype=np.float64)),
+            generated_tokens=generated_tokens,
+            fallback=fb,
+        )
+
+    def _fallback(self) -> FloatArray | None:
+        return self.fallback if self.fallback.shape[0] else None
+
+    def remaining_costs(self) -> FloatArray:
+        """Ascending ``C(O) − C(o)`` over the samples still possible (outliving rule applied)."""
+        return remaining_cost_sample(
+            self.lengths, self.input_tokens, self.generated_tokens, self._fallback()
+        )
+
+    def predicted_mean_tokens(self) -> float:
+        if self.lengths.shape[0] == 0:
+            return float(max(2 * self.generated_tokens, 1))
+        return float(self.lengths.mean())
+
+
+@runtime_checkable
+class Ordering(Protocol):
+    """A request ordering. Smaller keys are served first.
+
+    Contract: ``key`` is a pure function of the view (no clock, no state);
+    the caller computes it on arrival and again only when ``refresh_needed``
+    is true, and records ``keyed_at_tokens``. ``may_preempt`` is asked only
+    when ``preemptive`` is true: whether a waiting request with key
+    ``waiting_key`` may displace ``running`` (whose current key is
+    ``running_key``).
+    """
+
+    name: str
+    preemptive: bool
+
+    def key(self, view: RequestView) -> float: ...
+
+    def refresh_needed(self, view: RequestView) -> bool: ...
+
+    def may_preempt(self, waiting_key: float, running: RequestView, running_key: float) -> bool: ...
+
+
+def _bucket_crossed(view: RequestView, every: int) -> bool:
+    if view.keyed_at_tokens < 0:
+        return True
+    return view.generated_tokens // every != view.keyed_at_tokens // every
+
+
+# --------------------------------------------------------------------------- FCFS
+
+
+class FcfsParams(BaseModel):
+    """FCFS has no knobs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class FcfsOrdering:
+    name = "fcfs"
+    preemptive = False
+
+    def __init__(self, params: FcfsParams | None = None) -> None:
+        self.params = params if params is not None else FcfsParams()
+
+    def key(self, view: RequestView) -> float:
+        return view.arrival_s
+
+    def refresh_needed(self, view: RequestView) -> bool:
+        return view.keyed_at_tokens < 0
+
+    def may_preempt(self, waiting_key: float, running: RequestView, running_key: float) -> bool:
+        return False
+
+
+# --------------------------------------------------------------------------- SJF
+
+
+class SjfParams(BaseModel):
+    """Knobs of SJF on the predicted distribution."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: Literal["mean_cost", "cost_of_mean"] = Field(
+        default="mean_cost",
+        description="'mean_cost' = E[O²/2 + I·O]; 'cost_of_mean' = C(E[O]). Default 'mean_cost'.",
+    )
+
+
+class SjfOrdering:
+    name = "sjf"
+    preemptive = False
+
+    def __init__(self, params: SjfParams | None = None) -> None:
+        self.params = params if params is not None else SjfParams()
+
+    def key(self, view: RequestView) -> float:
+        if self.params.key == "cost_of_mean":
+            return float(request_cost(view.input_tokens, view.predicted_mean_tokens()))
+        return float(view.remaining_costs().mean())
+
+    def refresh_needed(self, view: RequestView) -> bool:
+        return view.keyed_at_tokens < 0
+
+    def may_preempt(self, waiting_key: float, running: RequestView, running_key: float) -> bool:
+        return False
+
+
+# --------------------------------------------------------------------------- TRAIL-like
+
+
+class TrailParams(BaseModel):
+    """Knobs of the TRAIL-like shortest-remaining-predicted-cost ordering."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    refresh_every_tokens: int = Field(
+        default=DEFAULT_REFRESH_EVERY_TOKENS,
+        ge=1,
+        description="Re-key every this many tokens. 200.",
+    )
+    preempt_before_fraction: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="c: preemptible only while generated < c·E[O], fraction. Default 0.5.",
+    )
+    max_preemptions: int = Field(
+        default=1, ge=0, description="Per-request preemption cap. Default 1."
+    )
+
+
+class TrailOrdering:
+    name = "trail"
+    preemptive = True
+
+    def __init__(self, params: TrailParams | None = None) -> None:
+        self.params = params if params is not None else TrailParams()
+
+    def key(self, view: RequestView) -> float:
+        return float(view.remaining_costs().mean())
+
+    def refresh_needed(self, view: RequestView) -> bool:
+        return _bucket_crossed(view, self.params.refresh_every_tokens)
+
+    def may_preempt(self, waiting_key: float, running: RequestView, running_key: float) -> bool:
+        p = self.params
+        early = (
+            running.generated_tokens < p.preempt_before_fraction * running.predicted_mean_tokens()
+        )
+        return early and running.preemptions < p.max_preemptions and waiting_key < running_key
+
+
+# --------------------------------------------------------------------------- Gittins
+
+
+class GittinsParams(BaseModel):
+    """Knobs of Gittins-rank ordering (SageSched)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    refresh_every_tokens: int = Field(
+        default=DEFAULT_REFRESH_EVERY_TOKENS,
+        ge=1,
+        description="Bucket size: re-rank every this many output tokens. Default 200.",
+    )
+    preempt_margin: float = Field(
+        default=0.15,
+        ge=0.0,
+        lt=1.0,
+        description="Preempt only if waiting rank < (1 − margin)·running rank. Default 0.15.",
+    )
+    max_preemptions: int = Field(
+        default=2, ge=0, description="Per-request preemption cap. Default 2."
+    )
+
+
+class GittinsOrdering:
+    name = "gittins"
+    preemptive = True
+
+    def __init__(self, params: GittinsParams | None = None) -> None:
+        self.params = params if params is not None else GittinsParams()
+
+    def key(self, view: RequestView) -> float:
+        return gittins_rank_sorted(view.remaining_costs())
+
+    def refresh_needed(self, view: RequestView) -> bool:
+        return _bucket_crossed(view, self.params.refresh_every_tokens)
+
+    def may_preempt(self, waiting_key: float, running: RequestView, running_key: float) -> bool:
+        return (
+            running.preemptions < self.params.max_preemptions
+            and waiting_key < (1.0 - self.params.preempt_margin) * running_key
+        )
+
+
+# --------------------------------------------------------------------------- registry
+
+ORDERINGS: dict[str, tuple[type[BaseModel], Callable[..., Ordering]]] = {
+    "fcfs": (FcfsParams, FcfsOrdering),
+    "sjf": (SjfParams, SjfOrdering),
+    "trail": (TrailParams, TrailOrdering),
+    "gittins": (GittinsParams, GittinsOrdering),
+}
+"""name -> (params model, factory taking an instance of it)."""
+
+
+def make_ordering(name: str, params: dict[str, object] | BaseModel | None = None) -> Ordering:
+    """Build a registered ordering; ``params`` is validated against its model."""
+    try:
+        model, factory = ORDERINGS[name]
+    except KeyError:
+        raise UnknownOrderingError(name) from None
+    if isinstance(params, BaseModel):
+        validated = model.model_validate(params.model_dump())
+    else:
+        validated = model.model_validate(params or {})
+    return factory(validated)
+
+
+# --------------------------------------------------------------------------- queue
+
+
+class KeyedQueue:
+    """Min-heap of ``(key, seq, request_id)`` with lazy deletion.
+
+    ``push`` of a queued id updates its key (the old entry turns stale);
+    ``remove`` is O(1); stale entries are dropped when they reach the top, and
+    the heap is rebuilt when they outnumber the live ones. Equal keys pop in
+    push order (``seq``).
+    """
+
+    __slots__ = ("_heap", "_live", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str]] = []
+        self._live: dict[str, tuple[float, int]] = {}
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._live
+
+    def push(self, request_id: str, key: float) -> None:
+        seq = next(self._seq)
+        self._live[request_id] = (key, seq)
+        heapq.heappush(self._heap, (key, seq, request_id))
+        if len(self._heap) > 2 * len(self._live) + 64:
+            self._compact()
+
+    def key_of(self, request_id: str) -> float:
+        return self._live[request_id][0]
+
+    def remove(self, request_id: str) -> None:
+        del self._live[request_id]
+
+    def _is_live(self, entry: tuple[float, int, str]) -> bool:
+        cur = self._live.get(entry[2])
+        return cur is not None and cur[1] == entry[1]
+
+    def _drop_stale(self) -> None:
+        while self._heap and not self._is_live(self._heap[0]):
+            heapq.heappop(self._heap)
+
+    def peek(self) -> tuple[str, float]:
+        self._drop_stale()
+        if not self._heap:
+            raise IndexError("peek at an empty queue")
+        key, _, rid = self._heap[0]
+        return rid, key
+
+    def pop(self) -> tuple[str, float]:
+        rid, key = self.peek()
+        heapq.heappop(self._heap)
+        del self._live[rid]
+        return rid, key
+
+    def smallest(self, n: int) -> list[tuple[str, float]]:
+        """The ``n`` first (id, key) pairs in pop order, without popping."""
+        live = ((k, s, r) for r, (k, s) in self._live.items())
+        return [(r, k) for k, _, r in heapq.nsmallest(n, live)]
+
+    def _compact(self) -> None:
+        self._heap = [(k, s, r) for r, (k, s) in self._live.items()]
+        heapq.heapify(self._heap)

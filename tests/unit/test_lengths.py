@@ -1,0 +1,141 @@
+"""Length predictors, the hashing embedder and the bucket metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from slipstream_scheduler.lengths import (
+    GlobalDistributionPredictor,
+    HashingEmbedder,
+    HistoryParams,
+    InputLengthHistoryPredictor,
+    InputLengthParams,
+    SemanticHistoryParams,
+    SemanticHistoryPredictor,
+    VectorShapeError,
+    bucket_of,
+    bucket_probability,
+    median_bucket_hit,
+)
+from slipstream_scheduler.protocols import Embedder, LengthPredictor
+
+pytestmark = pytest.mark.unit
+
+
+def unit(*xs: float) -> np.ndarray:
+    v = np.array(xs, dtype=np.float32)
+    return v / np.linalg.norm(v)
+
+
+def test_hashing_embedder_is_deterministic_normalised_and_similarity_aware() -> None:
+    e = HashingEmbedder(dim=256)
+    assert isinstance(e, Embedder) and e.dim == 256
+    v = e.embed(["Write a poem about the sea", "write a poem about the sea!", "Fix my car", ""])
+    assert v.shape == (4, 256) and v.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(v[:3], axis=1), 1.0, atol=1e-6)
+    assert float(v[0] @ v[1]) == pytest.approx(1.0, abs=1e-6)  # case and punctuation ignored
+    assert float(v[0] @ v[2]) < 0.5
+    assert not v[3].any()  # empty text: zero vector, never matches
+    np.testing.assert_array_equal(
+        HashingEmbedder(dim=256).embed(["Write a poem"]), e.embed(["Write a poem"])
+    )
+
+
+def test_semantic_threshold_selects_similar_prompts() -> None:
+    p = SemanticHistoryPredictor(2, SemanticHistoryParams(min_matches=1, top_up="prior"))
+    assert isinstance(p, LengthPredictor)
+    p.observe(unit(1, 0), 10, 100)
+    p.observe(unit(1, 0.1), 10, 120)
+    p.observe(unit(0, 1), 10, 900)
+    got = np.sort(p.predict(unit(1, 0.05), 10))
+    np.testing.assert_array_equal(got, [100, 120])
+    np.testing.assert_array_equal(p.predict(unit(0.1, 1), 10), [900])
+
+
+def test_prior_tops_up_too_few_matches() -> None:
+    params = SemanticHistoryParams(min_matches=4, top_up="prior")
+    p = SemanticHistoryPredictor(2, params, prior_lengths=[7, 8, 9])
+    # empty history: configured prior
+    np.testing.assert_array_equal(np.sort(p.predict(unit(1, 0), 0)), [7, 8, 9])
+    for length in (10, 20, 30, 40):
+        p.observe(unit(0, 1), 0, length)
+    p.observe(unit(1, 0), 0, 500)
+    got = p.predict(unit(1, 0), 0)
+    # one real match plus three quantiles of the history's global distribution
+    assert got.shape == (4,) and 500.0 in got
+    assert set(got.tolist()) - {500.0} <= {10.0, 20.0, 30.0, 40.0, 500.0}
+    # nothing at all: the default
+    bare = SemanticHistoryPredictor(2, SemanticHistoryParams(default_output_tokens=77))
+    np.testing.assert_array_equal(bare.predict(unit(1, 0), 0), [77])
+
+
+def test_nearest_top_up_uses_most_similar_records() -> None:
+    p = SemanticHistoryPredictor(2, SemanticHistoryParams(min_matches=2, similarity_threshold=0.99))
+    p.observe(unit(1, 0.3), 0, 100)
+    p.observe(unit(1, 0.5), 0, 200)
+    p.observe(unit(0, 1), 0, 900)
+    got = np.sort(p.predict(unit(1, 0.4), 0))  # below 0.99 with everyone
+    np.testing.assert_array_equal(got, [100, 200])
+
+
+def test_fifo_window_forgets_oldest() -> None:
+    p = GlobalDistributionPredictor(HistoryParams(window=3))
+    for length in (1, 2, 3, 4, 5):
+        p.observe(None, 0, length)
+    assert len(p) == 3
+    np.testing.assert_array_equal(np.sort(p.predict(None, 0)), [3, 4, 5])
+    s = SemanticHistoryPredictor(2, SemanticHistoryParams(window=2, min_matches=0))
+    s.observe(unit(1, 0), 0, 1)
+    s.observe(unit(0, 1), 0, 2)
+    s.observe(unit(0, 1), 0, 3)  # overwrites the (1, 0) record
+    assert s.predict(unit(1, 0), 0).size == 0
+    np.testing.assert_array_equal(np.sort(s.predict(unit(0, 1), 0)), [2, 3])
+
+
+def test_input_length_neighbours() -> None:
+    p = InputLengthHistoryPredictor(InputLengthParams(relative_tolerance=0.1, min_matches=1))
+    p.observe(None, 100, 10)
+    p.observe(None, 105, 20)
+    p.observe(None, 300, 30)
+    np.testing.assert_array_equal(np.sort(p.predict(None, 100)), [10, 20])
+    np.testing.assert_array_equal(p.predict(None, 310), [30])
+
+
+def test_global_sample_is_bounded_quantiles() -> None:
+    p = GlobalDistributionPredictor(HistoryParams(max_global_samples=10))
+    for length in range(1000):
+        p.observe(None, 0, length)
+    got = p.predict(None, 0)
+    assert got.shape == (10,) and np.all(np.diff(got) > 0)
+    assert got[0] < 100 and got[-1] > 900
+
+
+def test_vector_shape_is_checked() -> None:
+    p = SemanticHistoryPredictor(3)
+    with pytest.raises(VectorShapeError) as err:
+        p.observe(np.zeros(2, dtype=np.float32), 0, 1)
+    assert err.value.expected_dim == 3 and err.value.got_shape == (2,)
+    with pytest.raises(VectorShapeError):
+        p.predict(None, 0)
+
+
+def test_large_history_search_is_vectorised_and_correct() -> None:
+    rng = np.random.default_rng(0)
+    vecs = rng.standard_normal((10_000, 64)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    p = SemanticHistoryPredictor(64, SemanticHistoryParams(min_matches=0, similarity_threshold=0.3))
+    for i, v in enumerate(vecs):
+        p.observe(v, 0, i)
+    q = vecs[123]
+    want = np.flatnonzero(vecs @ q >= 0.3).astype(float)
+    np.testing.assert_array_equal(np.sort(p.predict(q, 0)), want)
+
+
+def test_bucket_metrics() -> None:
+    assert bucket_of(99).item() == 0 and bucket_of(100).item() == 1
+    assert bucket_of(5000).item() == 19  # last bucket is open
+    sample = np.array([50.0, 150.0, 160.0, 170.0])
+    assert bucket_probability(sample, 120) == pytest.approx(0.75)
+    assert median_bucket_hit(sample, 199)
+    assert not median_bucket_hit(sample, 50)
+    assert bucket_probability(np.array([]), 1) == 0.0
