@@ -9,7 +9,8 @@ submission and its continuations) and builds that body: text concatenated,
 prompt's, id/created/model from the first segment, finish reason from the last.
 
 The shapes follow vLLM's ``CompletionResponse`` and ``ChatCompletionResponse``
-(field order included). Deliberately left out: logprobs, ``n > 1`` and tool
+(v0.11 field order included, as the engine model renders them), so the body
+is what the engine would have returned to the same request sent non-streaming. Deliberately left out: logprobs, ``n > 1`` and tool
 calls, which batch lines may not ask for (``batch_io.parse_line``).
 """
 
@@ -95,38 +96,56 @@ class Assembly:
             "prompt_tokens_details": None,
         }
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": self.text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                },
-                "logprobs": None,
-                "finish_reason": self.finish_reason,
-                "stop_reason": self.stop_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": self.text,
-                "logprobs": None,
-                "finish_reason": self.finish_reason,
-                "stop_reason": self.stop_reason,
+            return {
+                "id": self.response_id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": self.text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "tool_calls": [],
+                            "reasoning_content": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": self.finish_reason,
+                        "stop_reason": self.stop_reason,
+                        "token_ids": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": usage,
                 "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "kv_transfer_params": None,
             }
-            obj = "text_completion"
         return {
             "id": self.response_id,
-            "object": obj,
+            "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": self.text,
+                    "logprobs": None,
+                    "finish_reason": self.finish_reason,
+                    "stop_reason": self.stop_reason,
+                    "token_ids": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                }
+            ],
+            "service_tier": None,
+            "system_fingerprint": None,
             "usage": usage,
+            "kv_transfer_params": None,
         }

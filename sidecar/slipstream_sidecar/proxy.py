@@ -59,7 +59,7 @@ _DEFAULT_MAX_TOKENS = 256
 
 def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
     """An error in vLLM's ErrorResponse shape (used only for the sidecar's own errors)."""
-    doc = {"object": "error", "message": message, "type": err_type, "param": None, "code": status}
+    doc = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
     return web.json_response(doc, status=status)
 
 
