@@ -24,6 +24,7 @@ simulator and engine report that), and wall-clock timing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -117,6 +118,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.cls: dict[str, RequestClass] = {}
+        self.alias: dict[str, str] = {}  # engine id of a resumed submission -> request id
         self.arrival: dict[str, float] = {}
         self.prompt: dict[str, int] = {}
         self.first: dict[str, float] = {}
@@ -137,12 +139,14 @@ class Recorder:
         self.arrival[request_id] = arrival_s
         self.prompt[request_id] = prompt
 
-    def step(self, end_s: float, duration_s: float, emitted: list[tuple[str, int]]) -> None:
+    def step(self, end_s: float, duration_s: float, emitted: Sequence[tuple[str, int]]) -> None:
         """Record one engine iteration ending at ``end_s`` that emitted ``emitted`` tokens."""
         on = off = 0
         first, last, max_gap, cls = self.first, self.last, self.max_gap, self.cls
         tbt_on, tbt_off = self.tbt[RequestClass.ONLINE], self.tbt[RequestClass.OFFLINE]
-        for rid, n in emitted:
+        alias = self.alias
+        for eid, n in emitted:
+            rid = alias.get(eid, eid)
             online = cls[rid] is RequestClass.ONLINE
             if online:
                 on += n

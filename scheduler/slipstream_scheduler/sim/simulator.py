@@ -1,0 +1,504 @@
+"""Discrete-event trace replay: the sidecar's dispatcher in front of the engine model.
+
+This simulates the deployment Slipstream ships (``docs/concepts/simulator.md``):
+the engine model runs vLLM's own scheduler (priority policy) and the admission
+layer in front of it is the sidecar's :class:`~slipstream_scheduler.dispatcher.Dispatcher`,
+which sees only what a client sees (tokens as they stream, finishes). Time is
+virtual: each engine iteration advances the clock by its modelled duration;
+when the engine is idle the clock jumps to the next arrival.
+
+Loop, per event::
+
+    deliver arrivals up to now -> dispatcher.decide(now) -> abort / submit on the engine
+    -> engine.step() -> now += duration -> tokens, finishes to the recorder and the dispatcher
+
+Named policies (:data:`POLICIES`) bind an admission policy of the planner
+(``slipstream_scheduler.admission``) to an offline order (FCFS or PSM).
+
+Deliberately left out: file I/O (workloads come in as values), wall-clock
+reads (the caller times the run), and the in-engine planner (see
+``slipstream_scheduler.sim.inengine``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from slipstream_scheduler.admission import ADMISSION_POLICIES, build_planner
+from slipstream_scheduler.dispatcher import (
+    Dispatcher,
+    DispatcherConfig,
+    DispatcherStats,
+    FifoQueue,
+    Incoming,
+    PsmOfflineQueue,
+    RequestQueue,
+)
+from slipstream_scheduler.engine.model import EngineConfig, EngineModel, EngineRequest, EngineStats
+from slipstream_scheduler.latency import LinearLatencyModel, fit
+from slipstream_scheduler.planner import PlannerMode
+from slipstream_scheduler.protocols import LengthPredictor
+from slipstream_scheduler.psm import PsmParams, PsmQueue
+from slipstream_scheduler.sim.metrics import Recorder, SimMetrics
+from slipstream_scheduler.sim.workload import SimRequest, Workload
+from slipstream_scheduler.types import BatchItem, Phase, RequestClass
+
+logger = logging.getLogger(__name__)
+
+
+class SimError(Exception):
+    """A simulation cannot be set up or run; ``policy`` names the policy when relevant."""
+
+    def __init__(self, message: str, policy: str | None = None) -> None:
+        super().__init__(message)
+        self.policy = policy
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A named co-location policy: planner admission policy + offline order + classes served."""
+
+    admission: str
+    offline_order: Literal["fcfs", "psm"]
+    serves_online: bool
+    serves_offline: bool
+    summary: str
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "online-only": PolicySpec("online-only", "fcfs", True, False, "online work only"),
+    "offline-only": PolicySpec("offline-only", "fcfs", False, True, "offline work only"),
+    "naive": PolicySpec("naive", "fcfs", True, True, "Sarathi++: offline fills, no budget"),
+    "static-cap": PolicySpec("static-cap", "fcfs", True, True, "HyGen*: fixed offline cap"),
+    "budget": PolicySpec("budget", "fcfs", True, True, "HyGen: offline fills the budget"),
+    "budget-psm": PolicySpec("budget", "psm", True, True, "HyGen with PSM offline order"),
+}
+"""The six policies of ``slipstream sim --policy`` and ``slipstream bench colocation``."""
+
+
+class SimConfig(BaseModel):
+    """One replay's settings. Resolved once before the loop."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="The engine model (llama-2-7b on a100)."
+    )
+    policy: str = Field(default="budget", description="A name in POLICIES; default budget.")
+    budget_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Per-iteration budget, seconds (budget policies); None: unbounded.",
+    )
+    static_cap: int = Field(
+        default=16, ge=0, description="Offline requests in flight at most (static-cap); default 16."
+    )
+    dispatcher: DispatcherConfig = Field(
+        default_factory=DispatcherConfig, description="The sidecar's dispatcher knobs."
+    )
+    planner_params: dict[str, Any] = Field(
+        default_factory=dict, description="Extra params of the admission policy (pydantic)."
+    )
+    psm: PsmParams = Field(
+        default_factory=lambda: PsmParams(block_size=1),
+        description="PSM queue knobs (block_size 1: the trie is over 16-token block hashes).",
+    )
+    backlog_depth: int = Field(
+        default=512,
+        ge=1,
+        description="Offline requests kept queued when the backlog never runs dry.",
+    )
+    ttft_target_s: float | None = Field(
+        default=None, description="Per-request TTFT target, seconds."
+    )
+    tbt_target_s: float | None = Field(default=None, description="Per-request TBT target, seconds.")
+    seed: int = Field(default=0, description="Seed of the engine's step-time noise.")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many steps (safety)."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """A replay's metrics plus the counters of the dispatcher and the engine."""
+
+    policy: str
+    metrics: SimMetrics
+    dispatcher: DispatcherStats
+    engine: EngineStats
+    budget_s: float | None
+    offline_output_by_request: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def observed(self) -> dict[str, float]:
+        """Online latencies keyed for :mod:`slipstream_scheduler.budget` (``tbt_p99_s``, ...)."""
+        on = self.metrics.online
+        out: dict[str, float] = {}
+        for name, d in (("ttft", on.ttft), ("tbt", on.tbt), ("ttlt", on.ttlt)):
+            out[f"{name}_mean_s"] = d.mean
+            out[f"{name}_p50_s"] = d.p50
+            out[f"{name}_p99_s"] = d.p99
+        return out
+
+
+Progress = Callable[[float], None]
+"""Called now and then with the virtual time reached (for a progress bar)."""
+
+
+def profile_latency_model(
+    engine: EngineConfig, *, samples: int = 1500, seed: int = 0
+) -> LinearLatencyModel:
+    """Fit the planner's latency model on random batches timed by the engine's GPU model.
+
+    This is the simulator's stand-in for profiling a real GPU: batches mix
+    decodes (contexts up to 4k) and prefill chunks under the engine's token cap.
+    """
+    timing = EngineModel(engine, seed=seed).timing
+    rng = random.Random(seed)
+    cap = engine.max_num_batched_tokens
+    rows: list[tuple[list[BatchItem], float]] = []
+    for _ in range(samples):
+        batch: list[BatchItem] = []
+        n_dec = rng.choice((0, 1, 4, 16, 32, 64, 128, 256))
+        n_dec = min(n_dec, engine.max_num_seqs)
+        for _ in range(n_dec):
+            batch.append(BatchItem(Phase.DECODE, 1, rng.randint(16, 4096)))
+        left = cap - n_dec
+        for _ in range(rng.choice((0, 1, 1, 2, 3))):
+            if left <= 0:
+                break
+            c = rng.randint(1, left)
+            batch.append(BatchItem(Phase.PREFILL, c, rng.choice((0, 0, rng.randint(0, 4096)))))
+            left -= c
+        if not batch:
+            batch.append(BatchItem(Phase.DECODE, 1, rng.randint(16, 4096)))
+        rows.append((batch, timing.predict(batch)))
+    return fit(rows, seed=seed).model
+
+
+def online_only_step_s(engine: EngineConfig, model: LinearLatencyModel) -> float:
+    """Predicted time of a small decode-only step: the low end of a budget search."""
+    return model.predict([BatchItem(Phase.DECODE, 1, 1024)] * 8)
+
+
+def full_step_s(engine: EngineConfig, model: LinearLatencyModel) -> float:
+    """Predicted time of a full token-cap prefill step: the high end of a budget search."""
+    return model.predict([BatchItem(Phase.PREFILL, engine.max_num_batched_tokens, 0)])
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the simulator knows of one request (the dispatcher keeps its own view)."""
+
+    req: SimRequest
+    submissions: int = 0
+    engine_id: str = ""
+    produced: int = 0  # tokens emitted over all submissions
+    sub_produced: int = 0  # tokens emitted by the current submission
+    keys: tuple[Hashable, ...] = ()  # block keys of prompt + produced so far
+
+
+class Simulator:
+    """One replay. Build, then :meth:`run` once."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        config: SimConfig,
+        *,
+        latency_model: LinearLatencyModel | None = None,
+        length_predictor: LengthPredictor | None = None,
+        online_queue: RequestQueue | None = None,
+    ) -> None:
+        spec = POLICIES.get(config.policy)
+        if spec is None:
+            raise SimError(f"unknown policy; known: {sorted(POLICIES)}", config.policy)
+        self.spec = spec
+        self.workload = workload
+        self.config = config
+        self.engine = EngineModel(config.engine, seed=config.seed)
+        params: dict[str, Any] = dict(config.planner_params)
+        if spec.admission == "static-cap":
+            params.setdefault("max_offline_in_flight", config.static_cap)
+        needs_model = ADMISSION_POLICIES[spec.admission].needs_latency_model
+        if needs_model and latency_model is None:
+            latency_model = profile_latency_model(config.engine, seed=config.seed)
+        planner = build_planner(
+            spec.admission,
+            params or None,
+            latency_model=latency_model if needs_model else None,
+            mode=PlannerMode.ADMISSION,
+        )
+        offline_q: RequestQueue
+        if spec.offline_order == "psm":
+            offline_q = PsmOfflineQueue(PsmQueue(config.psm))
+        else:
+            offline_q = FifoQueue()
+        dcfg = config.dispatcher
+        if not spec.serves_offline:
+            dcfg = dcfg.model_copy(update={"admit_offline": False})
+        self.dispatcher = Dispatcher(
+            dcfg,
+            planner,
+            online_queue=online_queue,
+            offline_queue=offline_q,
+            length_predictor=length_predictor,
+            limits=config.engine.limits(),
+            kv_blocks=self.engine.pool.num_blocks,
+            budget_s=config.budget_s if spec.admission == "budget" else None,
+        )
+        self.recorder = Recorder()
+        self._live: dict[str, _Live] = {}
+        self._by_engine_id: dict[str, _Live] = {}
+        self._lap = 0
+        self._backlog_next = 0
+        self._offline_pending = 0
+        self._dispatcher_preemptions = 0
+        self._offline_done_tokens: dict[str, int] = {}
+        self._ran = False
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _arrive(self, req: SimRequest, now_s: float) -> None:
+        live = _Live(req, keys=req.block_hashes)
+        self._live[req.request_id] = live
+        self.recorder.arrived(req.request_id, req.cls, req.arrival_s, req.prompt_tokens)
+        self.dispatcher.arrive(
+            Incoming(
+                req.request_id,
+                req.cls,
+                req.prompt_tokens,
+                req.max_tokens,
+                req.arrival_s,
+                vector=req.vector,
+                block_hashes=req.block_hashes,
+            ),
+            now_s,
+        )
+        if req.cls is RequestClass.OFFLINE:
+            self._offline_pending += 1
+
+    def _top_up_backlog(self, now_s: float) -> None:
+        """Keep ``backlog_depth`` offline requests queued (cycling the dataset, fresh ids)."""
+        offline = self.workload.offline
+        want = self.config.backlog_depth
+        while self._offline_pending < want:
+            base = offline[self._backlog_next]
+            rid = f"{base.request_id}~{self._lap}" if self._lap else base.request_id
+            keys = base.block_hashes
+            if self._lap:
+                # A fresh request of the same shape: it must not hit the cache of
+                # an earlier lap's copy; prefixes shared within a lap stay shared.
+                lap = self._lap
+                keys = tuple(hash((h, lap)) for h in keys)
+            req = SimRequest(
+                rid,
+                RequestClass.OFFLINE,
+                now_s,
+                base.prompt_tokens,
+                base.output_tokens,
+                keys,
+                base.max_tokens,
+                base.group,
+                base.vector,
+            )
+            self._arrive(req, now_s)
+            self._backlog_next += 1
+            if self._backlog_next == len(offline):
+                self._backlog_next = 0
+                self._lap += 1
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, progress: Progress | None = None) -> SimResult:
+        if self._ran:
+            raise SimError("a Simulator runs once")
+        self._ran = True
+        cfg, spec, wl = self.config, self.spec, self.workload
+        eng, disp, rec = self.engine, self.dispatcher, self.recorder
+        online = wl.online if spec.serves_online else ()
+        finite_offline: tuple[SimRequest, ...] = ()
+        if spec.serves_offline and not wl.offline_backlog:
+            finite_offline = tuple(sorted(wl.offline, key=lambda r: r.arrival_s))
+        backlog = spec.serves_offline and wl.offline_backlog
+        horizon = wl.horizon_s if wl.horizon_s is not None else math.inf
+        i_on = i_off = 0
+        n_on, n_off = len(online), len(finite_offline)
+        now = 0.0
+        steps = 0
+        next_progress = 0.0
+        by_eid = self._by_engine_id
+        live_map = self._live
+        online_cls = RequestClass.ONLINE
+        while now < horizon:
+            while i_on < n_on and online[i_on].arrival_s <= now:
+                self._arrive(online[i_on], now)
+                i_on += 1
+            while i_off < n_off and finite_offline[i_off].arrival_s <= now:
+                self._arrive(finite_offline[i_off], now)
+                i_off += 1
+            if backlog:
+                self._top_up_backlog(now)
+            dec = disp.decide(now)
+            if dec:
+                for ab in dec.abort:
+                    lv = live_map[ab.request_id]
+                    eng.abort(lv.engine_id)
+                    del by_eid[lv.engine_id]
+                    disp.aborted(ab.request_id, now)
+                    rec.preempted(ab.request_id)
+                    self._dispatcher_preemptions += 1
+                    self._after_abort(lv)
+                for sub in dec.submit:
+                    self._submit(
+                        live_map[sub.request_id], sub.priority, sub.resume_from_tokens, now
+                    )
+                if dec.abort:
+                    continue  # the aborts may let the dispatcher admit more right away
+            if not eng.has_work():
+                nxt = min(
+                    online[i_on].arrival_s if i_on < n_on else math.inf,
+                    finite_offline[i_off].arrival_s if i_off < n_off else math.inf,
+                )
+                if nxt == math.inf:
+                    if disp.stats().online_queued or (
+                        disp.stats().offline_queued and disp.config.admit_offline
+                    ):
+                        raise SimError("requests are queued but nothing can be admitted")
+                    break
+                now = min(nxt, horizon)
+                continue
+            res = eng.step(now)
+            steps += 1
+            end = now + res.duration_s
+            emitted = res.emitted
+            if emitted:
+                rec.step(end, res.duration_s, emitted)
+                for eid, n in emitted:
+                    got = by_eid.get(eid)
+                    if got is None:
+                        continue
+                    got.produced += n
+                    got.sub_produced += n
+                    disp.progress(got.req.request_id, got.sub_produced, end)
+            else:
+                rec.step(end, res.duration_s, [])
+            for eid in res.preempted:
+                got = by_eid.get(eid)
+                if got is not None:
+                    rec.preempted(got.req.request_id)
+            for eid, reason in res.finished:
+                got = by_eid.pop(eid, None)
+                if got is None:
+                    continue  # an abort we asked for
+                rid = got.req.request_id
+                if reason == "abort":
+                    disp.failed(rid, end)
+                    continue
+                disp.finished(rid, got.sub_produced, end)
+                rec.finished(rid, end)
+                del live_map[rid]
+                if got.req.cls is not online_cls:
+                    self._offline_pending -= 1
+                    self._offline_done(got)
+            now = end
+            if progress is not None and now >= next_progress:
+                progress(now)
+                next_progress = now + 10.0
+            if cfg.max_steps is not None and steps >= cfg.max_steps:
+                break
+        duration = horizon if horizon != math.inf else now
+        if progress is not None:
+            progress(duration)
+        st = eng.stats()
+        hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
+        metrics = rec.summary(
+            duration,
+            prefix_hit_rate=hit,
+            engine_preemptions=st.preemptions,
+            dispatcher_preemptions=self._dispatcher_preemptions,
+            ttft_target_s=cfg.ttft_target_s,
+            tbt_target_s=cfg.tbt_target_s,
+        )
+        logger.info(
+            "sim policy=%s steps=%d t=%.1fs online_tok/s=%.1f offline_tok/s=%.1f busy=%.3f",
+            cfg.policy,
+            steps,
+            duration,
+            metrics.online.tokens_per_s,
+            metrics.offline.tokens_per_s,
+            metrics.busy_fraction,
+        )
+        return SimResult(
+            cfg.policy,
+            metrics,
+            disp.stats(),
+            st,
+            disp.budget_s,
+            self._offline_done_tokens,
+        )
+
+    # ------------------------------------------------------------------ per request
+
+    def _offline_done(self, lv: _Live) -> None:
+        self._offline_done_tokens[lv.req.request_id] = lv.produced
+
+    def _submit(self, lv: _Live, priority: int, resume_from: int, now_s: float) -> None:
+        req = lv.req
+        if resume_from != lv.produced:
+            raise SimError(
+                f"{req.request_id}: resume from {resume_from} but {lv.produced} produced"
+            )
+        eid = f"{req.request_id}#{lv.submissions}" if lv.submissions else req.request_id
+        if lv.submissions:
+            self.recorder.alias[eid] = req.request_id
+        lv.submissions += 1
+        lv.engine_id = eid
+        lv.sub_produced = 0
+        self._by_engine_id[eid] = lv
+        self.engine.add(
+            EngineRequest(
+                eid,
+                req.prompt_tokens + resume_from,
+                req.max_tokens - resume_from,
+                priority,
+                req.arrival_s,
+                lv.keys,
+                req.output_tokens - resume_from,
+            )
+        )
+
+    def _after_abort(self, lv: _Live) -> None:
+        """Block keys of the continuation: the engine keyed blocks past the hashes by its id."""
+        bs = self.config.engine.block_size
+        full = (lv.req.prompt_tokens + lv.produced) // bs
+        keys = list(lv.keys)
+        eid = lv.engine_id
+        keys.extend((eid, j) for j in range(len(keys), full))
+        lv.keys = tuple(keys[:full])
+
+
+def simulate(
+    workload: Workload,
+    config: SimConfig,
+    *,
+    latency_model: LinearLatencyModel | None = None,
+    length_predictor: LengthPredictor | None = None,
+    online_queue: RequestQueue | None = None,
+    progress: Progress | None = None,
+) -> SimResult:
+    """Replay ``workload`` under ``config`` and measure it (see :class:`Simulator`)."""
+    sim = Simulator(
+        workload,
+        config,
+        latency_model=latency_model,
+        length_predictor=length_predictor,
+        online_queue=online_queue,
+    )
+    return sim.run(progress)
