@@ -1,4 +1,4 @@
-"""Trace-driven simulation: the dispatcher and the planner against the engine model, in virtual time.
+"""Trace-driven simulation: dispatcher and planner against the engine model, in virtual time.
 
 ``workload`` holds the request values a replay feeds in, ``metrics`` what it
 measures, ``simulator`` the discrete-event loop and the named policies.

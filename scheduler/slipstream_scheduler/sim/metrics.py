@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from slipstream_scheduler.types import RequestClass
 
 FloatArray = npt.NDArray[np.float64]

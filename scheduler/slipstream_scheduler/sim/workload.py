@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
+
 from slipstream_scheduler.types import RequestClass
 
 BLOCK_TOKENS = 16
