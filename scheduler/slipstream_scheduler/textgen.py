@@ -137,10 +137,13 @@ class Tokenizer:
     Vocabulary: ids 0-2 are ``<unk>``, ``<s>`` (BOS) and ``</s>`` (EOS); from
     id 16 come the generator's words, each once with a leading space and once
     without, then single whitespace characters. Every other piece is encoded as
-    byte chunks with ids at or above ``2**24``.
+    byte chunks with ids at or above ``2**24``. The remaining ids below
+    ``vocab_size`` (default 32000, Llama-2's) are valid but never produced by
+    :meth:`encode`; they decode to ``<unusedN>`` so that any id a client takes
+    from a real Llama-2 tokenizer is accepted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int = 32000) -> None:
         pieces: list[str] = []
         for word in _GEN_WORDS:
             pieces.append(" " + word)
@@ -156,7 +159,7 @@ class Tokenizer:
         self.generation_ids: tuple[int, ...] = tuple(
             _FIRST_WORD_ID + i for i in range(len(_GEN_WORDS))
         )
-        self.vocab_size = _FIRST_WORD_ID + len(pieces)
+        self.vocab_size = max(vocab_size, _FIRST_WORD_ID + len(pieces))
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_bos`` prepends ``<s>``."""
@@ -184,7 +187,9 @@ class Tokenizer:
                 continue
             piece = self._id_to_piece.get(token_id)
             if piece is None:
-                raise UnknownTokenError(token_id)
+                if not 0 <= token_id < self.vocab_size:
+                    raise UnknownTokenError(token_id)
+                piece = f"<unused{token_id}>"
             if buf:
                 parts.append(buf.decode("utf-8", errors="replace"))
                 buf.clear()
@@ -207,7 +212,7 @@ class Tokenizer:
         return piece
 
     def is_valid(self, token_id: int) -> bool:
-        return token_id in self._id_to_piece or _CHUNK_BASE <= token_id < _CHUNK_MAX
+        return 0 <= token_id < self.vocab_size or _CHUNK_BASE <= token_id < _CHUNK_MAX
 
 
 def _chunk_ids(data: bytes) -> Iterable[int]:

@@ -336,7 +336,7 @@ async def test_priority_needs_the_priority_policy(http: aiohttp.ClientSession) -
         ({"prompt": "x", "echo": True}, 400, "echo"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"max_tokens": 3}, 400, "prompt"),
-        ({"prompt": [999]}, 400, "prompt"),
+        ({"prompt": [40_000]}, 400, "prompt"),
     ],
 )
 async def test_bad_requests_get_vllm_errors(
@@ -427,7 +427,7 @@ async def test_tokenize_and_detokenize(server: RunningServer, http: aiohttp.Clie
         },
     ) as resp:
         assert (await resp.json())["usage"]["prompt_tokens"] == chat["count"]
-    async with http.post(url + "/detokenize", json={"tokens": [12]}) as resp:
+    async with http.post(url + "/detokenize", json={"tokens": [-1]}) as resp:
         assert resp.status == 400
 
 

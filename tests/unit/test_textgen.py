@@ -108,10 +108,12 @@ def test_generated_tokens_are_space_prefixed_words() -> None:
 
 def test_unknown_token_id_raises() -> None:
     with pytest.raises(UnknownTokenError) as err:
-        TOK.decode([10])
-    assert err.value.token_id == 10
-    assert not TOK.is_valid(10)
+        TOK.decode([40_000])
+    assert err.value.token_id == 40_000
+    assert not TOK.is_valid(40_000)
+    assert not TOK.is_valid(-1)
     assert TOK.is_valid(BOS_ID)
+    assert TOK.decode([10, 15043]) == "<unused10><unused15043>"  # Llama-2 ids are accepted
 
 
 def test_known_words_are_single_tokens() -> None:
