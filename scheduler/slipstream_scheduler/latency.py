@@ -221,16 +221,16 @@ class BatchFeatures:
         other.tokens = self.tokens
         return other
 
-    def plus(self, other: BatchFeatures) -> BatchFeatures:
-        """A new accumulator for the union of the two batches."""
+    def minus(self, other: BatchFeatures) -> BatchFeatures:
+        """A new accumulator for this batch without ``other`` (one of its sub-batches)."""
         out = self.copy()
-        out.s_p += other.s_p
-        out.n_p += other.n_p
-        out.n_d += other.n_d
-        out.s_d_tok += other.s_d_tok
-        out.s_d_ctx += other.s_d_ctx
-        out.p_c += other.p_c
-        out.tokens += other.tokens
+        out.s_p -= other.s_p
+        out.n_p -= other.n_p
+        out.n_d -= other.n_d
+        out.s_d_tok -= other.s_d_tok
+        out.s_d_ctx -= other.s_d_ctx
+        out.p_c -= other.p_c
+        out.tokens -= other.tokens
         return out
 
     def row(self) -> tuple[float, ...]:

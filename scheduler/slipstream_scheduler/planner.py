@@ -405,69 +405,75 @@ class TwoPhasePlanner:
             chunk_limit = lim.long_prefill_token_threshold
         budget, _, reported_budget = self._budgets(s)
         room = _Room(s, rules.max_preemptions)
-        f = BatchFeatures()  # the peak iteration the engine may run
+
+        # The peak iteration: every in-flight request as a decode (sums kept in
+        # locals, online and offline apart), then in-flight prefill chunks.
         prefilling: list[RunningRequest] = []
-        offline_running = 0
-        online_present = False
-        f_off = BatchFeatures()  # the offline part of it
+        on_n = on_ctx = off_n = off_ctx = 0
         for r in s.running:
-            if r.cls is _ONLINE:
-                online_present = True
-                g = f
-            else:
-                offline_running += 1
-                g = f_off
-            if r.computed_tokens < r.prompt_tokens:
+            computed = r.computed_tokens
+            if computed < r.prompt_tokens:
                 prefilling.append(r)
-                g.add_decode(1, r.prompt_tokens)
+                ctx = r.prompt_tokens
             else:
-                g.add_decode(1, r.computed_tokens + r.generated_tokens)
+                ctx = computed + r.generated_tokens
+            if r.cls is _ONLINE:
+                on_n += 1
+                on_ctx += ctx
+            else:
+                off_n += 1
+                off_ctx += ctx
+        f = BatchFeatures()
+        f.n_d = f.s_d_tok = f.tokens = on_n + off_n
+        f.s_d_ctx = on_ctx + off_ctx
+        f_off = BatchFeatures()  # the offline part of the peak
+        f_off.n_d = f_off.s_d_tok = f_off.tokens = off_n
+        f_off.s_d_ctx = off_ctx
         chunks: dict[str, int] = {}
         for r in prefilling:
-            x = min(
-                r.prompt_tokens - r.computed_tokens,
-                chunk_limit,
-                cap_tokens - f.tokens - f_off.tokens,
-            )
+            x = min(r.prompt_tokens - r.computed_tokens, chunk_limit, cap_tokens - f.tokens)
             if x > 0:
-                (f if r.cls is _ONLINE else f_off).add_prefill(x, r.computed_tokens)
+                f.add_prefill(x, r.computed_tokens)
+                if r.cls is not _ONLINE:
+                    f_off.add_prefill(x, r.computed_tokens)
                 chunks[r.request_id] = x
-        online_part = f.copy()
-        f = f.plus(f_off)
+        online_present = on_n > 0
 
         def preempt_one() -> bool:
             """Preempt the next victim and take it out of the peak."""
             victim = room.next_victim()
             if victim is None:
                 return False
-            if victim.computed_tokens < victim.prompt_tokens:
-                f.remove_decode(1, victim.prompt_tokens)
-                x = chunks.pop(victim.request_id, 0)
-                if x:
-                    f.remove_prefill(x, victim.computed_tokens)
-            else:
-                f.remove_decode(1, victim.computed_tokens + victim.generated_tokens)
+            for g in (f, f_off):
+                if victim.computed_tokens < victim.prompt_tokens:
+                    g.remove_decode(1, victim.prompt_tokens)
+                    x = chunks.get(victim.request_id, 0)
+                    if x:
+                        g.remove_prefill(x, victim.computed_tokens)
+                else:
+                    g.remove_decode(1, victim.computed_tokens + victim.generated_tokens)
             room.free_kv += _blocks(victim.computed_tokens + victim.generated_tokens, bs)
             return True
 
         admitted: list[Admission] = []
+        may_preempt = rules.preempt_for_online
         if rules.admit_online:
             for q in islice(s.online_queue, rules.queue_window):
-                ctx0 = _first_context(q)
-                need = _blocks(q.prompt_tokens + 1, bs) - ctx0 // bs
-                while (room.slots <= 0 or need > room.free_kv) and rules.preempt_for_online:
+                prompt = q.prompt_tokens
+                ctx0 = q.cached_tokens if q.cached_tokens < prompt else prompt - 1
+                need = _blocks(prompt + 1, bs) - ctx0 // bs
+                while (room.slots <= 0 or need > room.free_kv) and may_preempt:
                     if not preempt_one():
                         break
                 if room.slots <= 0 or need > room.free_kv:
                     break
-                first = min(q.prompt_tokens - ctx0, chunk_limit)
-                x = min(first, cap_tokens - f.tokens)
+                first = prompt - ctx0
+                first = min(first, chunk_limit)
+                x = cap_tokens - f.tokens
+                x = min(x, first)
                 if x > 0:
                     f.add_prefill(x, ctx0)
-                f.add_decode(1, q.prompt_tokens)
-                if x > 0:
-                    online_part.add_prefill(x, ctx0)
-                online_part.add_decode(1, q.prompt_tokens)
+                f.add_decode(1, prompt)
                 room.free_kv -= need
                 room.slots -= 1
                 online_present = True
@@ -478,8 +484,8 @@ class TwoPhasePlanner:
             bounded
             and model is not None
             and online_present
-            and rules.preempt_for_online
-            and model.predict_features(online_part) <= budget
+            and may_preempt
+            and model.predict_features(f.minus(f_off)) <= budget
         ):
             # NOTE: only when online work alone fits; otherwise preempting cannot help.
             while model.predict_features(f) > budget:
@@ -489,22 +495,25 @@ class TwoPhasePlanner:
         if rules.admit_offline and not (
             bounded and model is not None and model.predict_features(f) > budget
         ):
-            in_flight = offline_running - len(room.preempted)
+            in_flight = off_n - len(room.preempted)
             cap = rules.offline_cap
             for q in islice(s.offline_queue, rules.queue_window):
                 if room.slots <= 0 or (cap is not None and in_flight >= cap):
                     break
-                ctx0 = _first_context(q)
-                need = _blocks(q.prompt_tokens + 1, bs) - ctx0 // bs
+                prompt = q.prompt_tokens
+                ctx0 = q.cached_tokens if q.cached_tokens < prompt else prompt - 1
+                need = _blocks(prompt + 1, bs) - ctx0 // bs
                 if need > room.free_kv:
                     break
-                first = min(q.prompt_tokens - ctx0, chunk_limit)
-                x = min(first, cap_tokens - f.tokens)
+                first = prompt - ctx0
+                first = min(first, chunk_limit)
+                x = cap_tokens - f.tokens
+                x = min(x, first)
                 if x > 0:
                     f.add_prefill(x, ctx0)
-                f.add_decode(1, q.prompt_tokens)
+                f.add_decode(1, prompt)
                 if bounded and model is not None and model.predict_features(f) > budget:
-                    f.remove_decode(1, q.prompt_tokens)
+                    f.remove_decode(1, prompt)
                     if x > 0:
                         f.remove_prefill(x, ctx0)
                     break
