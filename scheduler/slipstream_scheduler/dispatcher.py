@@ -43,6 +43,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 from sortedcontainers import SortedList
 
+from slipstream_scheduler.ordering import KeyedQueue, Ordering, RequestView
 from slipstream_scheduler.protocols import LengthPredictor, Planner
 from slipstream_scheduler.psm import PsmQueue
 from slipstream_scheduler.types import (
@@ -173,6 +174,7 @@ class DispatcherStats:
     plans: int
     budget_s: float | None
     est_free_kv_blocks: int
+    reorders: int = 0  # online requests aborted to let a better-ranked one in
 
 
 class RequestQueue(Protocol):
@@ -259,6 +261,116 @@ class PsmOfflineQueue:
         return len(self._q)
 
 
+class OrderingQueue:
+    """The online queue in a core :class:`~slipstream_scheduler.ordering.Ordering`'s order.
+
+    Keys come from the ordering over the length predictor's sample, computed
+    on arrival (and on re-entry after a reorder abort, at the tokens produced
+    so far). For a preemptive ordering (TRAIL-like, Gittins) the queue also
+    keeps the keys of the requests in flight, refreshed only when the ordering
+    says a bucket boundary was crossed, and :meth:`reorder_victim` names the
+    in-flight request a waiting one may displace. The sidecar cannot change a
+    request's priority inside vLLM, so displacing means abort and resume as a
+    continuation (digest §2.8 (a)).
+    """
+
+    def __init__(self, ordering: Ordering, predictor: LengthPredictor) -> None:
+        self.ordering = ordering
+        self._predictor = predictor
+        self._q = KeyedQueue()
+        self._held: dict[str, Incoming] = {}
+        self._generated: dict[str, int] = {}
+        self._preemptions: dict[str, int] = {}
+        self._samples: dict[str, npt.NDArray[np.float64]] = {}
+        self._running: dict[str, tuple[RequestView, float]] = {}
+
+    def _view(self, req: Incoming, generated: int, keyed_at: int = -1) -> RequestView:
+        rid = req.request_id
+        sample = self._samples.get(rid)
+        if sample is None:
+            sample = np.sort(
+                np.asarray(self._predictor.predict(req.vector, req.prompt_tokens), np.float64)
+            )
+            self._samples[rid] = sample
+        return RequestView(
+            request_id=rid,
+            arrival_s=req.arrival_s,
+            input_tokens=req.prompt_tokens,
+            lengths=sample,
+            generated_tokens=generated,
+            keyed_at_tokens=keyed_at,
+            preemptions=self._preemptions.get(rid, 0),
+        )
+
+    def push(self, request: Incoming) -> None:
+        rid = request.request_id
+        self._held[rid] = request
+        self._running.pop(rid, None)
+        view = self._view(request, self._generated.get(rid, 0))
+        self._q.push(rid, self.ordering.key(view))
+
+    def head(self, n: int, now_s: float) -> list[str]:
+        if n == 1 and len(self._q):
+            return [self._q.peek()[0]]
+        return [rid for rid, _ in self._q.smallest(n)]
+
+    def take(self, request_id: str, now_s: float) -> None:
+        self._q.remove(request_id)
+        if self.ordering.preemptive:
+            req = self._held[request_id]
+            g = self._generated.get(request_id, 0)
+            view = self._view(req, g, g)
+            self._running[request_id] = (view, self.ordering.key(view))
+
+    def remove(self, request_id: str) -> None:
+        if request_id in self._q:
+            self._q.remove(request_id)
+        self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request left for good."""
+        self._held.pop(request_id, None)
+        self._generated.pop(request_id, None)
+        self._preemptions.pop(request_id, None)
+        self._samples.pop(request_id, None)
+        self._running.pop(request_id, None)
+
+    def progressed(self, request_id: str, generated_total: int) -> None:
+        """Output tokens produced so far (all submissions); re-keys at bucket boundaries."""
+        self._generated[request_id] = generated_total
+        cur = self._running.get(request_id)
+        if cur is None:
+            return
+        view = cur[0]
+        probe = RequestView(
+            view.request_id,
+            view.arrival_s,
+            view.input_tokens,
+            view.lengths,
+            generated_total,
+            view.fallback,
+            view.keyed_at_tokens,
+            view.preemptions,
+        )
+        if self.ordering.refresh_needed(probe):
+            fresh = self._view(self._held[request_id], generated_total, generated_total)
+            self._running[request_id] = (fresh, self.ordering.key(fresh))
+
+    def reorder_victim(self) -> str | None:
+        """An in-flight request the best waiting one may displace, if the ordering allows."""
+        if not self.ordering.preemptive or not self._running or not len(self._q):
+            return None
+        _, best = self._q.peek()
+        rid, (view, key) = max(self._running.items(), key=lambda kv: kv[1][1])
+        if self.ordering.may_preempt(best, view, key):
+            self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
+            return rid
+        return None
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
 @dataclass(slots=True)
 class _Rec:
     request_id: str
@@ -307,6 +419,11 @@ class Dispatcher:
         # KV estimate: prompt blocks in flight counted once per distinct hash
         self._block_refs: dict[int, int] = {}
         self._private_blocks = 0  # blocks of in-flight requests without hashes + output blocks
+        oq = self.online_queue
+        self._reorder: OrderingQueue | None = (
+            oq if isinstance(oq, OrderingQueue) and oq.ordering.preemptive else None
+        )
+        self._reorders = 0
         self._submitted = self._resumed = self._preemptions = 0
         self._finished = self._failed = self._plans = 0
 
@@ -333,6 +450,8 @@ class Dispatcher:
             self._out_blocks(rec.generated)
         )
         rec.generated = rec.resume_from + generated_tokens
+        if self._reorder is not None and rec.cls is RequestClass.ONLINE:
+            self._reorder.progressed(request_id, rec.generated)
 
     def finished(self, request_id: str, output_tokens: int, now_s: float) -> None:
         """This submission's stream ended normally after ``output_tokens`` tokens."""
@@ -396,6 +515,15 @@ class Dispatcher:
         off_room = self.limits.max_num_seqs
         if cfg.max_offline_inflight is not None:
             off_room = cfg.max_offline_inflight - self._n_inflight[RequestClass.OFFLINE]
+        reorder_abort: Abort | None = None
+        if self._reorder is not None and n_on > 0 and on_room <= 0:
+            victim = self._reorder.reorder_victim()
+            if victim is not None:
+                vrec = self._inflight.get(victim)
+                if vrec is not None and not vrec.aborting:
+                    vrec.aborting = True
+                    self._reorders += 1
+                    reorder_abort = Abort(victim, "reorder")
         online_ids = (
             self.online_queue.head(min(cfg.lookahead, on_room), now_s) if n_on > 0 < on_room else []
         )
@@ -405,6 +533,9 @@ class Dispatcher:
             else []
         )
         if not online_ids and not offline_ids:
+            if reorder_abort is not None:
+                self._dirty = True
+                return Decisions((), (reorder_abort,))
             return Decisions()
         snap = Snapshot(
             now_s=now_s,
@@ -417,7 +548,7 @@ class Dispatcher:
         )
         plan = self.planner.plan(snap)
         self._plans += 1
-        aborts: list[Abort] = []
+        aborts: list[Abort] = [] if reorder_abort is None else [reorder_abort]
         if cfg.preempt_offline:
             for rid in plan.preempted:
                 rec = self._inflight.get(rid)
@@ -520,6 +651,7 @@ class Dispatcher:
             plans=self._plans,
             budget_s=self._budget_s,
             est_free_kv_blocks=self.est_free_kv_blocks,
+            reorders=self._reorders,
         )
 
     # ---- bookkeeping -------------------------------------------------------------
@@ -535,7 +667,7 @@ class Dispatcher:
 
     def _forget(self, rec: _Rec) -> None:
         q = self._queue(rec)
-        if isinstance(q, FifoQueue):
+        if isinstance(q, FifoQueue | OrderingQueue):
             q.forget(rec.request_id)
 
     def _out_blocks(self, generated: int) -> int:
