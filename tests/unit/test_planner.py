@@ -422,8 +422,11 @@ def check_iteration_plan(
     if planner.model is not None:
         assert plan.predicted_step_s == pytest.approx(planner.model.predict(batch), rel=1e-9)
 
-    # Online first: admitted online precede admitted offline; a blocked online head
+    # Online first: scheduled online work precedes scheduled offline work, admitted
+    # online precede admitted offline; a blocked online head
     # (within the window) means no new offline request.
+    sched_classes = [running[a.request_id].cls for a in plan.scheduled]
+    assert sched_classes == sorted(sched_classes)
     classes = [queued_by_id[a.request_id].cls for a in plan.admitted]
     assert classes == sorted(classes)
     n_online_admitted = classes.count(ON)
