@@ -259,3 +259,16 @@ def test_prediction_is_monotone_when_an_item_is_added(
         assert now >= last - 1e-15
         last = now
     assert math.isfinite(last)
+
+
+def test_the_model_satisfies_the_latency_model_protocol() -> None:
+    from slipstream_scheduler.protocols import LatencyModel
+
+    model = LinearLatencyModel(FeatureSet.CONTEXT, _coef())
+    assert isinstance(model, LatencyModel)
+
+
+def test_minus_removes_a_sub_batch() -> None:
+    whole = [BatchItem(Phase.PREFILL, 100, 50), BatchItem(Phase.DECODE, 1, 300)]
+    part = BatchFeatures.of(whole[1:])
+    assert BatchFeatures.of(whole).minus(part).row() == BatchFeatures.of(whole[:1]).row()
