@@ -49,8 +49,9 @@ It walks the work in a fixed order and keeps a
 
 Both modes look at no more than ``queue_window`` entries of each queue, stop at
 the first queued request that cannot be admitted (queues are in policy order:
-skipping ahead would break FCFS or PSM locality), and allocate only the output
-tuples.
+skipping ahead would break FCFS or PSM locality), and allocate little beyond
+the output tuples (small lists of the requests still in prefill; decode
+``Admission`` values are reused per request id).
 
 Deliberately left out: ordering (the snapshot's queues arrive ordered),
 choosing the budget (the profiler does), swapping KV to host memory, and any
