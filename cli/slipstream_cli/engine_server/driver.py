@@ -82,6 +82,7 @@ class DriverStats:
     resyncs: int = 0  # times the timeline was reset because the host fell too far behind
     max_lag_s: float = 0.0
     total_lag_s: float = 0.0
+    modelled_s: float = 0.0  # sum of the engine model's step durations
 
 
 class Stream:
@@ -316,6 +317,7 @@ class Driver:
                 clock.target = now
             result = self._engine.step(now - clock.t0)
             clock.target += result.duration_s
+            clock.stats.modelled_s += result.duration_s
             delay = clock.target - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
