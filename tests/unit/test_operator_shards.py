@@ -22,12 +22,15 @@ from slipstream_operator.shards import (
     work_dir_for,
 )
 
-DATA = Path(os.environ.get("SLIPSTREAM_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(os.environ.get("SLIPSTREAM_DATA", REPO.parent / "shared" / "data"))
 
 
 def request(cid: str, content: str, model: str = "m") -> str:
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"model": model, "messages": [{"role": "user", "content": content}]}})
+    body = {"model": model, "messages": [{"role": "user", "content": content}]}
+    return json.dumps(
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    )
 
 
 def mmlu_lines(subjects: int, per_subject: int) -> list[str]:
@@ -63,8 +66,10 @@ def staged(plan: Plan) -> list[dict[str, Any]]:
 def test_prompt_text_reads_prompt_and_messages() -> None:
     assert prompt_text({"prompt": "abc"}) == "abc"
     assert prompt_text({"messages": [{"role": "user", "content": "hi"}]}) == "user:hi\n"
-    assert prompt_text({"messages": [{"role": "user",
-                                      "content": [{"type": "text", "text": "x"}]}]}) == "x"
+    assert (
+        prompt_text({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
+        == "x"
+    )
 
 
 @pytest.mark.unit
@@ -72,19 +77,24 @@ def test_psm_groups_shared_prefixes_into_the_same_shard(tmp_path: Path) -> None:
     lines = mmlu_lines(subjects=4, per_subject=30)
     shuffled = interleave(lines, 7)  # subjects mixed together in the input
     src = write(tmp_path / "in.jsonl", shuffled)
-    plan = plan_input(src, f"file://{tmp_path}/out.jsonl", "job",
-                      PlanOptions(shard_size=30, prefix_chars=512, run_lines=25))
+    plan = plan_input(
+        src,
+        f"file://{tmp_path}/out.jsonl",
+        "job",
+        PlanOptions(shard_size=30, prefix_chars=512, run_lines=25),
+    )
     assert plan.total == plan.valid == 120 and plan.bad == 0
     records = staged(plan)
-    assert sorted(r["custom_id"] for r in records) == sorted(json.loads(x)["custom_id"]
-                                                            for x in lines)
+    assert sorted(r["custom_id"] for r in records) == sorted(
+        json.loads(x)["custom_id"] for x in lines
+    )
     subjects = [r["custom_id"].rsplit("-", 1)[0] for r in records]
     # Each subject is one contiguous run in the staged file ...
     runs = [s for i, s in enumerate(subjects) if i == 0 or subjects[i - 1] != s]
     assert len(runs) == 4
     # ... and each shard holds exactly one subject.
     for shard in plan.shards:
-        assert len(set(subjects[shard.start:shard.end])) == 1
+        assert len(set(subjects[shard.start : shard.end])) == 1
     assert [s.size for s in plan.shards] == [30, 30, 30, 30]
     assert len({s.affinity for s in plan.shards}) == 4
 
@@ -94,8 +104,9 @@ def test_shards_cut_at_group_boundaries_and_hard_cap(tmp_path: Path) -> None:
     lines = [request(f"a{i}", "A" * 50 + str(i)) for i in range(25)]
     lines += [request(f"b{i}", "B" * 50 + str(i)) for i in range(3)]
     src = write(tmp_path / "in.jsonl", lines)
-    plan = plan_input(src, f"file://{tmp_path}/out.jsonl", "j",
-                      PlanOptions(shard_size=10, prefix_chars=50))
+    plan = plan_input(
+        src, f"file://{tmp_path}/out.jsonl", "j", PlanOptions(shard_size=10, prefix_chars=50)
+    )
     sizes = [s.size for s in plan.shards]
     # The A group is hard-cut at 2x; its tail and the small B group share a shard (a shard
     # is cut at a group boundary only once it is full).
@@ -106,8 +117,15 @@ def test_shards_cut_at_group_boundaries_and_hard_cap(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_bad_lines_become_error_records_and_are_counted(tmp_path: Path) -> None:
-    lines = [request("ok1", "x"), "{not json", "[1, 2]", json.dumps({"custom_id": "nobody"}),
-             "", json.dumps({"body": {}}), request("ok2", "y")]
+    lines = [
+        request("ok1", "x"),
+        "{not json",
+        "[1, 2]",
+        json.dumps({"custom_id": "nobody"}),
+        "",
+        json.dumps({"body": {}}),
+        request("ok2", "y"),
+    ]
     src = write(tmp_path / "in.jsonl", lines)
     plan = plan_input(src, f"file://{tmp_path}/out.jsonl", "j", PlanOptions())
     assert (plan.total, plan.valid, plan.bad) == (7, 2, 5)
@@ -129,13 +147,25 @@ def test_planning_is_idempotent_for_the_same_input(tmp_path: Path) -> None:
 
 
 def _result(cid: str) -> str:
-    return json.dumps({"id": f"x-{cid}", "custom_id": cid,
-                       "response": {"status_code": 200, "body": {}}, "error": None})
+    return json.dumps(
+        {
+            "id": f"x-{cid}",
+            "custom_id": cid,
+            "response": {"status_code": 200, "body": {}},
+            "error": None,
+        }
+    )
 
 
 def _error(cid: str) -> str:
-    return json.dumps({"id": f"x-{cid}", "custom_id": cid, "response": None,
-                       "error": {"code": "engine", "message": "boom"}})
+    return json.dumps(
+        {
+            "id": f"x-{cid}",
+            "custom_id": cid,
+            "response": None,
+            "error": {"code": "engine", "message": "boom"},
+        }
+    )
 
 
 @pytest.mark.unit
@@ -160,8 +190,9 @@ def test_merge_is_exactly_once_across_a_moved_shard(tmp_path: Path) -> None:
     result = merge_outputs(plan, out, f"file://{tmp_path}/out.errors.jsonl")
     assert (result.completed, result.failed, result.total) == (7, 2, 9)
     merged = [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    errs = [json.loads(x)["custom_id"]
-            for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    errs = [
+        json.loads(x)["custom_id"] for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()
+    ]
     assert sorted(merged + errs) == sorted([f"r{i}" for i in range(8)] + ["line-9"])
     assert len(merged) == len(set(merged))
 
@@ -180,11 +211,17 @@ def test_merge_refuses_when_a_request_has_no_record(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_memory_does_not_grow_with_input_size(tmp_path: Path) -> None:
     def peak(n: int, name: str) -> int:
-        src = write(tmp_path / f"{name}.jsonl",
-                    [request(f"r{i}", f"subject {i % 13} q {i}") for i in range(n)])
+        src = write(
+            tmp_path / f"{name}.jsonl",
+            [request(f"r{i}", f"subject {i % 13} q {i}") for i in range(n)],
+        )
         tracemalloc.start()
-        plan_input(src, f"file://{tmp_path}/{name}.out.jsonl", name,
-                   PlanOptions(shard_size=100, run_lines=1000, merge_fan_in=8))
+        plan_input(
+            src,
+            f"file://{tmp_path}/{name}.out.jsonl",
+            name,
+            PlanOptions(shard_size=100, run_lines=1000, merge_fan_in=8),
+        )
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return top
@@ -199,8 +236,10 @@ def test_a_million_requests_plan_in_bounded_memory(tmp_path: Path) -> None:
     path = tmp_path / "big.jsonl"
     with open(path, "w") as f:
         for i in range(n):
-            f.write(f'{{"custom_id":"r{i}","method":"POST","url":"/v1/completions",'
-                    f'"body":{{"model":"m","prompt":"subject {i % 57} question {i}"}}}}\n')
+            f.write(
+                f'{{"custom_id":"r{i}","method":"POST","url":"/v1/completions",'
+                f'"body":{{"model":"m","prompt":"subject {i % 57} question {i}"}}}}\n'
+            )
     size = path.stat().st_size
     tracemalloc.start()
     plan = plan_input(f"file://{path}", f"file://{tmp_path}/out.jsonl", "big", PlanOptions())

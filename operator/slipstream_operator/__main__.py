@@ -1,0 +1,94 @@
+"""``slipstream operator``: run the kopf operator (one active replica, standalone).
+
+Builds :class:`~slipstream_operator.settings.OperatorSettings` (environment,
+then flags), the Kubernetes client (``--kubeconfig``, ``$KUBECONFIG`` or the
+in-cluster service account), the gRPC sidecar control and an HTTP session for
+scraping sidecars, then runs kopf on an explicit registry with
+``standalone=True`` (no peering; ship one replica with ``strategy: Recreate``).
+
+Deliberately left out: leader election, webhooks, health endpoints beyond
+kopf's ``--liveness``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG/in-cluster)")
+    parser.add_argument("-n", "--namespace", action="append", dest="namespaces",
+                        help="namespace to watch (repeatable; default: all)")
+    parser.add_argument("--loopback-only", action="store_true", default=None,
+                        help="test setting: never dial pod IPs outside 127.0.0.0/8")
+    parser.add_argument("--interval", type=float, dest="reconcile_interval_s",
+                        help="seconds between reconciles of one object (default 5)")
+    parser.add_argument("--window", type=float, dest="window_s",
+                        help="seconds of the observed-latency window (default 300)")
+    parser.add_argument("--prometheus-url", help="Prometheus base URL (default: scrape sidecars)")
+    parser.add_argument("--profiles-dir", help="extra folder of latency profiles")
+    parser.add_argument("--stall-timeout", type=float, dest="stall_timeout_s",
+                        help="seconds without progress before a shard moves (default 120)")
+    parser.add_argument("--max-shards-per-pod", type=int,
+                        help="offline shards one pod runs at once (default 2)")
+    parser.add_argument("--liveness", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/h")
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from slipstream_operator.settings import OperatorSettings
+
+    overrides = {
+        key: getattr(args, key, None)
+        for key in ("namespaces", "loopback_only", "reconcile_interval_s", "window_s",
+                    "prometheus_url", "profiles_dir", "stall_timeout_s", "max_shards_per_pod")
+    }
+    return OperatorSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+async def _main(args: argparse.Namespace) -> int:
+    import aiohttp
+    import kopf
+    from kubernetes import config
+
+    from slipstream_operator.handlers import Handlers, build_registry
+    from slipstream_operator.sidecar_client import GrpcSidecarControl
+
+    settings = settings_from_args(args)
+    kubeconfig = args.kubeconfig or os.environ.get("KUBECONFIG")
+    if kubeconfig:
+        api = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    else:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        from kubernetes import client
+
+        api = client.ApiClient()
+    control = GrpcSidecarControl(timeout_s=settings.sidecar_timeout_s)
+    async with aiohttp.ClientSession() as http:
+        handlers = Handlers(settings, api, control, http)
+        registry = build_registry(handlers)
+        namespaces = settings.namespaces
+        logger.info("slipstream operator starting (namespaces: %s, loopback-only: %s)",
+                    namespaces or "all", settings.loopback_only)
+        try:
+            await kopf.operator(
+                registry=registry,
+                standalone=True,
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+                liveness_endpoint=args.liveness,
+            )
+        finally:
+            await control.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "kubeconfig", None):
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it
+    return asyncio.run(_main(args))

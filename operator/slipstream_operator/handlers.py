@@ -1,0 +1,484 @@
+"""Thin kopf handlers: observe, call the pure reconcilers, apply what they return.
+
+:func:`build_registry` registers, on an explicit ``kopf.OperatorRegistry``
+(no import side effects), a timer per InferenceService and per OfflineJob
+(every ``reconcile_interval_s``) plus delete handlers guarded by the
+operator's own finalizer. A tick:
+
+* InferenceService: read/create the control token, find the latency profile,
+  list the pods (by label), ask each running pod's sidecar for Status (gRPC,
+  pod IP) and scrape its ``/metrics`` (HTTP, pod IP), then
+  ``reconcile_service``; apply the children (server-side apply), push
+  Configure to pods behind the generation, write ``patch.status``, emit events.
+* OfflineJob: plan the input once (worker thread), find the pods of matching
+  services, ask their sidecars, verify finished shards against their logs,
+  then ``reconcile_job``; revoke, assign, merge, write ``patch.status``.
+
+Handlers return None (kopf would otherwise store return values under
+``status.<handler>``, which the structural schema prunes). kopf's own state
+lives under the ``slipstream.dev`` annotation prefix; the finalizer is
+``slipstream.dev/finalizer``. Errors from the Kubernetes API or a sidecar
+are logged and retried on the next tick; a spec the reconcilers cannot use
+gets a ``Ready``/``Admitted`` condition saying why.
+
+Deliberately left out: webhooks (CEL covers validation) and status from
+Prometheus beyond the queries in ``observe.promql_queries``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+import kopf
+from kubernetes import client
+from slipstream_scheduler.latency import LinearLatencyModel
+
+from slipstream_operator import kube
+from slipstream_operator.api import (
+    GROUP,
+    VERSION,
+    InferenceServiceSpec,
+    OfflineJobSpec,
+    validate_semantics,
+)
+from slipstream_operator.budgets import AnalyticSearch, BudgetSearch
+from slipstream_operator.conditions import set_condition
+from slipstream_operator.errors import InputError, OperatorError, OutputError, SidecarError
+from slipstream_operator.observe import PodHistory, combine, parse_sample
+from slipstream_operator.profiles import find_profile
+from slipstream_operator.reconcile_job import (
+    CandidatePod,
+    JobMemory,
+    JobObserved,
+    JobSettings,
+    job_prefix,
+    reconcile_job,
+)
+from slipstream_operator.reconcile_service import (
+    SERVICE_LABEL,
+    TOKEN_KEY,
+    ObjectRef,
+    PodView,
+    ServiceMemory,
+    ServiceObserved,
+    names,
+    reconcile_service,
+)
+from slipstream_operator.settings import OperatorSettings
+from slipstream_operator.shards import (
+    MergeResult,
+    Plan,
+    PlanOptions,
+    count_shard,
+    merge_outputs,
+    plan_input,
+)
+from slipstream_operator.sidecar_client import (
+    PodAddress,
+    ShardAssignment,
+    SidecarControl,
+    SidecarStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+FINALIZER = f"{GROUP}/finalizer"
+
+
+@dataclass
+class OperatorState:
+    """In-process memory of the handlers, keyed by object uid (lost on restart, rebuilt)."""
+
+    services: dict[str, ServiceMemory] = field(default_factory=dict)
+    histories: dict[str, dict[str, PodHistory]] = field(default_factory=dict)
+    jobs: dict[str, JobMemory] = field(default_factory=dict)
+    plans: dict[str, Plan] = field(default_factory=dict)
+    done: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    merged: dict[str, MergeResult] = field(default_factory=dict)
+    addresses: dict[str, dict[str, PodAddress]] = field(default_factory=dict)
+
+
+def configure_kopf(settings: kopf.OperatorSettings) -> None:
+    """The kopf settings this operator relies on (finalizer, storages, posting)."""
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 60
+    settings.execution.max_workers = 8
+
+
+def _now() -> tuple[datetime, float]:
+    return datetime.now(tz=UTC), time.monotonic()
+
+
+def _patch_status(patch: kopf.Patch, status: dict[str, Any]) -> None:
+    for key, value in status.items():
+        patch.status[key] = value
+
+
+class Handlers:
+    """The handler bodies, with their dependencies injected."""
+
+    def __init__(
+        self,
+        settings: OperatorSettings,
+        api: client.ApiClient,
+        control: SidecarControl,
+        http: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.settings = settings
+        self.api = api
+        self.control = control
+        self.http = http
+        self.state = OperatorState()
+        self._searches: dict[int, BudgetSearch] = {}
+
+    # ------------------------------------------------------------------ InferenceService
+
+    def _search_for(self, model: LinearLatencyModel) -> BudgetSearch:
+        key = id(model)
+        if key not in self._searches:
+            self._searches[key] = AnalyticSearch(model)
+        return self._searches[key]
+
+    async def _token(self, ref: ObjectRef) -> str:
+        secret = names(ref)["secret"]
+        token = await asyncio.to_thread(
+            kube.read_secret_value, self.api, ref.namespace, secret, TOKEN_KEY
+        )
+        return token or secrets.token_urlsafe(32)
+
+    async def _scrape(self, ip: str, port: int) -> str | None:
+        if self.http is None:
+            return None
+        try:
+            async with self.http.get(
+                f"http://{ip}:{port}/metrics",
+                timeout=aiohttp.ClientTimeout(total=self.settings.sidecar_timeout_s),
+            ) as response:
+                if response.status != 200:
+                    return None
+                return await response.text()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+
+    async def _pod_view(
+        self, pod: kube.PodInfo, token: str, spec: InferenceServiceSpec,
+        history: dict[str, PodHistory], now_s: float,
+    ) -> PodView:
+        if not pod.running or not kube.dialable(pod.ip, self.settings.loopback_only):
+            if pod.running:
+                logger.warning("not dialling pod %s at %s (loopback-only)", pod.name, pod.ip)
+            return PodView(pod.name, pod.ip, False)
+        address = PodAddress(pod.name, pod.ip, spec.sidecar.grpc_port, token)
+        status: SidecarStatus | None
+        try:
+            status = await self.control.status(address)
+        except SidecarError as exc:
+            logger.info("%s", exc)
+            status = None
+        text = await self._scrape(pod.ip, spec.sidecar.http_port)
+        if text is not None:
+            history.setdefault(pod.name, PodHistory()).add(
+                parse_sample(text, now_s), self.settings.window_s
+            )
+        return PodView(pod.name, pod.ip, True, status)
+
+    async def service_tick(
+        self, body: kopf.Body, patch: kopf.Patch, *, name: str, namespace: str, uid: str,
+        generation: int,
+    ) -> None:
+        now, now_s = _now()
+        ref = ObjectRef(name, namespace, uid, generation)
+        previous = dict(body.get("status") or {})
+        try:
+            spec = InferenceServiceSpec.model_validate(dict(body["spec"]))
+        except ValueError as exc:
+            self._invalid(patch, previous, "Ready", generation=generation, message=str(exc),
+                          now=now)
+            return
+        problems = validate_semantics(spec)
+        if problems:
+            self._invalid(patch, previous, "Ready", generation=generation,
+                          message="; ".join(problems), now=now)
+            return
+        token = await self._token(ref)
+        profile = find_profile(spec.model, spec.engine.gpu_type, self.settings.profiles_dir)
+        pods = await asyncio.to_thread(
+            kube.list_pods, self.api, namespace, f"{SERVICE_LABEL}={name}"
+        )
+        history = self.state.histories.setdefault(uid, {})
+        for gone in set(history) - {p.name for p in pods}:
+            del history[gone]
+        views = await asyncio.gather(
+            *(self._pod_view(p, token, spec, history, now_s) for p in pods)
+        )
+        window = combine(history.values(), self.settings.default_prompt_tokens,
+                         self.settings.default_output_tokens) if history else None
+        observed = ServiceObserved(
+            pods=tuple(views),
+            token=token,
+            window=window,
+            latency_model=profile.model if profile else None,
+            profile=profile.name if profile else "",
+            window_label=f"{int(self.settings.window_s)}s",
+        )
+        outcome = reconcile_service(
+            ref, spec, observed, self.state.services.get(uid, ServiceMemory()),
+            previous_status=previous, now=now, now_s=now_s, params=self.settings.budget,
+            search_for=self._search_for,
+        )
+        for child in outcome.children:
+            await asyncio.to_thread(kube.apply, self.api, child)
+        acked = 0
+        by_name = {v.name: v for v in views}
+        for pod_name, call in outcome.pushes:
+            view = by_name[pod_name]
+            address = PodAddress(pod_name, view.ip, spec.sidecar.grpc_port, token)
+            try:
+                acked_gen = await self.control.configure(address, call)
+                acked += int(acked_gen >= call.generation)
+            except SidecarError as exc:
+                logger.warning("%s", exc)
+        self.state.services[uid] = outcome.memory
+        if outcome.pushes and acked == len(outcome.pushes):
+            # Every behind pod took the new generation: say so now, not on the next tick.
+            set_condition(outcome.status["conditions"], "BudgetReady", True, reason="Pushed",
+                          message=f"configuration generation {outcome.memory.config_generation}",
+                          now=now, observed_generation=generation)
+        _patch_status(patch, outcome.status)
+        for type_, reason, message in outcome.events:
+            kopf.event(body, type=type_, reason=reason, message=message)
+
+    def _invalid(self, patch: kopf.Patch, previous: dict[str, Any], type_: str, *,
+                 generation: int, message: str, now: datetime) -> None:
+        conditions = [dict(c) for c in previous.get("conditions", [])]
+        set_condition(conditions, type_, False, reason="InvalidSpec", message=message[:2000],
+                      now=now, observed_generation=generation)
+        patch.status["conditions"] = conditions
+        patch.status["observedGeneration"] = generation
+
+    # ------------------------------------------------------------------ OfflineJob
+
+    async def _plan(self, uid: str, namespace: str, name: str, spec: OfflineJobSpec) -> Plan:
+        plan = self.state.plans.get(uid)
+        if plan is None:
+            options = PlanOptions(shard_size=spec.shard_size,
+                                  prefix_chars=self.settings.prefix_chars,
+                                  run_lines=self.settings.plan_run_lines)
+            plan = await asyncio.to_thread(
+                plan_input, spec.input.uri, spec.output.uri, job_prefix(namespace, name), options
+            )
+            self.state.plans[uid] = plan
+        return plan
+
+    async def job_tick(
+        self, body: kopf.Body, patch: kopf.Patch, *, name: str, namespace: str, uid: str,
+        generation: int,
+    ) -> None:
+        now, now_s = _now()
+        previous = dict(body.get("status") or {})
+        try:
+            spec = OfflineJobSpec.model_validate(dict(body["spec"]))
+        except ValueError as exc:
+            self._invalid(patch, previous, "Admitted", generation=generation, message=str(exc),
+                          now=now)
+            return
+        problems = validate_semantics(spec)
+        if problems:
+            self._invalid(patch, previous, "Admitted", generation=generation,
+                          message="; ".join(problems), now=now)
+            return
+        if previous.get("phase") in ("Succeeded", "Failed"):
+            return
+        plan: Plan | None = None
+        plan_error = ""
+        try:
+            plan = await self._plan(uid, namespace, name, spec)
+        except (InputError, OSError) as exc:
+            plan_error = str(exc)
+        services = await asyncio.to_thread(kube.list_custom, self.api, namespace,
+                                           "inferenceservices")
+        jobs = await asyncio.to_thread(kube.list_custom, self.api, namespace, "offlinejobs")
+        priorities = {
+            job_prefix(namespace, j["metadata"]["name"]): int(j["spec"].get("priority", 0))
+            for j in jobs if j["metadata"]["uid"] != uid
+        }
+        selected = [
+            s for s in services
+            if s["spec"].get("model") == spec.model
+            and (s["spec"].get("scheduling") or {}).get("coLocation", True)
+            and spec.service_selector.matches(dict(s["metadata"].get("labels") or {}))
+        ]
+        addresses: dict[str, PodAddress] = {}
+        candidates: list[CandidatePod] = []
+        for svc in selected:
+            svc_name = svc["metadata"]["name"]
+            ref = ObjectRef(svc_name, namespace, svc["metadata"]["uid"], 0)
+            token = await self._token(ref)
+            port = int((svc["spec"].get("sidecar") or {}).get("grpcPort", 9000))
+            pods = await asyncio.to_thread(
+                kube.list_pods, self.api, namespace, f"{SERVICE_LABEL}={svc_name}"
+            )
+            for pod in pods:
+                if not pod.running or not kube.dialable(pod.ip, self.settings.loopback_only):
+                    continue
+                address = PodAddress(pod.name, pod.ip, port, token)
+                try:
+                    status = await self.control.status(address)
+                except SidecarError as exc:
+                    logger.info("%s", exc)
+                    continue
+                addresses[pod.name] = address
+                others = tuple(
+                    (r.shard_id, priorities[r.shard_id.rsplit("-", 1)[0]])
+                    for r in status.shards
+                    if r.state in ("pending", "running")
+                    and r.shard_id.rsplit("-", 1)[0] in priorities
+                )
+                candidates.append(CandidatePod(
+                    name=pod.name, service=svc_name,
+                    ready=status.engine_ready and not status.draining,
+                    spare_capacity=status.spare_capacity, shards=status.shards,
+                    other_priorities=others,
+                ))
+        done = self.state.done.setdefault(uid, {})
+        if plan is not None:
+            await self._verify(plan, candidates, done, self.state.jobs.get(uid, JobMemory()))
+        memory = self.state.jobs.get(uid, JobMemory())
+        observed = JobObserved(plan=plan, pods=tuple(candidates), done=dict(done),
+                               merged=self.state.merged.get(uid), plan_error=plan_error,
+                               services_selected=len(selected))
+        settings = JobSettings(max_shards_per_pod=self.settings.max_shards_per_pod,
+                               stall_timeout_s=self.settings.stall_timeout_s)
+
+        def run(obs: JobObserved, mem: JobMemory) -> Any:
+            return reconcile_job(namespace, name, generation, spec, observed=obs, memory=mem,
+                                 previous_status=previous, now=now, now_s=now_s,
+                                 settings=settings)
+
+        outcome = run(observed, memory)
+        if outcome.merge and plan is not None:
+            try:
+                merged = await asyncio.to_thread(merge_outputs, plan, spec.output.uri,
+                                                 spec.output.errors)
+            except (OutputError, OSError) as exc:
+                logger.warning("merge of %s/%s not possible yet: %s", namespace, name, exc)
+            else:
+                self.state.merged[uid] = merged
+                outcome = run(replace(observed, merged=merged), memory)
+        memory = outcome.memory
+        for pod_name, shard_id in outcome.revoke:
+            if pod_name in addresses:
+                try:
+                    await self.control.revoke(addresses[pod_name], shard_id)
+                except SidecarError as exc:
+                    logger.warning("%s", exc)
+        defaults = json.dumps(spec.request_defaults.wire())
+        for pod_name, shard in outcome.assign:
+            assert plan is not None
+            assignment = ShardAssignment(
+                shard_id=shard.shard_id, job_namespace=namespace, job_name=name,
+                model=spec.model, input_uri=plan.staged_uri, line_start=shard.start,
+                line_end=shard.end, output_uri=plan.shard_output_uri(shard.shard_id),
+                error_uri=plan.shard_error_uri(shard.shard_id),
+                priority=-spec.priority, request_defaults_json=defaults,
+            )
+            accepted = False
+            try:
+                accepted = await self.control.assign(addresses[pod_name], assignment)
+            except SidecarError as exc:
+                logger.warning("%s", exc)
+            if not accepted:
+                placements = dict(memory.placements)
+                placements.pop(shard.shard_id, None)
+                memory = replace(memory, placements=placements)
+        self.state.jobs[uid] = memory
+        self.state.addresses[uid] = addresses
+        _patch_status(patch, outcome.status)
+        for type_, reason, message in outcome.events:
+            kopf.event(body, type=type_, reason=reason, message=message)
+
+    async def _verify(self, plan: Plan, pods: list[CandidatePod],
+                      done: dict[str, tuple[int, int]], memory: JobMemory) -> None:
+        """Count the logs of shards that may have finished: reported succeeded, or unplaced."""
+        active = {r.shard_id for p in pods for r in p.shards if r.state in ("pending", "running")}
+        succeeded = {r.shard_id for p in pods for r in p.shards if r.state == "succeeded"}
+        first = not memory.history  # a fresh operator checks every shard once
+        for shard in plan.shards:
+            sid = shard.shard_id
+            if sid in done or sid in active:
+                continue
+            if sid in succeeded or sid in memory.placements or first:
+                result = await asyncio.to_thread(count_shard, plan, shard)
+                if result.completed + result.failed >= shard.size:
+                    done[sid] = (result.completed, result.failed)
+
+    async def job_deleted(self, name: str, namespace: str, uid: str) -> None:
+        """Revoke this job's shards everywhere (outputs stay on storage)."""
+        memory = self.state.jobs.pop(uid, None)
+        addresses = self.state.addresses.pop(uid, {})
+        self.state.plans.pop(uid, None)
+        self.state.done.pop(uid, None)
+        self.state.merged.pop(uid, None)
+        if memory is None:
+            return
+        logger.info("job %s/%s deleted; revoking %d shards", namespace, name,
+                    len(memory.placements))
+        for shard_id, placement in memory.placements.items():
+            if placement.pod in addresses:
+                try:
+                    await self.control.revoke(addresses[placement.pod], shard_id)
+                except SidecarError as exc:
+                    logger.warning("%s", exc)
+
+
+def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
+    """An explicit kopf registry with this operator's handlers."""
+    registry = kopf.OperatorRegistry()
+    interval = handlers.settings.reconcile_interval_s
+
+    @kopf.timer(GROUP, VERSION, "inferenceservices", interval=interval, idle=0,
+                registry=registry, id="reconcile")
+    async def service_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
+                            namespace: str | None, uid: str, meta: kopf.Meta,
+                            **_: Any) -> None:
+        namespace = namespace or "default"
+        try:
+            await handlers.service_tick(body, patch, name=name, namespace=namespace, uid=uid,
+                                        generation=int(meta.get("generation", 0)))
+        except (OperatorError, client.ApiException) as exc:
+            logger.warning("reconcile of InferenceService %s/%s failed: %s", namespace, name, exc)
+
+    @kopf.timer(GROUP, VERSION, "offlinejobs", interval=interval, idle=0,
+                registry=registry, id="reconcile")
+    async def job_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
+                        namespace: str | None, uid: str, meta: kopf.Meta, **_: Any) -> None:
+        namespace = namespace or "default"
+        try:
+            await handlers.job_tick(body, patch, name=name, namespace=namespace, uid=uid,
+                                    generation=int(meta.get("generation", 0)))
+        except (OperatorError, client.ApiException) as exc:
+            logger.warning("reconcile of OfflineJob %s/%s failed: %s", namespace, name, exc)
+
+    @kopf.on.delete(GROUP, VERSION, "offlinejobs", registry=registry, id="cleanup")
+    async def job_delete(*, name: str, namespace: str | None, uid: str, **_: Any) -> None:
+        await handlers.job_deleted(name, namespace or "default", uid)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings)
+
+    del service_timer, job_timer, job_delete, startup
+    return registry

@@ -1,0 +1,233 @@
+"""Online latency and load over a window, from the sidecars' own ``/metrics``.
+
+The operator scrapes each ready pod's sidecar ``/metrics`` (by pod IP) on its
+reconcile timer and keeps a short history of cumulative samples per pod.
+Subtracting the oldest sample inside the window from the newest gives the
+window's histogram of TTFT and TBT (online class), from which the mean
+(sum/count) and the P99 (linear interpolation inside the bucket, as PromQL's
+``histogram_quantile``) follow; counters give the arrival rate and the mean
+output length. Pods are summed bucket by bucket. A pod that restarted
+(counter went down) contributes only its samples since the restart.
+
+When a Prometheus URL is configured the handlers ask Prometheus instead
+(:func:`promql_queries` lists the queries); the numbers mean the same.
+
+Pure functions over text and numbers; the HTTP fetch lives in ``handlers``.
+Deliberately left out: per-pod SLO attainment (the SLO is a service-level
+promise) and any metric the sidecar does not export (prompt length: the
+caller supplies a default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from slipstream_operator.budgets import LoadStats, ObservedSLO
+
+ONLINE = "online"
+TTFT = "slipstream_ttft_seconds"
+TBT = "slipstream_tbt_seconds"
+ADMITTED = "slipstream_requests_admitted_total"
+FINISHED = "slipstream_requests_finished_total"
+OUTPUT_TOKENS = "slipstream_output_tokens_total"
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Cumulative bucket counts (upper bound, count) ascending, plus sum and count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    total: float
+    count: float
+
+    def minus(self, older: Histogram) -> Histogram:
+        if self.count < older.count or len(self.buckets) != len(older.buckets):
+            return self  # a restart: everything since it
+        return Histogram(
+            buckets=tuple(
+                (le, c - o) for (le, c), (_, o) in zip(self.buckets, older.buckets, strict=True)
+            ),
+            total=self.total - older.total,
+            count=self.count - older.count,
+        )
+
+    def plus(self, other: Histogram) -> Histogram:
+        if not self.buckets:
+            return other
+        if not other.buckets:
+            return self
+        return Histogram(
+            buckets=tuple(
+                (le, c + o) for (le, c), (_, o) in zip(self.buckets, other.buckets, strict=True)
+            ),
+            total=self.total + other.total,
+            count=self.count + other.count,
+        )
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """histogram_quantile semantics: linear inside the bucket holding rank q*count."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        lower_le, lower_count = 0.0, 0.0
+        for le, cum in self.buckets:
+            if cum >= rank:
+                if math.isinf(le):
+                    return lower_le  # beyond the last finite bucket: its bound
+                span = cum - lower_count
+                frac = (rank - lower_count) / span if span > 0 else 1.0
+                return lower_le + (le - lower_le) * frac
+            lower_le, lower_count = le, cum
+        return lower_le
+
+
+EMPTY = Histogram(buckets=(), total=0.0, count=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One scrape of one pod's sidecar, reduced to what the operator uses."""
+
+    at_s: float
+    ttft: Histogram
+    tbt: Histogram
+    admitted: float
+    finished: float
+    output_tokens: float
+
+    def minus(self, older: Sample) -> Sample:
+        def counter(new: float, old: float) -> float:
+            return new - old if new >= old else new
+
+        return Sample(
+            at_s=self.at_s,
+            ttft=self.ttft.minus(older.ttft),
+            tbt=self.tbt.minus(older.tbt),
+            admitted=counter(self.admitted, older.admitted),
+            finished=counter(self.finished, older.finished),
+            output_tokens=counter(self.output_tokens, older.output_tokens),
+        )
+
+
+def parse_sample(text: str, at_s: float, cls: str = ONLINE) -> Sample:
+    """Reduce a sidecar's Prometheus text exposition to a :class:`Sample` for one class."""
+    hist: dict[str, dict[str, float]] = {TTFT: {}, TBT: {}}
+    sums: dict[str, float] = {TTFT: 0.0, TBT: 0.0}
+    counts: dict[str, float] = {TTFT: 0.0, TBT: 0.0}
+    admitted = finished = tokens = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("class") != cls:
+                continue
+            if family.name in hist:
+                if s.name.endswith("_bucket"):
+                    hist[family.name][s.labels["le"]] = s.value
+                elif s.name.endswith("_sum"):
+                    sums[family.name] = s.value
+                elif s.name.endswith("_count"):
+                    counts[family.name] = s.value
+            elif s.name == ADMITTED:
+                admitted += s.value
+            elif s.name == FINISHED and s.labels.get("outcome") == "ok":
+                finished += s.value
+            elif s.name == OUTPUT_TOKENS:
+                tokens += s.value
+
+    def build(name: str) -> Histogram:
+        buckets = tuple(sorted((float(le), c) for le, c in hist[name].items()))
+        return Histogram(buckets=buckets, total=sums[name], count=counts[name])
+
+    return Sample(at_s, build(TTFT), build(TBT), admitted, finished, tokens)
+
+
+@dataclass
+class PodHistory:
+    """Recent samples of one pod (mutable, owned by the handler's memory)."""
+
+    samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=512))
+
+    def add(self, sample: Sample, window_s: float) -> None:
+        self.samples.append(sample)
+        while len(self.samples) > 2 and sample.at_s - self.samples[1].at_s >= window_s:
+            self.samples.popleft()
+
+    def window(self) -> Sample | None:
+        if len(self.samples) < 2:
+            return None
+        return self.samples[-1].minus(self.samples[0])
+
+    def span_s(self) -> float:
+        return self.samples[-1].at_s - self.samples[0].at_s if len(self.samples) > 1 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    observed: ObservedSLO
+    load: LoadStats
+    span_s: float
+
+
+def combine(
+    histories: Iterable[PodHistory], default_prompt_tokens: float, default_output_tokens: float
+) -> WindowStats:
+    """Service-wide statistics over the window from every pod's history."""
+    ttft, tbt = EMPTY, EMPTY
+    admitted = finished = tokens = 0.0
+    span = 0.0
+    for history in histories:
+        win = history.window()
+        if win is None:
+            continue
+        ttft, tbt = ttft.plus(win.ttft), tbt.plus(win.tbt)
+        admitted += win.admitted
+        finished += win.finished
+        tokens += win.output_tokens
+        span = max(span, history.span_s())
+    observed = ObservedSLO(
+        samples=int(ttft.count),
+        ttft_mean_s=ttft.mean(),
+        ttft_p99_s=ttft.quantile(0.99),
+        tbt_mean_s=tbt.mean(),
+        tbt_p99_s=tbt.quantile(0.99),
+    )
+    rate = admitted / span if span > 0 else 0.0
+    out_mean = tokens / finished if finished > 0 else default_output_tokens
+    load = LoadStats(
+        arrival_rate_rps=rate,
+        mean_prompt_tokens=default_prompt_tokens,
+        mean_output_tokens=out_mean,
+    )
+    return WindowStats(observed=observed, load=load, span_s=span)
+
+
+def promql_queries(namespace: str, service: str, window: str) -> dict[str, str]:
+    """The PromQL that yields the same numbers from Prometheus (pods labelled by service)."""
+    sel = f'namespace="{namespace}",slipstream_dev_service="{service}",class="online"'
+
+    def quantile(metric: str) -> str:
+        return (
+            f"histogram_quantile(0.99, sum by (le) (rate({metric}_bucket{{{sel}}}[{window}])))"
+        )
+
+    def mean(metric: str) -> str:
+        return (
+            f"sum(rate({metric}_sum{{{sel}}}[{window}])) / "
+            f"sum(rate({metric}_count{{{sel}}}[{window}]))"
+        )
+
+    return {
+        "ttft_p99_s": quantile(TTFT),
+        "ttft_mean_s": mean(TTFT),
+        "tbt_p99_s": quantile(TBT),
+        "tbt_mean_s": mean(TBT),
+        "samples": f"sum(increase({TTFT}_count{{{sel}}}[{window}]))",
+        "arrival_rate_rps": f"sum(rate({ADMITTED}{{{sel}}}[{window}]))",
+    }

@@ -1,0 +1,346 @@
+"""OfflineJob reconciler: ``(spec, observed, now) -> (actions, status)``.
+
+Pure. The handler plans the input (``shards.plan_input``), asks every
+candidate pod's sidecar for its status, verifies finished shards against their
+output logs, and passes all of it in; this module decides
+
+* **placement**: pending shards go to ready, non-draining pods of selected
+  services with a free slot (at most ``max_shards_per_pod`` shards of any job
+  per pod). A pod already holding the shard's prefix group (same
+  ``affinity``) is preferred, so a group stays where the engine's prefix
+  cache has it; then the pod with the most spare capacity. A job of higher
+  priority may take a slot from a lower-priority job's shard (revoked; it
+  resumes later from its log);
+* **moves**: a shard whose pod is gone or not ready, or that made no progress
+  for ``stall_timeout_s``, is revoked (when the pod still answers) and
+  placed again; its output URIs stay the same, so it continues where it stopped;
+* **suspend / resume**: suspend revokes every placed shard; resume places again;
+* **completion**: when every shard's log is complete the handler merges
+  (``merge=True``); once the merge reports exact counts the job Succeeded. A
+  job past its completion window Failed (``DeadlineExceeded``).
+
+Memory (placements in flight, progress timestamps, the completion-rate
+history) is kept by the handler between calls and rebuilt from the sidecars'
+reports after an operator restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from slipstream_operator.api import OfflineJobSpec, Phase, format_duration, parse_duration
+from slipstream_operator.conditions import rfc3339, set_condition
+from slipstream_operator.shards import MergeResult, Plan, ShardPlan
+from slipstream_operator.sidecar_client import ShardReport
+
+ACTIVE_STATES = ("pending", "running")
+
+
+@dataclass(frozen=True, slots=True)
+class CandidatePod:
+    """A pod that may host the job, as its sidecar reports it."""
+
+    name: str
+    service: str
+    ready: bool
+    spare_capacity: float
+    shards: tuple[ShardReport, ...] = ()
+    other_priorities: tuple[tuple[str, int], ...] = ()  # (shard_id, job priority) of other jobs
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    pod: str
+    since_s: float
+    progress_s: float
+    completed: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobMemory:
+    placements: dict[str, Placement] = field(default_factory=dict, hash=False)
+    reassigned: int = 0
+    history: tuple[tuple[float, int], ...] = ()  # (now_s, finished requests)
+    affinity_pods: dict[str, str] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class JobObserved:
+    plan: Plan | None
+    pods: tuple[CandidatePod, ...]
+    done: dict[str, tuple[int, int]]  # verified shard -> (completed, failed)
+    merged: MergeResult | None = None
+    plan_error: str = ""
+    services_selected: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobSettings:
+    max_shards_per_pod: int = 2
+    stall_timeout_s: float = 120.0
+    rate_window_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    assign: tuple[tuple[str, ShardPlan], ...]
+    revoke: tuple[tuple[str, str], ...]
+    merge: bool
+    status: dict[str, Any]
+    memory: JobMemory
+    events: tuple[tuple[str, str, str], ...] = ()
+
+
+def job_prefix(namespace: str, name: str) -> str:
+    """Shard ids of a job start with this (``<ns>.<name>``), so a pod's report maps back."""
+    return f"{namespace}.{name}"
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def reconcile_job(
+    ref_namespace: str,
+    ref_name: str,
+    generation: int,
+    spec: OfflineJobSpec,
+    *,
+    observed: JobObserved,
+    memory: JobMemory,
+    previous_status: dict[str, Any],
+    now: datetime,
+    now_s: float,
+    settings: JobSettings,
+) -> JobOutcome:
+    """One reconcile of an OfflineJob (see the module docstring)."""
+    conditions: list[dict[str, Any]] = [dict(c) for c in previous_status.get("conditions", [])]
+    events: list[tuple[str, str, str]] = []
+    status: dict[str, Any] = {"observedGeneration": generation}
+    prev_phase = previous_status.get("phase", Phase.PENDING.value)
+    start_time = previous_status.get("startTime")
+    completion_time = previous_status.get("completionTime")
+
+    def cond(type_: str, value: bool, reason: str, message: str = "") -> None:
+        set_condition(conditions, type_, value, reason=reason, message=message, now=now,
+                      observed_generation=generation)
+
+    def finish(phase: Phase, assign: tuple[tuple[str, ShardPlan], ...] = (),
+               revoke: tuple[tuple[str, str], ...] = (), merge: bool = False,
+               mem: JobMemory = memory) -> JobOutcome:
+        status["phase"] = phase.value
+        status["conditions"] = conditions
+        if start_time:
+            status["startTime"] = start_time
+        if completion_time:
+            status["completionTime"] = completion_time
+        if phase.value != prev_phase:
+            events.append(("Normal" if phase is not Phase.FAILED else "Warning", phase.value,
+                           f"phase {prev_phase} -> {phase.value}"))
+        return JobOutcome(assign, revoke, merge, status, mem, tuple(events))
+
+    # Terminal phases stay terminal.
+    if prev_phase in (Phase.SUCCEEDED.value, Phase.FAILED.value):
+        for key in ("requests", "shards", "progress", "eta", "tokensPerSecond", "outputUri"):
+            if key in previous_status:
+                status[key] = previous_status[key]
+        return finish(Phase(prev_phase))
+
+    plan = observed.plan
+    if plan is None:
+        cond("Admitted", False, "InputUnreadable" if observed.plan_error else "Planning",
+             observed.plan_error or "reading and ordering the input")
+        if observed.plan_error:
+            completion_time = rfc3339(now)
+            cond("Failed", True, "InputUnreadable", observed.plan_error)
+            return finish(Phase.FAILED)
+        return finish(Phase.PENDING)
+
+    prefix = job_prefix(ref_namespace, ref_name)
+    by_id = {s.shard_id: s for s in plan.shards}
+
+    # -- where the shards are -----------------------------------------------------------------
+    reports: dict[str, tuple[str, ShardReport]] = {}
+    ready_pods = {p.name: p for p in observed.pods if p.ready}
+    for pod in observed.pods:
+        for report in pod.shards:
+            if report.shard_id in by_id and report.state in ACTIVE_STATES:
+                reports[report.shard_id] = (pod.name, report)
+    placements = dict(memory.placements)
+    revoke: list[tuple[str, str]] = []
+    reassigned = memory.reassigned
+    for shard_id, placement in list(placements.items()):
+        if shard_id in observed.done:
+            del placements[shard_id]
+            continue
+        if placement.pod not in ready_pods:
+            del placements[shard_id]
+            reassigned += 1
+            events.append(("Warning", "ShardMoved",
+                           f"shard {shard_id} left pod {placement.pod} (pod gone or not ready)"))
+            continue
+        reported = reports.get(shard_id)
+        if reported is None:
+            if now_s - placement.since_s > settings.stall_timeout_s:
+                del placements[shard_id]  # the pod never took it up
+            continue
+        done_now = reported[1].completed + reported[1].failed
+        if done_now > placement.completed:
+            placements[shard_id] = replace(placement, progress_s=now_s, completed=done_now)
+        elif now_s - placement.progress_s > settings.stall_timeout_s:
+            revoke.append((placement.pod, shard_id))
+            del placements[shard_id]
+            reassigned += 1
+            events.append(("Warning", "ShardStalled",
+                           f"shard {shard_id} made no progress on {placement.pod}; moving it"))
+    for shard_id, (pod_name, report) in reports.items():
+        if shard_id not in placements and shard_id not in observed.done and (
+            pod_name in ready_pods and (pod_name, shard_id) not in revoke
+        ):
+            done_now = report.completed + report.failed
+            placements[shard_id] = Placement(pod_name, now_s, now_s, done_now)
+    affinity_pods = dict(memory.affinity_pods)
+
+    # -- counts --------------------------------------------------------------------------------
+    completed = sum(c for c, _ in observed.done.values())
+    failed = plan.bad + sum(f for _, f in observed.done.values())
+    tps = 0.0
+    for shard_id, (_, report) in reports.items():
+        if shard_id in placements:
+            completed += report.completed
+            failed += report.failed
+            tps += report.tokens_per_second
+    finished_requests = completed + failed
+    kept = [(t, n) for t, n in memory.history if now_s - t <= settings.rate_window_s]
+    history = (*kept, (now_s, finished_requests))
+    rate = 0.0
+    if len(history) >= 2 and history[-1][0] > history[0][0]:
+        rate = max(0.0, (history[-1][1] - history[0][1]) / (history[-1][0] - history[0][0]))
+    remaining = max(0, plan.total - finished_requests)
+    status["requests"] = {"total": plan.total, "completed": completed, "failed": failed}
+    status["progress"] = f"{finished_requests}/{plan.total}"
+    status["tokensPerSecond"] = round(tps, 2)
+    status["eta"] = format_duration(remaining / rate) if rate > 0 and remaining else ""
+    status["shards"] = {
+        "total": len(plan.shards),
+        "assigned": len(placements),
+        "done": len(observed.done),
+        "reassigned": reassigned,
+    }
+    cond("Admitted", True, "Planned",
+         f"{plan.total} requests ({plan.bad} unreadable) in {len(plan.shards)} shards")
+    new_memory = JobMemory(placements=placements, reassigned=reassigned, history=history,
+                           affinity_pods=affinity_pods)
+
+    # -- finished? -------------------------------------------------------------------------------
+    if len(observed.done) == len(plan.shards):
+        if observed.merged is not None:
+            m = observed.merged
+            status["requests"] = {"total": m.total, "completed": m.completed, "failed": m.failed}
+            status["progress"] = f"{m.completed + m.failed}/{m.total}"
+            status["eta"] = ""
+            status["tokensPerSecond"] = 0.0
+            status["outputUri"] = spec.output.uri
+            completion_time = rfc3339(now)
+            cond("Running", False, "Completed")
+            cond("Complete", True, "AllRequestsRecorded",
+                 f"{m.completed} succeeded, {m.failed} failed")
+            return finish(Phase.SUCCEEDED, mem=new_memory)
+        return finish(Phase.RUNNING, merge=True, mem=new_memory)
+
+    # -- deadline ---------------------------------------------------------------------------------
+    started = _parse_time(start_time)
+    if started is not None and (now - started).total_seconds() > parse_duration(
+        spec.completion_window
+    ):
+        completion_time = rfc3339(now)
+        cond("Failed", True, "DeadlineExceeded",
+             f"not finished within completionWindow {spec.completion_window}")
+        cond("Running", False, "DeadlineExceeded")
+        revoke.extend((p.pod, sid) for sid, p in placements.items())
+        return finish(Phase.FAILED, revoke=tuple(revoke),
+                      mem=replace(new_memory, placements={}))
+
+    # -- suspended --------------------------------------------------------------------------------
+    if spec.suspend:
+        revoke.extend((p.pod, sid) for sid, p in placements.items())
+        cond("Suspended", True, "SuspendedByUser", "spec.suspend is true")
+        cond("Running", False, "Suspended")
+        status["shards"]["assigned"] = 0
+        status["eta"] = ""
+        return finish(Phase.SUSPENDED, revoke=tuple(revoke),
+                      mem=replace(new_memory, placements={}))
+    if prev_phase == Phase.SUSPENDED.value:
+        cond("Suspended", False, "Resumed", "spec.suspend is false")
+
+    # -- placement --------------------------------------------------------------------------------
+    load: dict[str, int] = {}
+    for pod in observed.pods:
+        load[pod.name] = sum(1 for r in pod.shards if r.state in ACTIVE_STATES
+                             and not r.shard_id.startswith(prefix + "-"))
+    for placement in placements.values():
+        load[placement.pod] = load.get(placement.pod, 0) + 1
+    pending = [s for s in plan.shards
+               if s.shard_id not in observed.done and s.shard_id not in placements]
+    assign: list[tuple[str, ShardPlan]] = []
+    revoked_others: set[str] = set()
+    for shard in pending:
+        pods = [p for p in observed.pods if p.ready]
+        free = [p for p in pods if load.get(p.name, 0) < settings.max_shards_per_pod]
+        if not free:
+            victim = _preemptible(pods, spec.priority, revoked_others)
+            if victim is None:
+                break
+            pod_name, victim_shard = victim
+            revoke.append((pod_name, victim_shard))
+            revoked_others.add(victim_shard)
+            events.append(("Normal", "ShardPreempted",
+                           f"shard {victim_shard} yields pod {pod_name} to priority "
+                           f"{spec.priority}"))
+            load[pod_name] = load.get(pod_name, 0) - 1
+            free = [p for p in pods if p.name == pod_name]
+        preferred = affinity_pods.get(shard.affinity)
+        target = max(
+            free,
+            key=lambda p: (p.name == preferred, p.spare_capacity,
+                           -load.get(p.name, 0), p.name),
+        )
+        assign.append((target.name, shard))
+        load[target.name] = load.get(target.name, 0) + 1
+        affinity_pods[shard.affinity] = target.name
+        placements[shard.shard_id] = Placement(target.name, now_s, now_s, 0)
+    if assign and not start_time:
+        start_time = rfc3339(now)
+    new_memory = replace(new_memory, placements=placements, affinity_pods=affinity_pods)
+    status["shards"]["assigned"] = len(placements)
+
+    if placements:
+        cond("Running", True, "ShardsRunning",
+             f"{len(placements)} shards on {len({p.pod for p in placements.values()})} pods")
+        phase = Phase.RUNNING
+    else:
+        why = ("NoMatchingService" if observed.services_selected == 0
+               else "NoReadyPods" if not any(p.ready for p in observed.pods) else "NoCapacity")
+        cond("Running", False, why, "waiting for capacity")
+        phase = Phase.RUNNING if start_time else Phase.PENDING
+    return finish(phase, assign=tuple(assign), revoke=tuple(revoke), mem=new_memory)
+
+
+def _preemptible(
+    pods: list[CandidatePod], priority: int, taken: set[str]
+) -> tuple[str, str] | None:
+    """The lowest-priority other job's shard below ``priority`` on a ready pod, if any."""
+    best: tuple[int, str, str] | None = None
+    for pod in pods:
+        for shard_id, other in pod.other_priorities:
+            if other < priority and shard_id not in taken and (best is None or other < best[0]):
+                best = (other, pod.name, shard_id)
+    return None if best is None else (best[1], best[2])
+

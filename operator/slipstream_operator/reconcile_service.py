@@ -1,0 +1,455 @@
+"""InferenceService reconciler: ``(spec, observed, now) -> (children, status, pushes)``.
+
+Pure. Given the spec, what the handler observed (pods with their sidecar
+status, the latency window, the auth token, the latency model) and the
+previous budget memory, it returns
+
+* the child objects to apply (Secret with the control-API token, ConfigMap
+  with the latency model and settings, Deployment, Service), each with an
+  ownerReference to the InferenceService so deleting it garbage-collects them;
+* the status to write (conditions Ready / SLOMet / BudgetReady, observed
+  latency, budget, offline throughput, replica counts);
+* the Configure calls to push (ready pods whose configuration generation is
+  behind), and the next budget memory.
+
+Pod shape: vLLM listens on 127.0.0.1:8001 inside the pod (only the sidecar
+reaches it) and runs ``--scheduling-policy priority``; the sidecar serves the
+OpenAI API on ``httpPort`` (the Service's target) and control gRPC on
+``grpcPort`` (dialled by the operator on the pod IP). The Deployment keeps
+its default rolling update; the operator's own Deployment is the one with
+``strategy: Recreate``.
+
+Deliberately left out: applying anything (``handlers``), autoscaling (replicas
+are the user's), and Ingress/Gateway objects (route to the Service or an
+InferencePool as with any vLLM pod).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
+
+from slipstream_operator.api import (
+    API_VERSION,
+    ConditionStatus,
+    InferenceServiceSpec,
+    format_duration,
+)
+from slipstream_operator.budgets import (
+    BudgetParams,
+    BudgetSearch,
+    BudgetState,
+    ObservedSLO,
+    SLOTargets,
+    decide,
+    worst_metric,
+)
+from slipstream_operator.conditions import rfc3339, set_condition
+from slipstream_operator.observe import WindowStats
+from slipstream_operator.sidecar_client import ConfigureCall, SidecarStatus
+
+SERVICE_LABEL = "slipstream.dev/service"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "slipstream-operator"}
+ENGINE_PORT = 8001
+TOKEN_KEY = "token"
+TOKEN_MOUNT = "/var/run/slipstream/control"
+CONFIG_MOUNT = "/etc/slipstream"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """Identity of the object being reconciled."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    kind: str = "InferenceService"
+
+    def owner_reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """A pod of the service: its IP and, when reachable, its sidecar's status."""
+
+    name: str
+    ip: str
+    running: bool
+    sidecar: SidecarStatus | None = None
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self.running
+            and self.sidecar is not None
+            and self.sidecar.engine_ready
+            and not self.sidecar.draining
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceObserved:
+    pods: tuple[PodView, ...]
+    token: str
+    window: WindowStats | None
+    latency_model: LinearLatencyModel | None
+    profile: str  # where the model came from, e.g. shipped:latency_x_h100.json
+    window_label: str = "5m"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceMemory:
+    """What the operator remembers between reconciles of one service (lost on restart)."""
+
+    budget: BudgetState | None = None
+    config_generation: int = 0
+    config_fingerprint: str = ""
+    computed_at: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceOutcome:
+    children: tuple[dict[str, Any], ...]
+    status: dict[str, Any]
+    pushes: tuple[tuple[str, ConfigureCall], ...]  # (pod name, call)
+    memory: ServiceMemory
+    events: tuple[tuple[str, str, str], ...] = field(default=())  # (type, reason, message)
+
+
+def names(ref: ObjectRef) -> dict[str, str]:
+    """Child object names."""
+    return {
+        "deployment": ref.name,
+        "service": ref.name,
+        "configmap": f"{ref.name}-slipstream",
+        "secret": f"{ref.name}-control-token",
+    }
+
+
+def _meta(ref: ObjectRef, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": {SERVICE_LABEL: ref.name, **MANAGED_BY},
+        "ownerReferences": [ref.owner_reference()],
+    }
+
+
+def children(
+    ref: ObjectRef, spec: InferenceServiceSpec, token: str, model: LinearLatencyModel | None
+) -> tuple[dict[str, Any], ...]:
+    """Secret, ConfigMap, Deployment and Service for the spec."""
+    n = names(ref)
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(ref, n["secret"]),
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token},
+    }
+    config_data = {
+        "model": spec.model,
+        "ordering": spec.scheduling.ordering.value,
+        "coLocation": "true" if spec.scheduling.co_location else "false",
+    }
+    if model is not None:
+        config_data["latency.json"] = model.to_json()
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(ref, n["configmap"]),
+        "data": config_data,
+    }
+    selector = {SERVICE_LABEL: ref.name}
+    engine_args = [
+        "--model", spec.model,
+        "--scheduling-policy", "priority",
+        "--host", "127.0.0.1",
+        "--port", str(ENGINE_PORT),
+        *spec.engine.args,
+    ]
+    gpu = {"nvidia.com/gpu": str(spec.engine.gpus)} if spec.engine.gpus else {}
+    sidecar_env = [
+        {"name": "SLIPSTREAM_SIDECAR_ENGINE", "value": f"http://127.0.0.1:{ENGINE_PORT}"},
+        {"name": "SLIPSTREAM_SIDECAR_HOST", "value": "0.0.0.0"},
+        {"name": "SLIPSTREAM_SIDECAR_HTTP_PORT", "value": str(spec.sidecar.http_port)},
+        {"name": "SLIPSTREAM_SIDECAR_GRPC_PORT", "value": str(spec.sidecar.grpc_port)},
+        {"name": "SLIPSTREAM_SIDECAR_MODEL", "value": spec.model},
+        {"name": "SLIPSTREAM_SIDECAR_ORDERING", "value": spec.scheduling.ordering.value},
+        {"name": "SLIPSTREAM_SIDECAR_AUTH_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_KEY}"},
+    ]
+    if model is not None:
+        path = f"{CONFIG_MOUNT}/latency.json"
+        sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_LATENCY_MODEL_FILE", "value": path})
+    sidecar_resources = spec.sidecar.resources.wire()
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(ref, n["deployment"]),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {
+                    "labels": {**selector, **MANAGED_BY},
+                    "annotations": {"prometheus.io/scrape": "true",
+                                    "prometheus.io/port": str(spec.sidecar.http_port)},
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": spec.engine.image,
+                            "args": engine_args,
+                            "resources": {"limits": gpu} if gpu else {},
+                        },
+                        {
+                            "name": "sidecar",
+                            "image": spec.sidecar.image,
+                            "args": ["sidecar"],
+                            "env": sidecar_env,
+                            "ports": [
+                                {"name": "http", "containerPort": spec.sidecar.http_port},
+                                {"name": "grpc", "containerPort": spec.sidecar.grpc_port},
+                            ],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/ready", "port": "http"},
+                                "periodSeconds": 5,
+                            },
+                            "resources": sidecar_resources,
+                            "volumeMounts": [
+                                {"name": "control-token", "mountPath": TOKEN_MOUNT,
+                                 "readOnly": True},
+                                {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                            ],
+                        },
+                    ],
+                    "volumes": [
+                        {"name": "control-token", "secret": {"secretName": n["secret"]}},
+                        {"name": "config", "configMap": {"name": n["configmap"]}},
+                    ],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ref, n["service"]),
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": "http", "port": spec.sidecar.http_port, "targetPort": "http"}],
+        },
+    }
+    return (secret, configmap, deployment, service)
+
+
+def _reason_for(metric: str) -> str:
+    """``ttft-p99`` -> ``TTFTP99Exceeded``, ``tbt-mean`` -> ``TBTMeanExceeded``."""
+    kind, stat = metric.split("-")
+    return f"{kind.upper()}{stat.capitalize() if stat == 'mean' else stat.upper()}Exceeded"
+
+
+def _configure_call(
+    generation: int, budget_s: float | None, targets: SLOTargets, spec: InferenceServiceSpec,
+    model: LinearLatencyModel | None,
+) -> ConfigureCall:
+    coefficients: dict[str, float] = {}
+    kind = ""
+    if model is not None:
+        kind = model.feature_set.value
+        coefficients = {
+            n: c for n, c in zip(FEATURE_NAMES, model.coefficients, strict=True) if c != 0.0
+        }
+    return ConfigureCall(
+        generation=generation,
+        budget_s=budget_s if spec.scheduling.co_location else 0.0,
+        ttft_mean_s=targets.ttft_mean_s,
+        ttft_p99_s=targets.ttft_p99_s,
+        tbt_mean_s=targets.tbt_mean_s,
+        tbt_p99_s=targets.tbt_p99_s,
+        ordering=spec.scheduling.ordering.value,
+        latency_kind=kind,
+        latency_coefficients=coefficients,
+    )
+
+
+def _fingerprint(call: ConfigureCall) -> str:
+    doc = {
+        "budget": None if call.budget_s is None else round(call.budget_s, 6),
+        "slo": [call.ttft_mean_s, call.ttft_p99_s, call.tbt_mean_s, call.tbt_p99_s],
+        "ordering": call.ordering,
+        "kind": call.latency_kind,
+        "coefficients": sorted(call.latency_coefficients.items()),
+    }
+    return hashlib.blake2b(json.dumps(doc).encode(), digest_size=8).hexdigest()
+
+
+def reconcile_service(
+    ref: ObjectRef,
+    spec: InferenceServiceSpec,
+    observed: ServiceObserved,
+    memory: ServiceMemory,
+    *,
+    previous_status: dict[str, Any],
+    now: datetime,
+    now_s: float,
+    params: BudgetParams,
+    search_for: Callable[[LinearLatencyModel], BudgetSearch],
+) -> ServiceOutcome:
+    """One reconcile of an InferenceService (see the module docstring)."""
+    targets = SLOTargets.from_spec(spec.slo)
+    window = observed.window
+    slo_obs = window.observed if window is not None else ObservedSLO(samples=0)
+    events: list[tuple[str, str, str]] = []
+    conditions: list[dict[str, Any]] = [dict(c) for c in previous_status.get("conditions", [])]
+    gen = ref.generation
+
+    # -- budget ---------------------------------------------------------------------------
+    budget = memory.budget
+    model = observed.latency_model
+    if model is not None and window is not None:
+        budget = decide(
+            memory.budget,
+            targets=targets,
+            load=window.load,
+            observed=slo_obs,
+            search=search_for(model),
+            now_s=now_s,
+            params=params,
+            model_key=observed.profile,
+        )
+        if memory.budget is None or budget.budget_s != memory.budget.budget_s:
+            events.append(("Normal", f"Budget{budget.reason}",
+                           f"iteration budget {format_duration(budget.budget_s)}"))
+    budget_s = budget.budget_s if budget is not None else None
+
+    # -- configuration generation ----------------------------------------------------------
+    pods = observed.pods
+    ready = [p for p in pods if p.ready]
+    floor_gen = max(
+        [memory.config_generation,
+         int((previous_status.get("budget") or {}).get("configGeneration", 0))]
+        + [p.sidecar.generation for p in pods if p.sidecar is not None]
+    )
+    call = _configure_call(floor_gen, budget_s, targets, spec, model)
+    fingerprint = _fingerprint(call)
+    generation = memory.config_generation
+    computed_at = memory.computed_at or rfc3339(now)
+    if fingerprint != memory.config_fingerprint:
+        generation = floor_gen + 1
+        computed_at = rfc3339(now)
+        call = _configure_call(generation, budget_s, targets, spec, model)
+    pushes = tuple((p.name, call) for p in ready
+                   if p.sidecar is not None and p.sidecar.generation < generation)
+
+    # -- conditions -------------------------------------------------------------------------
+    if spec.replicas == 0:
+        set_condition(conditions, "Ready", True, reason="ScaledToZero",
+                      message="spec.replicas is 0", now=now, observed_generation=gen)
+    elif len(ready) >= spec.replicas:
+        set_condition(conditions, "Ready", True, reason="AllReplicasReady",
+                      message=f"{len(ready)}/{spec.replicas} pods ready", now=now,
+                      observed_generation=gen)
+    else:
+        reason = "NoReplicasReady" if not ready else "ReplicasNotReady"
+        set_condition(conditions, "Ready", False, reason=reason,
+                      message=f"{len(ready)}/{spec.replicas} pods ready", now=now,
+                      observed_generation=gen)
+
+    worst = worst_metric(targets, slo_obs)
+    slo_summary = ""
+    if slo_obs.samples < params.min_samples or worst is None:
+        set_condition(conditions, "SLOMet", ConditionStatus.UNKNOWN, reason="InsufficientSamples",
+                      message=f"{slo_obs.samples} online requests in the window (need "
+                      f"{params.min_samples})", now=now, observed_generation=gen)
+    else:
+        metric, value, target = worst
+        slo_summary = f"{metric} {format_duration(value)}/{format_duration(target)}"
+        if value > target:
+            changed = set_condition(conditions, "SLOMet", False, reason=_reason_for(metric),
+                                    message=slo_summary, now=now, observed_generation=gen)
+            if changed:
+                events.append(("Warning", "SLOMissed", slo_summary))
+        else:
+            set_condition(conditions, "SLOMet", True, reason="WithinTarget",
+                          message=slo_summary, now=now, observed_generation=gen)
+
+    if model is None:
+        set_condition(conditions, "BudgetReady", False, reason="NoLatencyModel",
+                      message=f"no latency profile for {spec.model} on {spec.engine.gpu_type}",
+                      now=now, observed_generation=gen)
+    elif budget is None:
+        set_condition(conditions, "BudgetReady", False, reason="AwaitingLoadStatistics",
+                      message="no online statistics yet", now=now, observed_generation=gen)
+    elif pushes or not ready:
+        set_condition(conditions, "BudgetReady", False, reason="Pushing",
+                      message=f"{len(ready) - len(pushes)}/{len(ready)} ready pods at "
+                      f"generation {generation}", now=now, observed_generation=gen)
+    else:
+        set_condition(conditions, "BudgetReady", True, reason="Pushed",
+                      message=f"{len(ready)} pods at generation {generation}", now=now,
+                      observed_generation=gen)
+
+    # -- status -----------------------------------------------------------------------------
+    offline_tps = 0.0
+    active = 0
+    for pod in ready:
+        assert pod.sidecar is not None
+        for shard in pod.sidecar.shards:
+            if shard.state in ("pending", "running"):
+                active += 1
+                offline_tps += shard.tokens_per_second
+    status: dict[str, Any] = {
+        "observedGeneration": gen,
+        "conditions": conditions,
+        "replicas": len(pods),
+        "readyReplicas": len(ready),
+        "offline": {"tokensPerSecond": round(offline_tps, 2), "activeShards": active},
+        "sloSummary": slo_summary,
+    }
+    obs: dict[str, Any] = {"window": observed.window_label, "samples": slo_obs.samples,
+                           "source": "sidecar" if window is not None else "none"}
+    for key in ("ttft_mean_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s"):
+        value = getattr(slo_obs, key)
+        if value is not None and slo_obs.samples > 0:
+            camel = key[:-2].replace("_mean", "Mean").replace("_p99", "P99")
+            obs[camel] = format_duration(value)
+    status["observed"] = obs
+    if budget is not None:
+        status["budget"] = {
+            "iteration": format_duration(budget.budget_s),
+            "searched": format_duration(budget.searched.budget_s),
+            "computedAt": computed_at,
+            "reason": budget.reason,
+            "configGeneration": generation,
+            "profile": observed.profile,
+        }
+    new_memory = ServiceMemory(
+        budget=budget,
+        config_generation=generation,
+        config_fingerprint=fingerprint,
+        computed_at=computed_at,
+    )
+    return ServiceOutcome(
+        children=children(ref, spec, observed.token, model),
+        status=status,
+        pushes=pushes,
+        memory=new_memory,
+        events=tuple(events),
+    )

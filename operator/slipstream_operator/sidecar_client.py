@@ -1,0 +1,241 @@
+"""The operator's side of the sidecar control API (gRPC), behind a small Protocol.
+
+Pods are addressed by ``status.podIP`` and the sidecar's gRPC port, never by a
+Service or DNS name: the operator talks to one specific pod. Every call carries
+``authorization: Bearer <token>`` (the service's auth Secret) and a deadline.
+Replies are turned into this module's frozen dataclasses so that the pure
+reconcilers never see protobuf types; :class:`SidecarControl` is what the
+handlers depend on, and tests pass an in-memory fake implementing it.
+
+Deliberately left out: WatchStatus streaming (the operator polls Status on its
+reconcile timer, which also bounds how stale a dead pod can look) and retries
+(the next timer tick is the retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from slipstream_operator.errors import SidecarError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardReport:
+    """One shard as a sidecar reports it."""
+
+    shard_id: str
+    state: str  # pending | running | succeeded | failed | revoked | unknown
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    output_tokens: int = 0
+    tokens_per_second: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarStatus:
+    """One Status reply."""
+
+    generation: int
+    engine_ready: bool
+    draining: bool
+    spare_capacity: float
+    budget_s: float | None
+    online_in_flight: int = 0
+    online_admitted_total: int = 0
+    offline_in_flight: int = 0
+    shards: tuple[ShardReport, ...] = ()
+    predicted_step_s: float = 0.0
+    observed_step_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigureCall:
+    """What the operator pushes to a pod: budget, SLOs, ordering, latency model."""
+
+    generation: int
+    budget_s: float | None
+    ttft_mean_s: float | None = None
+    ttft_p99_s: float | None = None
+    tbt_mean_s: float | None = None
+    tbt_p99_s: float | None = None
+    ordering: str = ""
+    latency_kind: str = ""
+    latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardAssignment:
+    """AssignShard's payload."""
+
+    shard_id: str
+    job_namespace: str
+    job_name: str
+    model: str
+    input_uri: str
+    line_start: int
+    line_end: int
+    output_uri: str
+    error_uri: str
+    priority: int
+    request_defaults_json: str = "{}"
+
+
+@dataclass(frozen=True, slots=True)
+class PodAddress:
+    """Where one pod's sidecar listens, and the token it expects."""
+
+    pod: str
+    ip: str
+    port: int
+    token: str
+
+    @property
+    def target(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+
+class SidecarControl(Protocol):
+    """The control calls the operator makes. Raise :class:`SidecarError` on failure."""
+
+    async def status(self, address: PodAddress) -> SidecarStatus: ...
+
+    async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
+        """Returns the generation in force after the call."""
+        ...
+
+    async def assign(self, address: PodAddress, shard: ShardAssignment) -> bool:
+        """Returns whether the sidecar accepted the shard."""
+        ...
+
+    async def revoke(self, address: PodAddress, shard_id: str) -> bool: ...
+
+
+_STATES = {0: "unknown", 1: "pending", 2: "running", 3: "succeeded", 4: "failed", 5: "revoked"}
+
+
+class GrpcSidecarControl:
+    """:class:`SidecarControl` over grpc.aio, one channel per pod address."""
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self._timeout_s = timeout_s
+        self._channels: dict[str, object] = {}
+
+    def _stub(self, address: PodAddress) -> object:
+        import grpc
+        from slipstream_sidecar.proto import sidecar_pb2_grpc
+
+        channel = self._channels.get(address.target)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address.target)
+            self._channels[address.target] = channel
+        return sidecar_pb2_grpc.SidecarStub(channel)
+
+    async def _call(self, address: PodAddress, method: str, request: object) -> object:
+        import grpc
+
+        stub = self._stub(address)
+        metadata = (("authorization", f"Bearer {address.token}"),)
+        try:
+            return await asyncio.wait_for(
+                getattr(stub, method)(request, metadata=metadata, timeout=self._timeout_s),
+                self._timeout_s + 1.0,
+            )
+        except (grpc.RpcError, TimeoutError, OSError) as exc:
+            raise SidecarError(f"{method} failed: {exc}", pod=address.pod,
+                               address=address.target) from exc
+
+    async def status(self, address: PodAddress) -> SidecarStatus:
+        from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+        reply = await self._call(address, "Status", pb.StatusRequest())
+        assert isinstance(reply, pb.StatusResponse)
+        return SidecarStatus(
+            generation=reply.generation,
+            engine_ready=reply.engine_ready,
+            draining=reply.draining,
+            spare_capacity=reply.spare_capacity,
+            budget_s=reply.budget_s if reply.HasField("budget_s") else None,
+            online_in_flight=reply.online.in_flight,
+            online_admitted_total=reply.online.admitted_total,
+            offline_in_flight=reply.offline.in_flight,
+            shards=tuple(
+                ShardReport(
+                    shard_id=s.shard_id,
+                    state=_STATES.get(int(s.state), "unknown"),
+                    total=s.total,
+                    completed=s.completed,
+                    failed=s.failed,
+                    in_flight=s.in_flight,
+                    output_tokens=s.output_tokens,
+                    tokens_per_second=s.tokens_per_second,
+                    message=s.message,
+                )
+                for s in reply.shards
+            ),
+            predicted_step_s=reply.predicted_step_s,
+            observed_step_s=reply.observed_step_s,
+        )
+
+    async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
+        from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+        slo = pb.Slo()
+        for name in ("ttft_mean_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s"):
+            value = getattr(call, name)
+            if value is not None:
+                setattr(slo, name, value)
+        request = pb.ConfigureRequest(
+            generation=call.generation,
+            slo=slo,
+            ordering=call.ordering,
+            latency_model=pb.LatencyModelSpec(
+                kind=call.latency_kind, coefficients=call.latency_coefficients
+            ),
+        )
+        if call.budget_s is not None:
+            request.budget_s = call.budget_s
+        reply = await self._call(address, "Configure", request)
+        assert isinstance(reply, pb.ConfigureResponse)
+        return int(reply.generation)
+
+    async def assign(self, address: PodAddress, shard: ShardAssignment) -> bool:
+        from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+        request = pb.AssignShardRequest(
+            shard=pb.Shard(
+                shard_id=shard.shard_id,
+                job_namespace=shard.job_namespace,
+                job_name=shard.job_name,
+                model=shard.model,
+                input_uri=shard.input_uri,
+                line_start=shard.line_start,
+                line_end=shard.line_end,
+                output_uri=shard.output_uri,
+                error_uri=shard.error_uri,
+                priority=shard.priority,
+                request_defaults_json=shard.request_defaults_json,
+            )
+        )
+        reply = await self._call(address, "AssignShard", request)
+        assert isinstance(reply, pb.AssignShardResponse)
+        return bool(reply.accepted)
+
+    async def revoke(self, address: PodAddress, shard_id: str) -> bool:
+        from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+        reply = await self._call(address, "RevokeShard", pb.RevokeShardRequest(shard_id=shard_id))
+        assert isinstance(reply, pb.RevokeShardResponse)
+        return bool(reply.revoked)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()  # type: ignore[attr-defined]
+        self._channels.clear()
