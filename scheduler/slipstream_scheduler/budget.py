@@ -248,11 +248,11 @@ def search_budget(
     """HyGen's profiler: the largest per-iteration budget (seconds) meeting every SLO.
 
     ``lo_s``: an online-only iteration's predicted time at the profiled load;
-    ``hi_s``: a full ``max_num_batched_tokens`` iteration's. For a TBT SLO
-    the range is clipped to the strictest absolute TBT limit, since no
-    iteration may take longer than a token gap allows.
+    ``hi_s``: a full ``max_num_batched_tokens`` iteration's.
+
+    NOTE: the range is deliberately *not* clipped to the TBT limit (the
+    digest's suggestion): a TBT sample exists only while an online request
+    decodes, so at low online load an iteration may well exceed the TBT limit
+    when no online request is in it; the search finds out.
     """
-    tbt_caps = [s.limit(baseline) for s in slos if s.metric == "tbt"]
-    if tbt_caps:
-        hi_s = max(lo_s, min(hi_s, *tbt_caps))
     return bisect_largest(run, slos, lo_s, hi_s, baseline=baseline, iterations=iterations)

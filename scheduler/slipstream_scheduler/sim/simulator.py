@@ -367,10 +367,14 @@ class Simulator:
                     finite_offline[i_off].arrival_s if i_off < n_off else math.inf,
                 )
                 if nxt == math.inf:
-                    if disp.stats().online_queued or (
-                        disp.stats().offline_queued and disp.config.admit_offline
-                    ):
+                    st_d = disp.stats()
+                    stuck = st_d.online_queued or (
+                        st_d.offline_queued and disp.config.admit_offline
+                    )
+                    if stuck and horizon == math.inf:
                         raise SimError("requests are queued but nothing can be admitted")
+                    if stuck:
+                        logger.info("nothing admissible until the horizon (%d queued)", stuck)
                     break
                 now = min(nxt, horizon)
                 continue

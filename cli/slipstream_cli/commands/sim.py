@@ -1,0 +1,537 @@
+"""``slipstream sim``: replay an online trace, with offline work, through the engine model.
+
+Runs the deployment Slipstream ships (the sidecar's dispatcher in front of
+vLLM's priority scheduler, see ``docs/concepts/simulator.md``) in virtual
+time and reports per-class metrics: a rich table on the terminal, a JSON
+document (``--json``; fields in ``docs/concepts/simulator.md``) and PNG plots
+(latency CDFs per class, throughput over time against the online load).
+
+``--slo`` takes ``METRIC:STAT:LIMIT`` (``ttft:p99:2s``, ``tbt:mean:60ms``,
+``tbt:p99:+10%``: within 10 % of online-only serving on the same trace; may
+repeat, all must hold). With SLOs the ``budget`` policies search their budget
+(HyGen's profiler) and ``static-cap`` its cap, unless ``--budget`` /
+``--static-cap`` fix them.
+
+This module also holds the setup the benchmarks share (:class:`Scenario`,
+:func:`run_policy`). Deliberately left out: anything cluster-related.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from slipstream_scheduler.budget import (
+    Observed,
+    SearchResult,
+    Slo,
+    bisect_largest,
+    judge,
+    parse_slo,
+    search_budget,
+)
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.sim.simulator import (
+    POLICIES,
+    SimConfig,
+    SimResult,
+    full_step_s,
+    online_only_step_s,
+    profile_latency_model,
+    simulate,
+)
+from slipstream_scheduler.sim.workload import SimRequest, Workload, scale_rate, window
+
+from slipstream_cli import plots
+from slipstream_cli.workloads import WorkloadError, arxiv, azure, mmlu, mooncake
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "slipstream.sim/v1"
+DEFAULT_LONG_PREFILL = 256
+OFFLINE_SETS = ("arxiv", "mmlu", "none")
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def load_trace(path: str | None) -> tuple[SimRequest, ...]:
+    """Online arrivals: Azure CSV (``.csv``) or Mooncake JSONL (``.jsonl``); default Azure conv."""
+    if path is None:
+        return azure.load()
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        return mooncake.load(p)
+    if p.suffix == ".csv":
+        return azure.load(p)
+    raise WorkloadError("trace must be an Azure .csv or a Mooncake .jsonl", p)
+
+
+def load_offline(name: str, path: str | None = None) -> tuple[SimRequest, ...]:
+    """Offline work by dataset name: ``arxiv`` (lengths), ``mmlu`` (5-shot prompts), ``none``."""
+    if name == "arxiv":
+        return arxiv.load(path, limit=4000)
+    if name == "mmlu":
+        return mmlu.load(path)
+    if name == "none":
+        return ()
+    raise WorkloadError(f"unknown offline dataset {name!r}; choose from {OFFLINE_SETS}")
+
+
+def peak_window(online: Sequence[SimRequest], length_s: float) -> float:
+    """Start of the ``length_s`` window with the most online tokens (prompt + output)."""
+    if not online:
+        return 0.0
+    best, best_start, j, acc = -1.0, 0.0, 0, 0.0
+    for i, r in enumerate(online):
+        acc += r.prompt_tokens + r.output_tokens
+        while online[j].arrival_s < r.arrival_s - length_s:
+            acc -= online[j].prompt_tokens + online[j].output_tokens
+            j += 1
+        if acc > best:
+            best, best_start = acc, online[j].arrival_s
+        del i
+    return best_start
+
+
+# ---------------------------------------------------------------------------- scenario
+
+
+@dataclass(slots=True)
+class Scenario:
+    """One trace, model, offline set and SLOs; policies run against it share everything."""
+
+    online: tuple[SimRequest, ...]
+    offline: tuple[SimRequest, ...]
+    duration_s: float
+    engine: EngineConfig
+    slos: tuple[Slo, ...] = ()
+    seed: int = 0
+    backlog: bool = True
+    label: str = ""
+    profile_window_s: float = 300.0
+    latency_model: LinearLatencyModel | None = None
+    baseline: SimResult | None = None
+    progress: Callable[[str, float, float], None] | None = None
+    cache: dict[tuple[Any, ...], SimResult] = field(default_factory=dict)
+
+    def model(self) -> LinearLatencyModel:
+        if self.latency_model is None:
+            self.latency_model = profile_latency_model(self.engine, seed=self.seed)
+        return self.latency_model
+
+    def workload(
+        self, online: tuple[SimRequest, ...] | None = None, horizon: float | None = None
+    ) -> Workload:
+        on = self.online if online is None else online
+        h = self.duration_s if horizon is None else horizon
+        if self.backlog and self.offline:
+            return Workload(on, self.offline, offline_backlog=True, horizon_s=h, name=self.label)
+        return Workload(on, self.offline, offline_backlog=False, horizon_s=None, name=self.label)
+
+    def run(
+        self,
+        policy: str,
+        *,
+        budget_s: float | None = None,
+        static_cap: int = 16,
+        online: tuple[SimRequest, ...] | None = None,
+        horizon: float | None = None,
+        tag: str = "",
+    ) -> SimResult:
+        key = (policy, budget_s, static_cap, id(online), horizon)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        ttft = tbt = None
+        for s in self.slos:
+            if s.limit_s is not None and s.metric == "ttft":
+                ttft = s.limit_s
+            if s.limit_s is not None and s.metric == "tbt":
+                tbt = s.limit_s
+        cfg = SimConfig(
+            engine=self.engine,
+            policy=policy,
+            budget_s=budget_s,
+            static_cap=static_cap,
+            seed=self.seed,
+            ttft_target_s=ttft,
+            tbt_target_s=tbt,
+        )
+        wl = self.workload(online, horizon)
+        span = wl.horizon_s or (wl.end_of_arrivals_s or 1.0)
+        cb = None
+        if self.progress is not None:
+            prog = self.progress
+            label = f"{policy}{tag}"
+
+            def cb(t: float) -> None:
+                prog(label, t, span)
+
+        model = self.model() if POLICIES[policy].admission == "budget" else None
+        res = simulate(wl, cfg, latency_model=model, progress=cb)
+        self.cache[key] = res
+        return res
+
+    def baseline_observed(self) -> Observed:
+        if self.baseline is None:
+            self.baseline = self.run("online-only")
+        return self.baseline.observed()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRun:
+    """One policy's result on a scenario, with how its knob was chosen."""
+
+    policy: str
+    result: SimResult
+    budget_s: float | None
+    static_cap: int | None
+    search: SearchResult | None
+    wall_s: float
+
+    def checks(self, scenario: Scenario) -> list[dict[str, Any]]:
+        base = (
+            scenario.baseline_observed()
+            if any(s.tolerance is not None for s in scenario.slos)
+            else None
+        )
+        return [
+            {"slo": c.slo, "limit_s": c.limit_s, "observed_s": _num(c.observed_s), "met": c.met}
+            for c in judge(scenario.slos, self.result.observed(), base)
+        ]
+
+    def slo_met(self, scenario: Scenario) -> bool | None:
+        if not scenario.slos or not POLICIES[self.policy].serves_online:
+            return None
+        return all(c["met"] for c in self.checks(scenario))
+
+
+def _num(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else float(x)
+
+
+def search_static_cap(scn: Scenario, hi: int = 64) -> SearchResult:
+    """The largest offline in-flight cap meeting every SLO on the trace's busiest window."""
+    length = min(scn.profile_window_s, scn.duration_s)
+    start = peak_window(scn.online, length)
+    peak = window(scn.online, start, length)
+    base_peak = scn.run("online-only", online=peak, horizon=length, tag=" (peak)").observed()
+    return bisect_largest(
+        lambda c: scn.run(
+            "static-cap", static_cap=int(c), online=peak, horizon=length, tag=f" cap={int(c)}"
+        ).observed(),
+        scn.slos,
+        0,
+        hi,
+        baseline=base_peak,
+        iterations=8,
+        integer=True,
+    )
+
+
+def search_policy_budget(scn: Scenario, policy: str) -> SearchResult:
+    """HyGen's profiler: the largest per-iteration budget meeting every SLO on the scenario."""
+    model = scn.model()
+    lo, hi = online_only_step_s(scn.engine, model), full_step_s(scn.engine, model)
+    base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
+    return search_budget(
+        lambda b: scn.run(policy, budget_s=b, tag=f" budget={b * 1000:.1f}ms").observed(),
+        scn.slos,
+        lo,
+        hi,
+        baseline=base,
+        iterations=7,
+    )
+
+
+def run_policy(
+    scn: Scenario,
+    policy: str,
+    *,
+    budget_s: float | None = None,
+    static_cap: int | None = None,
+) -> PolicyRun:
+    """Run one policy, searching its knob against the SLOs when not given."""
+    t0 = time.perf_counter()
+    search: SearchResult | None = None
+    spec = POLICIES[policy]
+    if spec.admission == "budget" and budget_s is None:
+        if not scn.slos:
+            raise WorkloadError("a budget policy needs --budget or at least one --slo")
+        search = search_policy_budget(scn, policy)
+        budget_s = search.value if search.value is not None else search.lo
+    if policy == "static-cap" and static_cap is None:
+        if not scn.slos:
+            raise WorkloadError("static-cap needs --static-cap or at least one --slo")
+        search = search_static_cap(scn)
+        static_cap = int(search.value) if search.value is not None else 0
+    res = scn.run(
+        policy, budget_s=budget_s, static_cap=static_cap if static_cap is not None else 16
+    )
+    return PolicyRun(
+        policy,
+        res,
+        budget_s if spec.admission == "budget" else None,
+        static_cap if policy == "static-cap" else None,
+        search,
+        time.perf_counter() - t0,
+    )
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def summary_row(run: PolicyRun, scn: Scenario) -> dict[str, Any]:
+    """The flat per-policy row of the JSON documents (field names documented in the docs)."""
+    m = run.result.metrics
+    on, off = m.online, m.offline
+    return {
+        "policy": run.policy,
+        "slo_met": run.slo_met(scn),
+        "ttft_p99_s": _num(on.ttft.p99),
+        "tbt_p99_s": _num(on.tbt.p99),
+        "ttft_mean_s": _num(on.ttft.mean),
+        "tbt_mean_s": _num(on.tbt.mean),
+        "ttft_p50_s": _num(on.ttft.p50),
+        "tbt_p50_s": _num(on.tbt.p50),
+        "ttlt_mean_s": _num(on.ttlt.mean),
+        "online_tokens_per_s": on.tokens_per_s,
+        "offline_tokens_per_s": off.tokens_per_s,
+        "offline_prompt_tokens_done": off.prompt_tokens_done,
+        "busy_fraction": m.busy_fraction,
+        "prefix_hit_rate": m.prefix_hit_rate,
+        "preemptions_engine": m.engine_preemptions,
+        "preemptions_dispatcher": m.dispatcher_preemptions,
+        "budget_s": run.budget_s,
+        "static_cap": run.static_cap,
+        "wall_s": run.wall_s,
+    }
+
+
+def search_doc(search: SearchResult | None) -> dict[str, Any] | None:
+    if search is None:
+        return None
+    return {
+        "value": search.value,
+        "lo": search.lo,
+        "hi": search.hi,
+        "trials": [
+            {
+                "value": t.value,
+                "met": t.met,
+                "observed": {k: _num(v) for k, v in t.observed.items()},
+                "checks": [
+                    {
+                        "slo": c.slo,
+                        "limit_s": c.limit_s,
+                        "observed_s": _num(c.observed_s),
+                        "met": c.met,
+                    }
+                    for c in t.checks
+                ],
+            }
+            for t in search.trials
+        ],
+    }
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def rows_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    for col in (
+        "policy",
+        "SLO",
+        "TTFT p99 ms",
+        "TTFT mean ms",
+        "TBT p99 ms",
+        "TBT mean ms",
+        "online tok/s",
+        "offline tok/s",
+        "busy",
+        "knob",
+    ):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        knob = (
+            f"budget {r['budget_s'] * 1000:.1f} ms"
+            if r.get("budget_s")
+            else (f"cap {r['static_cap']}" if r.get("static_cap") is not None else "")
+        )
+        met = r["slo_met"]
+        t.add_row(
+            r["policy"],
+            "-" if met is None else ("[green]met[/]" if met else "[red]broken[/]"),
+            _ms(r["ttft_p99_s"]),
+            _ms(r["ttft_mean_s"]),
+            _ms(r["tbt_p99_s"]),
+            _ms(r["tbt_mean_s"]),
+            f"{r['online_tokens_per_s']:.0f}",
+            f"{r['offline_tokens_per_s']:.0f}",
+            f"{r['busy_fraction']:.2f}",
+            knob,
+        )
+    return t
+
+
+class RichProgress:
+    """A rich progress bar, one task per simulation label."""
+
+    def __init__(self, console: Console) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>5.1f}% of virtual time"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self._tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> RichProgress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(None, None, None)
+
+    def __call__(self, label: str, t: float, span: float) -> None:
+        task = self._tasks.get(label)
+        if task is None:
+            task = self._tasks[label] = self.bar.add_task(label, total=span)
+        self.bar.update(task, completed=min(t, span))
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", help="Azure .csv or Mooncake .jsonl (default: Azure conv dev)")
+    parser.add_argument(
+        "--offline", default="arxiv", help=f"offline dataset: {', '.join(OFFLINE_SETS)}"
+    )
+    parser.add_argument(
+        "--offline-path", help="file/folder of the offline dataset (default: shared)"
+    )
+    parser.add_argument(
+        "--no-backlog", action="store_true", help="offline set runs once (no cycling)"
+    )
+    parser.add_argument("--model", default="llama-2-7b", help="engine GPU profile model")
+    parser.add_argument("--gpu", default="a100", help="engine GPU profile GPU")
+    parser.add_argument(
+        "--long-prefill-tokens",
+        type=int,
+        default=DEFAULT_LONG_PREFILL,
+        help="vLLM --long-prefill-token-threshold of the engine (0: none); default 256",
+    )
+    parser.add_argument(
+        "--slo", action="append", default=[], help="e.g. ttft:p99:2s, tbt:p99:+10%%"
+    )
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    parser.add_argument(
+        "--start-s", type=float, default=0.0, help="window start in the scaled trace"
+    )
+    parser.add_argument("--duration-s", type=float, help="window length, s (default: whole trace)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    online = load_trace(args.trace)
+    if args.rate_scale != 1.0:
+        online = scale_rate(online, args.rate_scale)
+    end = online[-1].arrival_s if online else 0.0
+    duration = args.duration_s if args.duration_s is not None else end - args.start_s
+    online = window(online, args.start_s, duration)
+    offline = load_offline(args.offline, args.offline_path)
+    engine = EngineConfig(
+        model=args.model, gpu=args.gpu, long_prefill_token_threshold=args.long_prefill_tokens
+    )
+    return Scenario(
+        online=online,
+        offline=offline,
+        duration_s=duration,
+        engine=engine,
+        slos=tuple(parse_slo(s) for s in args.slo),
+        seed=args.seed,
+        backlog=not args.no_backlog,
+        label=args.trace or "azure-conv-dev",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_scenario_arguments(parser)
+    parser.add_argument("--policy", default="budget", choices=sorted(POLICIES))
+    parser.add_argument("--budget", type=float, help="per-iteration budget, s (budget policies)")
+    parser.add_argument("--static-cap", type=int, help="offline in-flight cap (static-cap)")
+    parser.add_argument("--json", type=Path, help="write the JSON report here")
+    parser.add_argument("--plots", type=Path, help="folder for PNGs (default: beside --json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    scn = scenario_from_args(args)
+    t0 = time.perf_counter()
+    with RichProgress(console) as bar:
+        scn.progress = bar
+        pr = run_policy(scn, args.policy, budget_s=args.budget, static_cap=args.static_cap)
+    wall = time.perf_counter() - t0
+    row = summary_row(pr, scn)
+    console.print(rows_table([row], f"slipstream sim: {scn.label}, {args.policy}"))
+    m = pr.result.metrics
+    console.print(
+        f"virtual {m.duration_s:.0f} s, {m.steps} steps, wall {wall:.1f} s; "
+        f"online requests {m.online.requests}, offline finished {m.offline.finished}; "
+        f"prefix hit rate {m.prefix_hit_rate:.3f}"
+    )
+    doc = {
+        "schema": SCHEMA,
+        "trace": scn.label,
+        "policy": args.policy,
+        "model": args.model,
+        "gpu": args.gpu,
+        "long_prefill_tokens": args.long_prefill_tokens,
+        "rate_scale": args.rate_scale,
+        "window": {"start_s": args.start_s, "duration_s": scn.duration_s},
+        "offline": args.offline,
+        "slos": [str(s) for s in scn.slos],
+        "slo_checks": pr.checks(scn) if scn.slos else [],
+        "summary": row,
+        "metrics": m.to_dict(),
+        "search": search_doc(pr.search),
+        "wall_s": wall,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    plot_dir = args.plots or (args.json.parent if args.json else None)
+    if plot_dir is not None:
+        stem = args.json.stem if args.json else f"sim-{args.policy}"
+        s = m.samples
+        plots.latency_cdfs(
+            {
+                "online": {"ttft": s["online_ttft"], "tbt": s["online_tbt"]},
+                "offline": {"ttft": s["offline_ttft"], "tbt": s["offline_tbt"]},
+            },
+            plot_dir / f"{stem}-latency.png",
+            f"{args.policy}: latency CDFs per class",
+        )
+        plots.throughput_timeline(
+            {args.policy: m.timeline}, plot_dir / f"{stem}-throughput.png", "throughput over time"
+        )
+        console.print(f"wrote plots to {plot_dir}")
+    return 0

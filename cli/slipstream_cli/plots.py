@@ -1,0 +1,109 @@
+"""PNG plots for ``slipstream sim`` and the benchmarks (matplotlib, Agg backend).
+
+Each function takes already-computed numbers and a path and writes one PNG.
+Deliberately left out: interactive backends, styling beyond readability, and
+any computation of the metrics themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import numpy.typing as npt
+from slipstream_scheduler.sim.metrics import Timeline
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def _cdf(ax: Any, values: FloatArray, label: str) -> None:
+    if values.size == 0:
+        return
+    x = np.sort(values)
+    y = np.arange(1, x.size + 1) / x.size
+    ax.plot(x, y, label=label, linewidth=1.4)
+
+
+def latency_cdfs(series: Mapping[str, Mapping[str, FloatArray]], path: Path, title: str) -> Path:
+    """CDFs of TTFT and TBT: ``series[label] = {"ttft": samples, "tbt": samples}``, seconds."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, s in series.items():
+        _cdf(axes[0], np.asarray(s.get("ttft", []), float), label)
+        _cdf(axes[1], np.asarray(s.get("tbt", []), float), label)
+    for ax, name in zip(axes, ("TTFT (s)", "TBT (s)"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel(name)
+        ax.set_ylabel("fraction of samples")
+        ax.axhline(0.99, color="grey", linewidth=0.6, linestyle=":")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def throughput_timeline(timelines: Mapping[str, Timeline], path: Path, title: str) -> Path:
+    """Online and offline tokens/s over time per label, against the online arrival rate."""
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    arrivals_drawn = False
+    ax2 = ax.twinx()
+    for label, tl in timelines.items():
+        t = np.arange(len(tl.online_tokens_per_s)) * tl.bin_s
+        if any(tl.offline_tokens_per_s):
+            ax.plot(t, tl.offline_tokens_per_s, label=f"{label}: offline tok/s", linewidth=1.2)
+        if not arrivals_drawn:
+            ax.plot(t, tl.online_tokens_per_s, label="online tok/s", color="black", linewidth=1.0)
+            ax2.fill_between(
+                t, tl.online_arrivals_per_s, color="tab:grey", alpha=0.2, label="online req/s"
+            )
+            arrivals_drawn = True
+    ax.set_xlabel("time (s, virtual)")
+    ax.set_ylabel("tokens/s")
+    ax2.set_ylabel("online arrivals/s")
+    ax.grid(alpha=0.3)
+    lines, labels = ax.get_legend_handles_labels()
+    l2, lb2 = ax2.get_legend_handles_labels()
+    ax.legend(lines + l2, labels + lb2, fontsize=8, loc="upper right")
+    ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def grouped_bars(
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    path: Path,
+    *,
+    ylabel: str,
+    title: str,
+) -> Path:
+    """Bars per group (x) and series (colour), e.g. mean TTLT per load and ordering."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    n = max(len(series), 1)
+    width = 0.8 / n
+    x = np.arange(len(groups))
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar(x + (i - (n - 1) / 2) * width, values, width, label=label)
+    ax.set_xticks(x, groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
