@@ -219,7 +219,12 @@ def gpu_node_manifest(index: int, config: ClusterConfig) -> dict[str, Any]:
         },
         "spec": {"podCIDR": str(cidr), "podCIDRs": [str(cidr)]},
         "status": {
-            "addresses": [{"type": "InternalIP", "address": str(node_ip(index))}],
+            # Both types, or kwok's node-initialize stage rewrites `addresses` to null. The
+            # apiserver only ever uses InternalIP (--kubelet-preferred-address-types).
+            "addresses": [
+                {"type": "InternalIP", "address": str(node_ip(index))},
+                {"type": "Hostname", "address": name},
+            ],
             "capacity": resources,
             "allocatable": dict(resources),
         },
@@ -520,6 +525,7 @@ class LocalCluster:
         self.admin_kubeconfig = self.state_dir / "admin.kubeconfig"
         self.restricted_kubeconfig = self.state_dir / "restricted.kubeconfig"
         self.server = f"https://{LOOPBACK}:{self.config.ports.apiserver}"
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     # ---- public API --------------------------------------------------------------------
 
@@ -705,12 +711,10 @@ class LocalCluster:
 
     def _write_kwok_config(self) -> None:
         stages = self.bin_dir / "kwok-stages"
-        options = (
-            "apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\n"
-            f"options:\n  cidr: {POD_NETWORK}\n  nodeIP: {node_ip(0)}\n"
-            "  nodeLeaseDurationSeconds: 40\n"
-        )
-        docs = [options]
+        # Stages only. A KwokConfiguration document read from a file is not defaulted by kwok
+        # v0.8.0 (it then dies: "node leases parallelism must be greater than 0"), so its
+        # options go on the command line instead, on top of the built-in defaults.
+        docs = []
         for stage in KWOK_STAGES:
             path = stages / stage
             if not path.exists():
@@ -860,7 +864,15 @@ class LocalCluster:
                 env=env,
                 start_new_session=True,
             )
+        self._procs[component.name] = proc
         self._pid_file(component.name).write_text(f"{proc.pid}\n")
+        # Until the child has exec'd, /proc/PID/cmdline still shows this Python process.
+        binary = self._binary(component.name)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and not pid_alive(proc.pid, binary):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{component.name} (pid {proc.pid}) did not exec {binary}")
+            time.sleep(0.01)
 
     def _health_context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.pki.ca_cert))
@@ -872,7 +884,9 @@ class LocalCluster:
 
         def check() -> str | None:
             pid = self._read_pid(component.name)
-            if pid is None or not pid_alive(pid, binary):
+            proc = self._procs.get(component.name)
+            exited = proc is not None and proc.poll() is not None
+            if exited or pid is None or not pid_alive(pid, binary):
                 raise ClusterError(
                     f"{component.name} exited during start-up; "
                     f"last lines of {log_path}:{tail(log_path)}"
@@ -889,6 +903,10 @@ class LocalCluster:
             pid = self._read_pid(name)
             if pid is not None and pid_alive(pid, self._binary(name)):
                 stop_process(name, pid, self._binary(name))
+            proc = self._procs.pop(name, None)
+            if proc is not None:  # reap our own child so it leaves no zombie
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
             self._pid_file(name).unlink(missing_ok=True)
 
     # ---- bootstrap: nodes, restricted identity -----------------------------------------

@@ -31,7 +31,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 K8S_MINOR=${K8S_VERSION#1.}; K8S_MINOR=${K8S_MINOR%%.*}
 STAGING_VERSION=v0.${K8S_VERSION#1.}
 
-export GOFLAGS=${GOFLAGS:--mod=mod}
+export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
 export CGO_ENABLED=0
 # Offline-friendly when the module cache is warm: `go` only asks the proxy for what it lacks.
 export GOTOOLCHAIN=${GOTOOLCHAIN:-local}

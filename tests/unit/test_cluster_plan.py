@@ -54,7 +54,10 @@ def test_gpu_node_manifest() -> None:
     assert node["spec"]["podCIDR"] == "127.1.3.0/24"
     assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
     assert node["status"]["allocatable"] == node["status"]["capacity"]
-    assert node["status"]["addresses"] == [{"type": "InternalIP", "address": "127.2.0.4"}]
+    assert node["status"]["addresses"] == [
+        {"type": "InternalIP", "address": "127.2.0.4"},
+        {"type": "Hostname", "address": "gpu-node-3"},
+    ]
     small = lc.gpu_node_manifest(999, lc.ClusterConfig(nodes=1000))
     assert small["status"]["capacity"]["pods"] == "62"  # a /26 holds 62 pod IPs
 
