@@ -1,0 +1,91 @@
+"""Window statistics from the sidecars' Prometheus text: means, P99, rate, restarts."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from slipstream_operator.observe import PodHistory, combine, parse_sample
+
+pytestmark = pytest.mark.unit
+
+BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class FakeSidecar:
+    """A real prometheus_client registry with the sidecar's metric names."""
+
+    def __init__(self) -> None:
+        r = CollectorRegistry()
+        self.ttft = Histogram("slipstream_ttft_seconds", "", ["class"], buckets=BUCKETS,
+                              registry=r)
+        self.tbt = Histogram("slipstream_tbt_seconds", "", ["class"], buckets=BUCKETS,
+                             registry=r)
+        self.admitted = Counter("slipstream_requests_admitted_total", "", ["class"], registry=r)
+        self.finished = Counter("slipstream_requests_finished_total", "", ["class", "outcome"],
+                                registry=r)
+        self.tokens = Counter("slipstream_output_tokens_total", "", ["class"], registry=r)
+        self.registry = r
+
+    def request(self, ttft: float, gaps: list[float], cls: str = "online") -> None:
+        self.admitted.labels(cls).inc()
+        self.ttft.labels(cls).observe(ttft)
+        for gap in gaps:
+            self.tbt.labels(cls).observe(gap)
+        self.tokens.labels(cls).inc(len(gaps) + 1)
+        self.finished.labels(cls, "ok").inc()
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def test_window_mean_p99_and_rate() -> None:
+    side = FakeSidecar()
+    history = PodHistory()
+    side.request(0.3, [0.03] * 9)  # before the window opens
+    history.add(parse_sample(side.text(), 0.0), window_s=60.0)
+    for _ in range(99):
+        side.request(0.15, [0.015] * 4)
+    side.request(3.0, [0.4] * 10)  # one slow request: 10 of 406 gaps, above the 1 %
+    side.request(0.2, [0.01], cls="offline")  # other class: ignored
+    history.add(parse_sample(side.text(), 50.0), window_s=60.0)
+    stats = combine([history], default_prompt_tokens=1000.0, default_output_tokens=200.0)
+    obs = stats.observed
+    assert obs.samples == 100
+    assert obs.ttft_mean_s == pytest.approx((99 * 0.15 + 3.0) / 100)
+    assert obs.ttft_p99_s is not None and 0.1 < obs.ttft_p99_s <= 0.2  # 99th of 100 is fast
+    assert obs.tbt_mean_s == pytest.approx((396 * 0.015 + 10 * 0.4) / 406)
+    assert obs.tbt_p99_s is not None and 0.1 < obs.tbt_p99_s <= 0.5
+    assert stats.load.arrival_rate_rps == pytest.approx(100 / 50.0)
+    assert stats.load.mean_output_tokens == pytest.approx((99 * 5 + 11) / 100)
+
+
+def test_pods_are_summed_and_a_restart_counts_from_zero() -> None:
+    a, b = FakeSidecar(), FakeSidecar()
+    ha, hb = PodHistory(), PodHistory()
+    for _ in range(10):
+        a.request(0.1, [0.02])
+    ha.add(parse_sample(a.text(), 0.0), 60.0)
+    hb.add(parse_sample(b.text(), 0.0), 60.0)
+    for _ in range(5):
+        a.request(0.1, [0.02])
+    b_restarted = FakeSidecar()
+    for _ in range(3):
+        b_restarted.request(1.0, [0.02])
+    ha.add(parse_sample(a.text(), 10.0), 60.0)
+    hb.add(parse_sample(b_restarted.text(), 10.0), 60.0)
+    hb_window = hb.window()
+    assert hb_window is not None and hb_window.ttft.count == 3
+    stats = combine([ha, hb], 1000.0, 200.0)
+    assert stats.observed.samples == 8
+    assert stats.observed.ttft_mean_s == pytest.approx((5 * 0.1 + 3 * 1.0) / 8)
+
+
+def test_old_samples_leave_the_window() -> None:
+    side = FakeSidecar()
+    history = PodHistory()
+    for t in range(0, 200, 10):
+        side.request(0.1, [0.02])
+        history.add(parse_sample(side.text(), float(t)), window_s=60.0)
+    assert 50.0 <= history.span_s() <= 70.0
+    win = history.window()
+    assert win is not None and 5 <= win.ttft.count <= 7

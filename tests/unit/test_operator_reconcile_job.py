@@ -1,0 +1,192 @@
+"""OfflineJob reconciler: placement with affinity, moves, suspend/resume, priority, finish."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from slipstream_operator.api import OfflineJobSpec
+from slipstream_operator.reconcile_job import (
+    CandidatePod,
+    JobMemory,
+    JobObserved,
+    JobOutcome,
+    JobSettings,
+    reconcile_job,
+)
+from slipstream_operator.shards import MergeResult, Plan, ShardPlan
+from slipstream_operator.sidecar_client import ShardReport
+
+pytestmark = pytest.mark.unit
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SETTINGS = JobSettings(max_shards_per_pod=2, stall_timeout_s=60.0)
+PREFIX = "ns.job"
+
+
+def plan(sizes: list[int], affinities: list[str] | None = None, bad: int = 0) -> Plan:
+    shards, start = [], 0
+    for i, size in enumerate(sizes):
+        aff = affinities[i] if affinities else f"g{i}"
+        shards.append(ShardPlan(f"{PREFIX}-{i:05d}", start, start + size, aff))
+        start += size
+    return Plan(staged_uri="file:///w/in.psm.jsonl", work_dir="/w", total=start + bad,
+                valid=start, bad=bad, shards=tuple(shards), input_fingerprint="f")
+
+
+def spec(**overrides: Any) -> OfflineJobSpec:
+    doc: dict[str, Any] = {"model": "m", "input": {"uri": "file:///d/in.jsonl"},
+                           "output": {"uri": "file:///d/out.jsonl"}}
+    doc.update(overrides)
+    return OfflineJobSpec.model_validate(doc)
+
+
+def pod(name: str, spare: float = 0.5, shards: tuple[ShardReport, ...] = (), ready: bool = True,
+        others: tuple[tuple[str, int], ...] = ()) -> CandidatePod:
+    return CandidatePod(name, "chat", ready, spare, shards, others)
+
+
+def running(shard: str, completed: int = 0, tps: float = 0.0) -> ShardReport:
+    return ShardReport(shard, "running", total=10, completed=completed, tokens_per_second=tps)
+
+
+def tick(p: Plan | None, pods: tuple[CandidatePod, ...], memory: JobMemory | None = None,
+         previous: dict[str, Any] | None = None, s: OfflineJobSpec | None = None,
+         done: dict[str, tuple[int, int]] | None = None, merged: MergeResult | None = None,
+         at_s: float = 0.0) -> JobOutcome:
+    observed = JobObserved(plan=p, pods=pods, done=done or {}, merged=merged,
+                           services_selected=1)
+    return reconcile_job("ns", "job", 1, s or spec(), observed=observed,
+                         memory=memory or JobMemory(),
+                         previous_status=previous or {}, now=T0 + timedelta(seconds=at_s),
+                         now_s=at_s, settings=SETTINGS)
+
+
+def test_pending_while_planning() -> None:
+    out = tick(None, ())
+    assert out.status["phase"] == "Pending"
+    assert out.status["conditions"][0]["reason"] == "Planning"
+
+
+def test_places_shards_by_affinity_then_spare_capacity_within_slots() -> None:
+    p = plan([10, 10, 10, 10, 10], affinities=["x", "x", "y", "z", "w"])
+    out = tick(p, (pod("a", spare=0.9), pod("b", spare=0.2)))
+    placed = [(pod_name, s.shard_id[-1]) for pod_name, s in out.assign]
+    # slots: 2 per pod; group x stays together on the roomiest pod
+    assert placed == [("a", "0"), ("a", "1"), ("b", "2"), ("b", "3")]
+    assert out.status["phase"] == "Running"
+    assert out.status["shards"] == {"total": 5, "assigned": 4, "done": 0, "reassigned": 0}
+    assert out.status["progress"] == "0/50" and out.status["startTime"]
+    assert ("Normal", "Running") in [e[:2] for e in out.events]
+
+
+def test_progress_rate_and_eta_from_reports() -> None:
+    p = plan([10, 10])
+    first = tick(p, (pod("a"),))
+    reports = (running(f"{PREFIX}-00000", 4, tps=30.0), running(f"{PREFIX}-00001", 2, tps=20.0))
+    second = tick(p, (pod("a", shards=reports),), first.memory, first.status, at_s=10.0)
+    assert second.status["requests"] == {"total": 20, "completed": 6, "failed": 0}
+    assert second.status["progress"] == "6/20"
+    assert second.status["tokensPerSecond"] == 50.0
+    assert second.status["eta"] == "23s"  # 14 left at 0.6 requests/s
+    assert second.assign == ()
+
+
+def test_dead_pod_shards_move_with_an_event() -> None:
+    p = plan([10, 10])
+    first = tick(p, (pod("a"), pod("b")))
+    where = {s.shard_id: name for name, s in first.assign}
+    assert sorted(where.values()) == ["a", "b"]  # equal pods: spread by load
+    lost = next(sid for sid, name in where.items() if name == "a")
+    kept = next(sid for sid, name in where.items() if name == "b")
+    survivor = pod("b", shards=(running(kept, 1),))
+    second = tick(p, (survivor,), first.memory, first.status, at_s=5.0)
+    assert [(name, s.shard_id) for name, s in second.assign] == [("b", lost)]
+    assert second.status["shards"]["reassigned"] == 1
+    assert [e[1] for e in second.events].count("ShardMoved") == 1
+
+
+def test_stalled_shard_is_revoked_and_moved() -> None:
+    p = plan([10])
+    first = tick(p, (pod("a"), pod("b", spare=0.1)))
+    assert first.assign[0][0] == "a"
+    stuck = (running(f"{PREFIX}-00000", 3),)
+    t1 = tick(p, (pod("a", shards=stuck), pod("b", spare=0.1)), first.memory, first.status,
+              at_s=10.0)
+    assert t1.revoke == () and t1.assign == ()
+    t2 = tick(p, (pod("a", shards=stuck), pod("b", spare=0.1)), t1.memory, t1.status,
+              at_s=10.0 + SETTINGS.stall_timeout_s + 1)
+    assert t2.revoke == (("a", f"{PREFIX}-00000"),)
+    assert len(t2.assign) == 1  # placed again (the reconciler does not blacklist a pod)
+    assert "ShardStalled" in [e[1] for e in t2.events]
+
+
+def test_suspend_revokes_and_resume_places_again() -> None:
+    p = plan([10, 10])
+    first = tick(p, (pod("a"),))
+    reports = (running(f"{PREFIX}-00000"), running(f"{PREFIX}-00001"))
+    suspended = tick(p, (pod("a", shards=reports),), first.memory, first.status,
+                     s=spec(suspend=True), at_s=5.0)
+    assert suspended.status["phase"] == "Suspended"
+    assert sorted(suspended.revoke) == [("a", f"{PREFIX}-00000"), ("a", f"{PREFIX}-00001")]
+    assert suspended.assign == ()
+    resumed = tick(p, (pod("a"),), suspended.memory, suspended.status, at_s=10.0)
+    assert resumed.status["phase"] == "Running" and len(resumed.assign) == 2
+    conds = {c["type"]: c for c in resumed.status["conditions"]}
+    assert conds["Suspended"]["status"] == "False" and conds["Suspended"]["reason"] == "Resumed"
+
+
+def test_higher_priority_job_takes_a_slot_from_a_lower_one() -> None:
+    p = plan([10])
+    full = pod("a", shards=(running("ns.other-00000"), running("ns.other-00001")),
+               others=(("ns.other-00000", 0), ("ns.other-00001", -5)))
+    low = tick(p, (full,), s=spec(priority=-10))
+    assert low.assign == () and low.revoke == ()
+    assert low.status["phase"] == "Pending"
+    high = tick(p, (full,), s=spec(priority=10))
+    assert high.revoke == (("a", "ns.other-00001"),)  # the lowest-priority victim
+    assert [name for name, _ in high.assign] == ["a"]
+
+
+def test_all_shards_done_asks_for_a_merge_then_succeeds_with_exact_counts() -> None:
+    p = plan([10, 10], bad=2)
+    done = {f"{PREFIX}-00000": (9, 1), f"{PREFIX}-00001": (10, 0)}
+    before = tick(p, (pod("a"),), done=done, previous={"phase": "Running",
+                                                        "startTime": "2026-01-01T00:00:00Z"})
+    assert before.merge and before.status["phase"] == "Running"
+    assert before.status["requests"] == {"total": 22, "completed": 19, "failed": 3}
+    after = tick(p, (pod("a"),), done=done, merged=MergeResult(19, 3, 22),
+                 previous={"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    assert after.status["phase"] == "Succeeded" and after.status["completionTime"]
+    assert after.status["progress"] == "22/22"
+    assert after.status["outputUri"] == "file:///d/out.jsonl"
+    terminal = tick(p, (pod("a"),), previous=after.status, at_s=100.0)
+    assert terminal.status["phase"] == "Succeeded" and terminal.assign == ()
+
+
+def test_deadline_fails_the_job_and_revokes() -> None:
+    p = plan([10])
+    first = tick(p, (pod("a"),), s=spec(completionWindow="1m"))
+    reports = (running(f"{PREFIX}-00000"),)
+    late = tick(p, (pod("a", shards=reports),), first.memory, first.status,
+                s=spec(completionWindow="1m"), at_s=61.0)
+    assert late.status["phase"] == "Failed"
+    assert late.revoke == (("a", f"{PREFIX}-00000"),)
+    conds = {c["type"]: c for c in late.status["conditions"]}
+    assert conds["Failed"]["reason"] == "DeadlineExceeded"
+
+
+def test_unreadable_input_fails() -> None:
+    observed = JobObserved(plan=None, pods=(), done={}, plan_error="file:///x: no such file")
+    out = reconcile_job("ns", "job", 1, spec(), observed=observed, memory=JobMemory(),
+                        previous_status={}, now=T0, now_s=0.0, settings=SETTINGS)
+    assert out.status["phase"] == "Failed"
+
+
+def test_no_service_means_waiting_with_a_reason() -> None:
+    observed = JobObserved(plan=plan([5]), pods=(), done={}, services_selected=0)
+    out = reconcile_job("ns", "job", 1, spec(), observed=observed, memory=JobMemory(),
+                        previous_status={}, now=T0, now_s=0.0, settings=SETTINGS)
+    conds = {c["type"]: c for c in out.status["conditions"]}
+    assert out.status["phase"] == "Pending" and conds["Running"]["reason"] == "NoMatchingService"

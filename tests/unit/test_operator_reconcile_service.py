@@ -1,0 +1,189 @@
+"""InferenceService reconciler: children, conditions, budget pushes and generations."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from slipstream_operator.api import InferenceServiceSpec
+from slipstream_operator.budgets import (
+    AnalyticSearch,
+    BudgetParams,
+    BudgetSearch,
+    LoadStats,
+    ObservedSLO,
+)
+from slipstream_operator.observe import WindowStats
+from slipstream_operator.reconcile_service import (
+    ObjectRef,
+    PodView,
+    ServiceMemory,
+    ServiceObserved,
+    reconcile_service,
+)
+from slipstream_operator.sidecar_client import SidecarStatus
+from slipstream_scheduler.latency import FeatureSet, LinearLatencyModel
+
+pytestmark = pytest.mark.unit
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+MODEL = LinearLatencyModel(
+    feature_set=FeatureSet.CONTEXT,
+    coefficients=(0.008, 6e-5, 0.0, 0.0, 1.5e-4, 0.0, 2e-8, 0.0),
+)
+REF = ObjectRef("chat", "team-a", "uid-1", 3)
+PARAMS = BudgetParams(min_samples=5)
+
+
+def spec(**overrides: Any) -> InferenceServiceSpec:
+    doc: dict[str, Any] = {
+        "model": "meta-llama/Llama-2-7b-hf",
+        "engine": {"image": "vllm/vllm-openai:v0.11.0", "args": ["--max-num-seqs", "128"]},
+        "replicas": 2,
+        "slo": {"tbt": {"p99": "100ms"}, "ttft": {"p99": "2s"}},
+    }
+    doc.update(overrides)
+    return InferenceServiceSpec.model_validate(doc)
+
+
+def pod(name: str, generation: int = 0, ready: bool = True) -> PodView:
+    return PodView(name, f"127.1.0.{len(name)}", True,
+                   SidecarStatus(generation=generation, engine_ready=ready, draining=False,
+                                 spare_capacity=0.5, budget_s=None))
+
+
+def window(samples: int = 100, tbt_p99: float = 0.05, ttft_p99: float = 0.8) -> WindowStats:
+    return WindowStats(
+        observed=ObservedSLO(samples=samples, tbt_p99_s=tbt_p99, ttft_p99_s=ttft_p99,
+                             tbt_mean_s=tbt_p99 / 2, ttft_mean_s=ttft_p99 / 2),
+        load=LoadStats(2.0, 1000.0, 200.0),
+        span_s=60.0,
+    )
+
+
+def search_for(model: LinearLatencyModel) -> BudgetSearch:
+    return AnalyticSearch(model)
+
+
+def run(observed: ServiceObserved, memory: ServiceMemory | None = None,
+        previous: dict[str, Any] | None = None, s: InferenceServiceSpec | None = None,
+        at: datetime = T0, at_s: float = 0.0) -> Any:
+    return reconcile_service(REF, s or spec(), observed, memory or ServiceMemory(),
+                             previous_status=previous or {},
+                             now=at, now_s=at_s, params=PARAMS, search_for=search_for)
+
+
+def observed(pods: tuple[PodView, ...], win: WindowStats | None = None,
+             model: LinearLatencyModel | None = MODEL) -> ServiceObserved:
+    return ServiceObserved(pods=pods, token="tok", window=win, latency_model=model,
+                           profile="shipped:test.json" if model else "")
+
+
+def test_children_are_owned_and_wire_the_pod_as_the_issue_says() -> None:
+    out = run(observed(()))
+    kinds = [c["kind"] for c in out.children]
+    assert kinds == ["Secret", "ConfigMap", "Deployment", "Service"]
+    for child in out.children:
+        owner = child["metadata"]["ownerReferences"][0]
+        assert owner["uid"] == "uid-1" and owner["controller"] is True
+        assert owner["apiVersion"] == "slipstream.dev/v1alpha1"
+        assert child["metadata"]["namespace"] == "team-a"
+    deployment = out.children[2]
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    args = containers["vllm"]["args"]
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert args[args.index("--port") + 1] == "8001"
+    assert args[-2:] == ["--max-num-seqs", "128"]
+    assert containers["vllm"]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    ports = {p["name"]: p["containerPort"] for p in containers["sidecar"]["ports"]}
+    assert ports == {"http": 8000, "grpc": 9000}
+    assert deployment["spec"]["replicas"] == 2
+    assert out.children[0]["stringData"]["token"] == "tok"
+    assert "latency.json" in out.children[1]["data"]
+    service = out.children[3]
+    assert service["spec"]["ports"][0]["port"] == 8000
+
+
+def test_no_pods_no_statistics() -> None:
+    out = run(observed(()))
+    conds = {c["type"]: c for c in out.status["conditions"]}
+    assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "NoReplicasReady"
+    assert conds["SLOMet"]["status"] == "Unknown"
+    assert conds["SLOMet"]["reason"] == "InsufficientSamples"
+    assert conds["BudgetReady"]["reason"] == "AwaitingLoadStatistics"
+    assert out.pushes == () and "budget" not in out.status
+    assert out.status["observedGeneration"] == 3
+
+
+def test_budget_is_searched_and_pushed_to_ready_pods_behind_the_generation() -> None:
+    pods = (pod("a"), pod("b"), pod("c", ready=False))
+    out = run(observed(pods, window()))
+    assert [name for name, _ in out.pushes] == ["a", "b"]
+    call = out.pushes[0][1]
+    assert call.generation == 1 and call.budget_s is not None and 0 < call.budget_s <= 0.09 + 1e-9
+    assert call.tbt_p99_s == pytest.approx(0.1) and call.ordering == "gittins"
+    assert call.latency_kind == "context" and call.latency_coefficients["const"] == 0.008
+    status = out.status
+    assert status["budget"]["reason"] == "Searched"
+    assert status["budget"]["configGeneration"] == 1
+    assert status["readyReplicas"] == 2 and status["replicas"] == 3
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["Ready"]["status"] == "True"
+    assert conds["BudgetReady"]["status"] == "False" and conds["BudgetReady"]["reason"] == "Pushing"
+    assert conds["SLOMet"]["status"] == "True" and conds["SLOMet"]["reason"] == "WithinTarget"
+    assert status["observed"]["tbtP99"] == "50ms" and status["observed"]["ttftP99"] == "800ms"
+    assert out.events[0][:2] == ("Normal", "BudgetSearched")
+
+    # Next tick: the pods acknowledged generation 1; nothing changed, nothing to push.
+    acked = (pod("a", 1), pod("b", 1), pod("c", ready=False))
+    again = run(observed(acked, window()), out.memory, out.status, at=T0 + timedelta(seconds=5),
+                at_s=5.0)
+    assert again.pushes == ()
+    conds = {c["type"]: c for c in again.status["conditions"]}
+    assert conds["BudgetReady"]["status"] == "True"
+    assert again.status["budget"]["configGeneration"] == 1
+
+
+def test_a_missed_slo_tightens_bumps_the_generation_and_flags_the_metric() -> None:
+    pods = (pod("a"), pod("b"))
+    first = run(observed(pods, window()))
+    acked = (pod("a", 1), pod("b", 1))
+    missed = run(observed(acked, window(tbt_p99=0.14)), first.memory, first.status,
+                 at=T0 + timedelta(seconds=5), at_s=5.0)
+    conds = {c["type"]: c for c in missed.status["conditions"]}
+    assert conds["SLOMet"]["status"] == "False"
+    assert conds["SLOMet"]["reason"] == "TBTP99Exceeded"
+    assert missed.status["sloSummary"] == "tbt-p99 140ms/100ms"
+    assert missed.status["budget"]["reason"] == "Tightened"
+    assert [c.generation for _, c in missed.pushes] == [2, 2]
+    assert missed.pushes[0][1].budget_s == pytest.approx(first.pushes[0][1].budget_s * 0.7)
+    assert ("Warning", "SLOMissed") in [e[:2] for e in missed.events]
+
+
+def test_after_an_operator_restart_generations_continue_from_the_pods() -> None:
+    pods = (pod("a", 7), pod("b", 7))
+    out = run(observed(pods, window()), ServiceMemory(), {"budget": {"configGeneration": 5}})
+    assert {c.generation for _, c in out.pushes} == {8}
+
+
+def test_no_latency_profile_means_no_budget() -> None:
+    out = run(observed((pod("a"),), window(), model=None))
+    conds = {c["type"]: c for c in out.status["conditions"]}
+    assert conds["BudgetReady"]["reason"] == "NoLatencyModel"
+    assert out.pushes[0][1].budget_s is None  # SLOs and ordering still go out
+    assert "latency.json" not in out.children[1]["data"]
+
+
+def test_scaled_to_zero_is_ready() -> None:
+    out = run(observed(()), s=spec(replicas=0))
+    conds = {c["type"]: c for c in out.status["conditions"]}
+    assert conds["Ready"]["status"] == "True" and conds["Ready"]["reason"] == "ScaledToZero"
+
+
+def test_co_location_off_pushes_a_zero_budget() -> None:
+    out = run(observed((pod("a"),), window()),
+              s=spec(scheduling={"ordering": "fcfs", "coLocation": False}))
+    call = out.pushes[0][1]
+    assert call.budget_s == 0.0 and call.ordering == "fcfs"
