@@ -69,7 +69,7 @@ class Proc:
 
     def start(self, ready_path: str = "/health", timeout_s: float = 60.0) -> Proc:
         log = self.log_path.open("ab")
-        self.popen = subprocess.Popen(  # noqa: S603
+        self.popen = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=self.env,
             start_new_session=True,
         )

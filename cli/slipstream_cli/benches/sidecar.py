@@ -1,0 +1,272 @@
+"""``slipstream bench sidecar``: the latency the sidecar adds, and its highest request rate.
+
+One run starts one engine model (``slipstream engine``) and two sidecars in front
+of it (prompt lengths by ``/tokenize``, the default, and by a bytes/4 estimate),
+all as subprocesses on loopback, and drives them with an aiohttp client:
+
+* **added latency**: at 1, 64 and 256 concurrent streams (closed loop), the same
+  requests (real Alpaca prompts from ``$SLIPSTREAM_DATA``, fixed 16 output
+  tokens) go direct to the engine and through each sidecar, in alternating
+  blocks, so all three paths see the same engine and machine load. Reported:
+  TTFT and end-to-end p50/p99 of each path, the added milliseconds
+  (sidecar − direct, per percentile) and the ratio sidecar/direct;
+* **max_rps**: non-streaming one-token requests from 64 closed-loop clients
+  for a fixed time, direct and through the default sidecar; the sidecar's rate
+  is ``max_rps``, the direct rate its baseline.
+
+The client, the engine model and the sidecar share the machine's CPUs, so the
+added latency includes CPU contention; the direct path is the baseline measured
+in the same run. Timings are printed and written (``--json``), never asserted.
+uvloop is used by the sidecar only if it is installed.
+
+Deliberately left out: offline work (``bench colocation`` measures SLOs under
+co-location); this measures the proxy path alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+MODEL = "llama-2-7b"
+CONCURRENCY = (1, 64, 256)
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="requests per stream and block (default 3)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="alternating blocks per path (default 2)")
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--rps-seconds", type=float, default=5.0)
+    parser.add_argument("--gpu", default="a100")
+
+
+def _data_dir() -> Path:
+    return Path(os.environ.get("SLIPSTREAM_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+def _prompts(n: int) -> list[str]:
+    rows = json.loads((_data_dir() / "prompts" / "alpaca_5000.dev.json").read_text())
+    return [r["instruction"] + ("\n\n" + r["input"] if r["input"] else "") for r in rows[:n]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "slipstream_cli.main", *args],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{args[0]} exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return proc
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{args[0]} did not become ready")
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    e2e_s: float
+
+
+async def _stream_one(session: aiohttp.ClientSession, url: str, body: bytes) -> Sample:
+    t0 = time.perf_counter()
+    ttft = None
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: {r.status} {await r.text()}")
+        async for _ in r.content.iter_any():
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+    e2e = time.perf_counter() - t0
+    return Sample(ttft if ttft is not None else e2e, e2e)
+
+
+async def _closed_loop(base: str, bodies: list[bytes], concurrency: int, per_stream: int,
+                       session: aiohttp.ClientSession) -> list[Sample]:
+    url = base + "/v1/completions"
+    samples: list[Sample] = []
+
+    async def worker(k: int) -> None:
+        for j in range(per_stream):
+            samples.append(await _stream_one(session, url, bodies[(k * per_stream + j)
+                                                                  % len(bodies)]))
+
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    return samples
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _summary(samples: list[Sample]) -> dict[str, float]:
+    ttft = [s.ttft_s * 1e3 for s in samples]
+    e2e = [s.e2e_s * 1e3 for s in samples]
+    return {"n": len(samples), "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
+            "e2e_p50_ms": _pct(e2e, 0.5), "e2e_p99_ms": _pct(e2e, 0.99),
+            "ttft_mean_ms": statistics.fmean(ttft)}
+
+
+async def _rps(base: str, seconds: float, clients: int, session: aiohttp.ClientSession) -> float:
+    body = json.dumps({"model": MODEL, "prompt": "Say yes.", "max_tokens": 1,
+                       "ignore_eos": True}).encode()
+    url = base + "/v1/completions"
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            async with session.post(url, data=body,
+                                    headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                if r.status == 200:
+                    done += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return done / (time.perf_counter() - t0)
+
+
+async def _measure(args: argparse.Namespace, paths: dict[str, str]) -> dict[str, Any]:
+    prompts = _prompts(512)
+    bodies = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": args.output_tokens,
+                          "ignore_eos": True, "stream": True}).encode() for p in prompts]
+    conn = aiohttp.TCPConnector(limit=0)
+    results: dict[str, Any] = {"concurrency": {}}
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(600)) as s:
+        await _closed_loop(paths["direct"], bodies, 8, 2, s)  # warm-up
+        for name, base in paths.items():
+            if name != "direct":
+                await _closed_loop(base, bodies, 8, 2, s)
+        for c in args.concurrency:
+            per: dict[str, list[Sample]] = {name: [] for name in paths}
+            per_stream = max(args.rounds, 40 // c)
+            for _ in range(args.repeats):
+                for name, base in paths.items():
+                    per[name] += await _closed_loop(base, bodies, c, per_stream, s)
+            summ = {name: _summary(v) for name, v in per.items()}
+            d = summ["direct"]
+            row: dict[str, Any] = {"paths": summ}
+            for name in paths:
+                if name == "direct":
+                    continue
+                v = summ[name]
+                row[name] = {
+                    f"added_{m}_ms": v[f"{m}_ms"] - d[f"{m}_ms"]
+                    for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+                } | {f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"]
+                     for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")}
+            results["concurrency"][str(c)] = row
+            print(f"concurrency {c}: " + ", ".join(
+                f"{n} ttft p50/p99 {v['ttft_p50_ms']:.2f}/{v['ttft_p99_ms']:.2f} ms"
+                for n, v in summ.items()), flush=True)
+        results["direct_max_rps"] = await _rps(paths["direct"], args.rps_seconds, 64, s)
+        results["max_rps"] = await _rps(paths["sidecar"], args.rps_seconds, 64, s)
+        print(f"max rps: sidecar {results['max_rps']:.0f}, direct "
+              f"{results['direct_max_rps']:.0f}", flush=True)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="slipstream-bench-sidecar-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        ep = _free_port()
+        engine_url = f"http://127.0.0.1:{ep}"
+        procs.append(_start(
+            ["engine", "--port", str(ep), "--model", MODEL, "--gpu", args.gpu,
+             "--scheduling-policy", "priority", "--max-num-seqs", "512",
+             "--max-num-batched-tokens", "8192", "--kv-blocks", "65536", "--noise-cv", "0"],
+            engine_url, tmp / "engine.log"))
+        paths = {"direct": engine_url}
+        for name, mode in (("sidecar", "tokenize"), ("sidecar_estimate", "estimate")):
+            hp = _free_port()
+            url = f"http://127.0.0.1:{hp}"
+            procs.append(_start(
+                ["sidecar", "--engine", engine_url, "--http-port", str(hp),
+                 "--grpc-port", str(_free_port()), "--max-num-seqs", "512",
+                 "--max-num-batched-tokens", "8192", "--kv-blocks", "65536",
+                 "--online-prompt-tokens", mode],
+                url, tmp / f"{name}.log"))
+            paths[name] = url
+        results = asyncio.run(_measure(args, paths))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    conc = results["concurrency"]
+    out = {
+        "added_ttft_p50_ms": {c: conc[c]["sidecar"]["added_ttft_p50_ms"] for c in conc},
+        "added_ttft_p99_ms": {c: conc[c]["sidecar"]["added_ttft_p99_ms"] for c in conc},
+        "added_e2e_p50_ms": {c: conc[c]["sidecar"]["added_e2e_p50_ms"] for c in conc},
+        "added_e2e_p99_ms": {c: conc[c]["sidecar"]["added_e2e_p99_ms"] for c in conc},
+        "ratio_ttft_p99": {c: conc[c]["sidecar"]["ratio_ttft_p99"] for c in conc},
+        "max_rps": results["max_rps"],
+        "direct_max_rps": results["direct_max_rps"],
+        "estimate_mode": {
+            "added_ttft_p50_ms": {c: conc[c]["sidecar_estimate"]["added_ttft_p50_ms"]
+                                  for c in conc},
+            "added_ttft_p99_ms": {c: conc[c]["sidecar_estimate"]["added_ttft_p99_ms"]
+                                  for c in conc},
+        },
+        "detail": conc,
+        "setup": {"engine": f"{MODEL} on {args.gpu} (engine model)", "cpus": os.cpu_count(),
+                  "output_tokens": args.output_tokens, "rounds": args.rounds,
+                  "repeats": args.repeats, "uvloop": _has_uvloop(),
+                  "load_average_1m_at_end": os.getloadavg()[0]},
+    }
+    print(json.dumps({k: out[k] for k in ("added_ttft_p50_ms", "added_ttft_p99_ms",
+                                          "max_rps", "direct_max_rps")}, indent=1))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return False
+    return True
