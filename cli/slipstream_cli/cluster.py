@@ -7,9 +7,10 @@ kubeconfig (``system:masters``) and a restricted one (a token for a namespaced s
 bound to a small Role), and creates kwok fake nodes with ``nvidia.com/gpu`` capacity whose
 pod CIDRs lie in 127.1.0.0/16, so that a test can bind a real process on a pod's IP.
 
-Everything it sends goes to 127.0.0.0/8: numeric addresses everywhere, no DNS names, and
-pods get loopback IPs. ClusterIPs are allocated (the apiserver needs a service range) but
-nothing here routes them: address pods by ``status.podIP``.
+Everything it sends goes to 127.0.0.0/8: numeric addresses everywhere, no DNS names, pods
+get loopback IPs, and even ClusterIPs come from a loopback range (127.3.0.0/16), though nothing
+routes them (no kube-proxy, and Endpoints refuse loopback pod IPs): address pods by
+``status.podIP``.
 
 State (PKI, kubeconfigs, etcd data, PID files, logs) lives in ``$SLIPSTREAM_CLUSTER_DIR``
 (default ``~/.cache/slipstream/cluster``). ``up`` reuses a healthy cluster started from the same
@@ -46,7 +47,8 @@ LOG = logging.getLogger(__name__)
 DEFAULT_K8S_VERSION = "1.37.2"
 POD_NETWORK = ipaddress.IPv4Network("127.1.0.0/16")
 NODE_NETWORK = ipaddress.IPv4Network("127.2.0.0/16")
-SERVICE_NETWORK = "10.0.0.0/24"
+# Loopback too (the apiserver accepts it): a ClusterIP dialled by mistake stays on `lo`.
+SERVICE_NETWORK = "127.3.0.0/16"
 MAX_NODES = 1000
 LOOPBACK = "127.0.0.1"
 FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
@@ -163,6 +165,7 @@ class ClusterConfig:
         data = asdict(self)
         data["state_dir"] = str(self.state_dir)
         data["bin_dir"] = str(self.bin_dir)
+        data["networks"] = [str(POD_NETWORK), str(NODE_NETWORK), SERVICE_NETWORK]
         return data
 
 
@@ -525,7 +528,6 @@ class LocalCluster:
         self.admin_kubeconfig = self.state_dir / "admin.kubeconfig"
         self.restricted_kubeconfig = self.state_dir / "restricted.kubeconfig"
         self.server = f"https://{LOOPBACK}:{self.config.ports.apiserver}"
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     # ---- public API --------------------------------------------------------------------
 
@@ -854,24 +856,16 @@ class LocalCluster:
         for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "KUBECONFIG"):
             env.pop(var, None)
         LOG.info("starting %s (log: %s)", component.name, log_path)
-        with log_path.open("ab") as log:
-            proc = subprocess.Popen(
-                component.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.state_dir,
-                env=env,
-                start_new_session=True,
-            )
-        self._procs[component.name] = proc
-        self._pid_file(component.name).write_text(f"{proc.pid}\n")
-        # Until the child has exec'd, /proc/PID/cmdline still shows this Python process.
+        pid = spawn_detached(component.argv, log_path, self.state_dir, env)
+        self._pid_file(component.name).write_text(f"{pid}\n")
+        # Until the child has exec'd, /proc/PID/cmdline still shows the shell that forked it.
         binary = self._binary(component.name)
         deadline = time.monotonic() + 10
-        while proc.poll() is None and not pid_alive(proc.pid, binary):
+        while not pid_alive(pid, binary):
+            if not Path(f"/proc/{pid}").exists():
+                return  # exited at once: _wait_healthy reports it with the log's tail
             if time.monotonic() > deadline:
-                raise ClusterError(f"{component.name} (pid {proc.pid}) did not exec {binary}")
+                raise ClusterError(f"{component.name} (pid {pid}) did not exec {binary}")
             time.sleep(0.01)
 
     def _health_context(self) -> ssl.SSLContext:
@@ -884,9 +878,7 @@ class LocalCluster:
 
         def check() -> str | None:
             pid = self._read_pid(component.name)
-            proc = self._procs.get(component.name)
-            exited = proc is not None and proc.poll() is not None
-            if exited or pid is None or not pid_alive(pid, binary):
+            if pid is None or not pid_alive(pid, binary):
                 raise ClusterError(
                     f"{component.name} exited during start-up; "
                     f"last lines of {log_path}:{tail(log_path)}"
@@ -903,10 +895,6 @@ class LocalCluster:
             pid = self._read_pid(name)
             if pid is not None and pid_alive(pid, self._binary(name)):
                 stop_process(name, pid, self._binary(name))
-            proc = self._procs.pop(name, None)
-            if proc is not None:  # reap our own child so it leaves no zombie
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
             self._pid_file(name).unlink(missing_ok=True)
 
     # ---- bootstrap: nodes, restricted identity -----------------------------------------
@@ -984,11 +972,33 @@ def _condition(obj: Mapping[str, Any], kind: str) -> str | None:
     return None
 
 
+def spawn_detached(argv: list[str], log_path: Path, cwd: Path, env: Mapping[str, str]) -> int:
+    """Start ``argv`` in the background, detached from this process; return its PID.
+
+    A short-lived ``sh`` forks it and exits, so the component is re-parented to init: it is
+    never this process's child (no zombie, no ``Popen`` still-running warning when the cluster
+    outlives the Python process that started it, as with ``SLIPSTREAM_KEEP_CLUSTER=1``).
+    """
+    script = 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!'
+    result = subprocess.run(
+        ["sh", "-c", script, "sh", str(log_path), *argv],
+        cwd=cwd,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        check=False,
+        start_new_session=True,
+    )
+    if result.returncode != 0 or not result.stdout.strip().isdigit():
+        raise ClusterError(f"could not start {argv[0]}: {result.stderr.strip() or result.stdout}")
+    return int(result.stdout.strip())
+
+
 def stop_process(name: str, pid: int, binary: Path, grace: float = 15.0) -> None:
-    """SIGTERM the component's process group, then SIGKILL after ``grace`` seconds."""
+    """SIGTERM the component, then SIGKILL after ``grace`` seconds."""
     LOG.info("stopping %s (pid %d)", name, pid)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if not pid_alive(pid, binary):
@@ -996,7 +1006,7 @@ def stop_process(name: str, pid: int, binary: Path, grace: float = 15.0) -> None
         time.sleep(0.2)
     LOG.warning("%s (pid %d) ignored SIGTERM for %.0fs; killing", name, pid, grace)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------------------------

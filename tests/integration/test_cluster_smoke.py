@@ -53,6 +53,20 @@ def test_components_healthy_and_loopback_only(
             assert ipaddress.IPv4Network(cidr).subnet_of(POD_NETWORK)
 
 
+def test_cluster_ips_are_loopback(admin_api: client.ApiClient, namespace: str) -> None:
+    core = client.CoreV1Api(admin_api)
+    service = client.V1Service(
+        metadata=client.V1ObjectMeta(name="engine"),
+        spec=client.V1ServiceSpec(
+            selector={"app": "engine"}, ports=[client.V1ServicePort(port=8000)]
+        ),
+    )
+    created = wire(core.create_namespaced_service(namespace, service))
+    assert ipaddress.ip_address(created["spec"]["clusterIP"]) in LOOPBACK_NET
+    builtin = wire(core.read_namespaced_service("kubernetes", "default"))
+    assert ipaddress.ip_address(builtin["spec"]["clusterIP"]) in LOOPBACK_NET
+
+
 def test_custom_resource_definition(admin_api: client.ApiClient, namespace: str) -> None:
     ext = client.ApiextensionsV1Api(admin_api)
     group, plural = "smoke.slipstream.dev", "widgets"

@@ -66,7 +66,7 @@ def test_pki_chain_and_names(tmp_path: Path) -> None:
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
-    pki = lc.write_pki(tmp_path / "pki", "10.0.0.1")
+    pki = lc.write_pki(tmp_path / "pki", "127.3.0.1")
     ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
     serving = x509.load_pem_x509_certificate(pki.path("serving.crt").read_bytes())
     admin = x509.load_pem_x509_certificate(pki.path("admin.crt").read_bytes())
