@@ -592,6 +592,26 @@ class LocalCluster:
     def healthy(self) -> bool:
         return self.admin_kubeconfig.exists() and all(s.healthy for s in self.status())
 
+    def acquire(self, pid: int | None = None) -> None:
+        """Record that process ``pid`` (default: this one) uses the cluster; see ``release``."""
+        users = self.state_dir / "users"
+        users.mkdir(parents=True, exist_ok=True)
+        (users / str(pid or os.getpid())).touch()
+
+    def release(self, pid: int | None = None) -> bool:
+        """Drop ``pid``'s claim; True if no live process still claims the cluster, so that two
+        pytest sessions sharing one state dir do not stop the cluster under each other."""
+        users = self.state_dir / "users"
+        with self._lock():
+            (users / str(pid or os.getpid())).unlink(missing_ok=True)
+            live = []
+            for claim in users.glob("*") if users.is_dir() else []:
+                if claim.name.isdigit() and Path(f"/proc/{claim.name}").exists():
+                    live.append(claim.name)
+                else:
+                    claim.unlink(missing_ok=True)
+        return not live
+
     def admin_rest(self) -> Rest:
         return Rest(
             self.server,

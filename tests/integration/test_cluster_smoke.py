@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
 from slipstream_cli.cluster import POD_NETWORK, LocalCluster
 
 pytestmark = pytest.mark.cluster

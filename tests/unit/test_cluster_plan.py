@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from slipstream_cli import cluster as lc
 
 pytestmark = pytest.mark.unit
