@@ -67,6 +67,10 @@ go_build_progress() {
 
 have() { [[ "$FORCE" != 1 && -x "$BIN/$1" ]]; }
 
+need_go() {
+  command -v go >/dev/null 2>&1 || die "go is not on PATH: building $1 needs Go >= 1.26 (everything else is cached in $BIN)"
+}
+
 version_ldflags() {
   local ldf="-s -w" p
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
@@ -108,8 +112,11 @@ k8s_module() {
 
 build_k8s() {
   if have kube-apiserver && have kube-controller-manager && have kube-scheduler; then
-    log "k8s: cached ($("$BIN/kube-apiserver" --version))"; return
+    local v; v=$("$BIN/kube-apiserver" --version)
+    [[ "$v" == "Kubernetes v$K8S_VERSION" ]] || die "k8s: $BIN/kube-apiserver says '$v', expected v$K8S_VERSION (FORCE=1 rebuilds)"
+    log "k8s: cached ($v)"; return
   fi
+  need_go k8s
   k8s_module
   local pkgs=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
               k8s.io/kubernetes/cmd/kube-scheduler)
@@ -122,6 +129,7 @@ build_k8s() {
 # --- etcd --------------------------------------------------------------------------------------
 build_etcd() {
   if have etcd; then log "etcd: cached ($("$BIN/etcd" --version | head -n1))"; return; fi
+  need_go etcd
   local kmod=$WORK/k8s-$K8S_VERSION/kubernetes.go.mod
   [[ -f "$kmod" ]] || k8s_module
   local ev; ev=$(sed -nE 's#^[[:space:]]*go\.etcd\.io/etcd/client/v3[[:space:]]+(v[0-9.]+).*#\1#p' "$kmod")
@@ -144,7 +152,12 @@ build_etcd() {
 # --- kwok --------------------------------------------------------------------------------------
 build_kwok() {
   local stages=$BIN/kwok-stages
-  if have kwok && [[ -d "$stages" ]]; then log "kwok: cached ($("$BIN/kwok" --version 2>&1 | head -n1))"; return; fi
+  if have kwok && [[ -d "$stages" ]]; then
+    local v; v=$("$BIN/kwok" --version 2>&1 | head -n1)
+    [[ "$v" == *"${KWOK_VERSION}"* ]] || die "kwok: $BIN/kwok says '$v', expected $KWOK_VERSION (FORCE=1 rebuilds)"
+    log "kwok: cached ($v)"; return
+  fi
+  need_go kwok
   local dir=$WORK/kwok-$KWOK_VERSION
   mkdir -p "$dir"; cd "$dir"
   if [[ ! -f .prepared ]]; then
@@ -180,7 +193,9 @@ fetch_tools() {
 }
 
 main() {
-  log "cache: $BIN (k8s v$K8S_VERSION, kwok $KWOK_VERSION); GOMODCACHE=$(go env GOMODCACHE) GOCACHE=$(go env GOCACHE)"
+  local gocaches="no go on PATH"
+  if command -v go >/dev/null 2>&1; then gocaches="GOMODCACHE=$(go env GOMODCACHE) GOCACHE=$(go env GOCACHE)"; fi
+  log "cache: $BIN (k8s v$K8S_VERSION, kwok $KWOK_VERSION); $gocaches"
   local what=("$@")
   [[ ${#what[@]} -gt 0 ]] || what=(k8s etcd kwok tools)
   local w
@@ -194,7 +209,7 @@ main() {
     esac
   done
   log "done: $(du -sh "$BIN" | cut -f1) in $BIN"
-  ls -l "$BIN" >&2
 }
 
 main "$@"
+exit $?
