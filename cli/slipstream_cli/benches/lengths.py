@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from slipstream_cli.workloads.alpaca_eval import AlpacaEvalRow, load_rows, make_token_counter
 from slipstream_scheduler.lengths import (
     GlobalDistributionPredictor,
     HashingEmbedder,
@@ -44,8 +46,6 @@ from slipstream_scheduler.lengths import (
     median_bucket_hit,
 )
 from slipstream_scheduler.protocols import Embedder, LengthPredictor
-
-from slipstream_cli.workloads.alpaca_eval import AlpacaEvalRow, load_rows, make_token_counter
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Score:
     p_bucket: float
     median_hit: float
     mean_sample_size: float
-    matched_fraction: float  # queries with >= min_matches real matches (history predictors)
+    matched_fraction: float | None  # queries with >= min_matches real matches (semantic only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +204,7 @@ def evaluate(
         p_bucket=float(np.mean(pb)),
         median_hit=float(np.mean(hits)),
         mean_sample_size=float(np.mean(sizes)),
-        matched_fraction=matched / len(pb) if kind == "semantic" else float("nan"),
+        matched_fraction=matched / len(pb) if kind == "semantic" else None,
     )
 
 
@@ -310,11 +310,7 @@ def render_markdown(res: dict[str, object]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for s in res["scores"]:  # type: ignore[attr-defined]
-        mf = (
-            "–"
-            if s["matched_fraction"] != s["matched_fraction"]
-            else f"{s['matched_fraction']:.1%}"
-        )
+        mf = "–" if s["matched_fraction"] is None else f"{s['matched_fraction']:.1%}"
         lines.append(
             f"| {s['scope']} | {s['predictor']} | {s['embedder']} | {s['queries']} "
             f"| {s['p_bucket']:.3f} | {s['median_hit']:.3f} | {s['mean_sample_size']:.1f} | {mf} |"
