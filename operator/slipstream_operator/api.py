@@ -125,12 +125,16 @@ class Condition(ApiModel):
         pattern=CAMEL_REASON_PATTERN,
         max_length=64,
     )
-    message: str = Field("", description="Human-readable detail. Default: empty.", max_length=2048)
+    message: str = Field(
+        default="", description="Human-readable detail. Default: empty.", max_length=2048
+    )
     last_transition_time: datetime = Field(
         description="When status last changed (RFC 3339); unchanged while status stays the same."
     )
     observed_generation: int = Field(
-        0, description="metadata.generation the condition was computed for. Default: 0.", ge=0
+        default=0,
+        description="metadata.generation the condition was computed for. Default: 0.",
+        ge=0,
     )
 
 
@@ -195,10 +199,11 @@ class LatencyTarget(ApiModel):
     )
 
     mean: Duration | None = Field(
-        None, description="Target for the mean over the status window, e.g. 600ms. Unset: none."
+        default=None,
+        description="Target for the mean over the status window, e.g. 600ms. Unset: none.",
     )
     p99: Duration | None = Field(
-        None, description="Target for the 99th percentile over the status window, e.g. 2s."
+        default=None, description="Target for the 99th percentile over the status window, e.g. 2s."
     )
 
 
@@ -211,8 +216,12 @@ class SLOSpec(ApiModel):
         )
     )
 
-    ttft: LatencyTarget | None = Field(None, description="Time to first token (queueing included).")
-    tbt: LatencyTarget | None = Field(None, description="Time between tokens of one stream.")
+    ttft: LatencyTarget | None = Field(
+        default=None, description="Time to first token (queueing included)."
+    )
+    tbt: LatencyTarget | None = Field(
+        default=None, description="Time between tokens of one stream."
+    )
 
 
 class EngineSpec(ApiModel):
@@ -225,9 +234,11 @@ class EngineSpec(ApiModel):
         "--host 127.0.0.1 and --port 8001 itself. Default: none.",
         max_length=64,
     )
-    gpus: int = Field(1, description="GPUs per replica (nvidia.com/gpu). Default: 1.", ge=0, le=16)
+    gpus: int = Field(
+        default=1, description="GPUs per replica (nvidia.com/gpu). Default: 1.", ge=0, le=16
+    )
     gpu_type: str = Field(
-        "h100",
+        default="h100",
         description="GPU family; picks the shipped latency profile latency_<model>_<gpuType>.json. "
         "Default: h100.",
         max_length=32,
@@ -245,11 +256,11 @@ class SchedulingSpec(ApiModel):
     """How each pod's sidecar orders and co-locates work."""
 
     ordering: Ordering = Field(
-        Ordering.GITTINS,
+        default=Ordering.GITTINS,
         description="Online queue order: fcfs, sjf, trail or gittins. Default: gittins.",
     )
     co_location: bool = Field(
-        True, description="Run offline work on this service's pods. Default: true."
+        default=True, description="Run offline work on this service's pods. Default: true."
     )
 
 
@@ -264,18 +275,21 @@ class SidecarSpec(ApiModel):
     """The Slipstream sidecar container of each replica."""
 
     image: str = Field(
-        "ghcr.io/slipstream-dev/slipstream:0.1.0",
+        default="ghcr.io/slipstream-dev/slipstream:0.1.0",
         description="Sidecar image. Default: ghcr.io/slipstream-dev/slipstream:0.1.0.",
         max_length=512,
     )
     http_port: int = Field(
-        8000,
+        default=8000,
         description="OpenAI-compatible HTTP port (the pod's serving port). Default: 8000.",
         ge=1,
         le=65535,
     )
     grpc_port: int = Field(
-        9000, description="Control gRPC port the operator dials. Default: 9000.", ge=1, le=65535
+        default=9000,
+        description="Control gRPC port the operator dials. Default: 9000.",
+        ge=1,
+        le=65535,
     )
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Sidecar container resources."
@@ -301,7 +315,7 @@ class InferenceServiceSpec(ApiModel):
         max_length=256,
     )
     engine: EngineSpec = Field(description="The vLLM engine container.")
-    replicas: int = Field(1, description="Number of pods. Default: 1.", ge=0, le=1000)
+    replicas: int = Field(default=1, description="Number of pods. Default: 1.", ge=0, le=1000)
     slo: SLOSpec = Field(description="Latency SLOs; at least one target.")
     scheduling: SchedulingSpec = Field(
         default_factory=lambda: SchedulingSpec.model_validate({}),
@@ -315,14 +329,14 @@ class InferenceServiceSpec(ApiModel):
 class ObservedLatency(ApiModel):
     """Online latency measured over the window (durations)."""
 
-    ttft_mean: Duration | None = Field(None, description="Mean time to first token.")
-    ttft_p99: Duration | None = Field(None, description="P99 time to first token.")
-    tbt_mean: Duration | None = Field(None, description="Mean time between tokens.")
-    tbt_p99: Duration | None = Field(None, description="P99 time between tokens.")
-    window: Duration = Field("5m", description="Window the statistics cover. Default: 5m.")
-    samples: int = Field(0, description="Online requests in the window. Default: 0.", ge=0)
+    ttft_mean: Duration | None = Field(default=None, description="Mean time to first token.")
+    ttft_p99: Duration | None = Field(default=None, description="P99 time to first token.")
+    tbt_mean: Duration | None = Field(default=None, description="Mean time between tokens.")
+    tbt_p99: Duration | None = Field(default=None, description="P99 time between tokens.")
+    window: Duration = Field(default="5m", description="Window the statistics cover. Default: 5m.")
+    samples: int = Field(default=0, description="Online requests in the window. Default: 0.", ge=0)
     source: Literal["sidecar", "prometheus", "none"] = Field(
-        "none", description="Where the numbers came from: sidecar, prometheus or none."
+        default="none", description="Where the numbers came from: sidecar, prometheus or none."
     )
 
 
@@ -331,7 +345,7 @@ class BudgetStatus(ApiModel):
 
     iteration: Duration = Field(description="Predicted-iteration-time cap in force, e.g. 45ms.")
     searched: Duration | None = Field(
-        None, description="Budget the SLO-aware search found for the current load and SLOs."
+        default=None, description="Budget the SLO-aware search found for the current load and SLOs."
     )
     computed_at: datetime = Field(description="When the budget was last changed.")
     reason: str = Field(
@@ -340,37 +354,45 @@ class BudgetStatus(ApiModel):
         max_length=64,
     )
     config_generation: int = Field(
-        0, description="Generation of the Configure call that carried it. Default: 0.", ge=0
+        default=0, description="Generation of the Configure call that carried it. Default: 0.", ge=0
     )
-    profile: str = Field("", description="Latency profile used, e.g. shipped:llama-2-7b-hf_h100.")
+    profile: str = Field(
+        default="", description="Latency profile used, e.g. shipped:llama-2-7b-hf_h100."
+    )
 
 
 class OfflineStatus(ApiModel):
     """Offline work running on this service's pods."""
 
     tokens_per_second: float = Field(
-        0.0, description="Offline output tokens per second over all pods. Default: 0.", ge=0
+        default=0.0, description="Offline output tokens per second over all pods. Default: 0.", ge=0
     )
-    active_shards: int = Field(0, description="Offline shards assigned now. Default: 0.", ge=0)
+    active_shards: int = Field(
+        default=0, description="Offline shards assigned now. Default: 0.", ge=0
+    )
 
 
 class InferenceServiceStatus(ApiModel):
     """Observed state of an InferenceService, written by the operator."""
 
-    observed_generation: int = Field(0, description="Last metadata.generation acted on.", ge=0)
+    observed_generation: int = Field(
+        default=0, description="Last metadata.generation acted on.", ge=0
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Ready, SLOMet and BudgetReady.",
         max_length=8,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    replicas: int = Field(0, description="Pods that exist.", ge=0)
-    ready_replicas: int = Field(0, description="Pods whose sidecar reports ready.", ge=0)
-    observed: ObservedLatency | None = Field(None, description="Measured online latency.")
-    budget: BudgetStatus | None = Field(None, description="Budget in force.")
-    offline: OfflineStatus | None = Field(None, description="Offline throughput on these pods.")
+    replicas: int = Field(default=0, description="Pods that exist.", ge=0)
+    ready_replicas: int = Field(default=0, description="Pods whose sidecar reports ready.", ge=0)
+    observed: ObservedLatency | None = Field(default=None, description="Measured online latency.")
+    budget: BudgetStatus | None = Field(default=None, description="Budget in force.")
+    offline: OfflineStatus | None = Field(
+        default=None, description="Offline throughput on these pods."
+    )
     slo_summary: str = Field(
-        "", description="Observed vs target for the tightest SLO, e.g. ttft-p99 1.2s/2s."
+        default="", description="Observed vs target for the tightest SLO, e.g. ttft-p99 1.2s/2s."
     )
 
 
@@ -378,7 +400,7 @@ class InferenceService(ApiModel):
     """An online LLM service with latency SLOs whose pods also run offline work."""
 
     api_version: Literal["slipstream.dev/v1alpha1"] = Field(
-        "slipstream.dev/v1alpha1", alias="apiVersion"
+        default="slipstream.dev/v1alpha1", alias="apiVersion"
     )
     kind: Literal["InferenceService"] = "InferenceService"
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -400,7 +422,7 @@ class OutputSpec(ApiModel):
 
     uri: Uri = Field(description="URI of the output JSONL file (written atomically at the end).")
     error_uri: Uri | None = Field(
-        None, description="URI of the error JSONL file. Default: <uri> with .errors.jsonl."
+        default=None, description="URI of the error JSONL file. Default: <uri> with .errors.jsonl."
     )
 
     @property
@@ -414,8 +436,10 @@ class OutputSpec(ApiModel):
 class RequestDefaults(ApiModel):
     """Body fields added to each request that does not set them."""
 
-    max_tokens: int | None = Field(None, description="Default max_tokens.", ge=1, le=1_000_000)
-    temperature: float | None = Field(None, description="Default temperature.", ge=0, le=2)
+    max_tokens: int | None = Field(
+        default=None, description="Default max_tokens.", ge=1, le=1_000_000
+    )
+    temperature: float | None = Field(default=None, description="Default temperature.", ge=0, le=2)
 
 
 class Phase(StrEnum):
@@ -464,21 +488,24 @@ class OfflineJobSpec(ApiModel):
         "Default: every service of the same model.",
     )
     priority: int = Field(
-        0,
+        default=0,
         description="Higher runs first among jobs sharing pods. Default: 0.",
         ge=-1000,
         le=1000,
     )
     completion_window: Duration = Field(
-        "24h", description="Time from start after which unfinished requests fail. Default: 24h."
+        default="24h",
+        description="Time from start after which unfinished requests fail. Default: 24h.",
     )
-    suspend: bool = Field(False, description="Stop assigning work and revoke running shards.")
+    suspend: bool = Field(
+        default=False, description="Stop assigning work and revoke running shards."
+    )
     request_defaults: RequestDefaults = Field(
         default_factory=lambda: RequestDefaults.model_validate({}),
         description="Defaults for request bodies.",
     )
     shard_size: int = Field(
-        256,
+        default=256,
         description="Requests per shard (the unit of placement). Default: 256.",
         ge=1,
         le=100_000,
@@ -488,26 +515,30 @@ class OfflineJobSpec(ApiModel):
 class RequestCounts(ApiModel):
     """Request counts (OpenAI Batch request_counts)."""
 
-    total: int = Field(0, description="Lines in the input.", ge=0)
-    completed: int = Field(0, description="Requests with a result in the output file.", ge=0)
-    failed: int = Field(0, description="Requests with a record in the error file.", ge=0)
+    total: int = Field(default=0, description="Lines in the input.", ge=0)
+    completed: int = Field(
+        default=0, description="Requests with a result in the output file.", ge=0
+    )
+    failed: int = Field(default=0, description="Requests with a record in the error file.", ge=0)
 
 
 class ShardCounts(ApiModel):
     """Shard bookkeeping."""
 
-    total: int = Field(0, description="Shards planned.", ge=0)
-    assigned: int = Field(0, description="Shards running on a pod now.", ge=0)
-    done: int = Field(0, description="Shards whose every request has a record.", ge=0)
-    reassigned: int = Field(0, description="Times a shard moved to another pod.", ge=0)
+    total: int = Field(default=0, description="Shards planned.", ge=0)
+    assigned: int = Field(default=0, description="Shards running on a pod now.", ge=0)
+    done: int = Field(default=0, description="Shards whose every request has a record.", ge=0)
+    reassigned: int = Field(default=0, description="Times a shard moved to another pod.", ge=0)
 
 
 class OfflineJobStatus(ApiModel):
     """Observed state of an OfflineJob, written by the operator."""
 
-    observed_generation: int = Field(0, description="Last metadata.generation acted on.", ge=0)
+    observed_generation: int = Field(
+        default=0, description="Last metadata.generation acted on.", ge=0
+    )
     phase: Phase = Field(
-        Phase.PENDING, description="Pending, Running, Suspended, Succeeded or Failed."
+        default=Phase.PENDING, description="Pending, Running, Suspended, Succeeded or Failed."
     )
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -521,19 +552,25 @@ class OfflineJobStatus(ApiModel):
     shards: ShardCounts = Field(
         default_factory=lambda: ShardCounts.model_validate({}), description="Shard counts."
     )
-    progress: str = Field("", description="done/total requests, e.g. 120/1000.")
-    tokens_per_second: float = Field(0.0, description="Offline output tokens/s of this job.", ge=0)
-    eta: str = Field("", description="Estimated time to completion at the current rate, e.g. 5m0s.")
-    start_time: datetime | None = Field(None, description="When the first shard was assigned.")
-    completion_time: datetime | None = Field(None, description="When the job finished.")
-    output_uri: str = Field("", description="Where the merged output is, once Succeeded.")
+    progress: str = Field(default="", description="done/total requests, e.g. 120/1000.")
+    tokens_per_second: float = Field(
+        default=0.0, description="Offline output tokens/s of this job.", ge=0
+    )
+    eta: str = Field(
+        default="", description="Estimated time to completion at the current rate, e.g. 5m0s."
+    )
+    start_time: datetime | None = Field(
+        default=None, description="When the first shard was assigned."
+    )
+    completion_time: datetime | None = Field(default=None, description="When the job finished.")
+    output_uri: str = Field(default="", description="Where the merged output is, once Succeeded.")
 
 
 class OfflineJob(ApiModel):
     """A batch of OpenAI Batch API requests run on the spare capacity of InferenceServices."""
 
     api_version: Literal["slipstream.dev/v1alpha1"] = Field(
-        "slipstream.dev/v1alpha1", alias="apiVersion"
+        default="slipstream.dev/v1alpha1", alias="apiVersion"
     )
     kind: Literal["OfflineJob"] = "OfflineJob"
     metadata: dict[str, Any] = Field(default_factory=dict)

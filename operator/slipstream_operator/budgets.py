@@ -34,10 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, Field
-from slipstream_scheduler.latency import BatchFeatures, LinearLatencyModel
-from slipstream_scheduler.types import EngineLimits
 
 from slipstream_operator.api import SLOSpec, parse_duration
+from slipstream_scheduler.latency import BatchFeatures, LinearLatencyModel
+from slipstream_scheduler.types import EngineLimits
 
 
 class BudgetParams(BaseModel):
@@ -46,32 +46,43 @@ class BudgetParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     decrease_factor: float = Field(
-        0.7, gt=0, lt=1, description="Multiplier applied on an SLO miss (unitless). Default: 0.7."
+        default=0.7,
+        gt=0,
+        lt=1,
+        description="Multiplier applied on an SLO miss (unitless). Default: 0.7.",
     )
     increase_fraction: float = Field(
-        0.05, gt=0, le=1,
+        default=0.05,
+        gt=0,
+        le=1,
         description="Additive step, as a fraction of the searched budget. Default: 0.05.",
     )
     loosen_margin: float = Field(
-        0.15, ge=0, lt=1,
+        default=0.15,
+        ge=0,
+        lt=1,
         description="Loosen only while every metric <= (1 - margin) x target. Default: 0.15.",
     )
     loosen_limit: float = Field(
-        1.25, ge=1,
+        default=1.25,
+        ge=1,
         description="Cap on loosening, as a multiple of the searched budget. Default: 1.25.",
     )
     tighten_interval_s: float = Field(
-        10.0, ge=0, description="Seconds between two decreases. Default: 10."
+        default=10.0, ge=0, description="Seconds between two decreases. Default: 10."
     )
     loosen_interval_s: float = Field(
-        30.0, ge=0, description="Seconds between two increases. Default: 30."
+        default=30.0, ge=0, description="Seconds between two increases. Default: 30."
     )
     research_load_change: float = Field(
-        0.25, gt=0,
+        default=0.25,
+        gt=0,
         description="Relative arrival-rate change that triggers a new search. Default: 0.25.",
     )
     min_samples: int = Field(
-        20, ge=1, description="Online requests needed before observations count. Default: 20."
+        default=20,
+        ge=1,
+        description="Online requests needed before observations count. Default: 20.",
     )
 
 

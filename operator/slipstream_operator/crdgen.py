@@ -125,7 +125,12 @@ def _default_objects(node: dict[str, Any]) -> None:
     for name, sub in node.get("properties", {}).items():
         if sub.get("type") == "object" and "properties" in sub:
             _default_objects(sub)
-            if name not in required and not sub.get("required") and "default" not in sub:
+            if (
+                name not in required
+                and not sub.get("required")
+                and "default" not in sub
+                and "x-kubernetes-validations" not in sub  # {} may break its rules (ttft: {})
+            ):
                 sub["default"] = {}
 
 

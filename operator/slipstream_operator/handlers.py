@@ -39,7 +39,6 @@ from typing import Any
 import aiohttp
 import kopf
 from kubernetes import client
-from slipstream_scheduler.latency import LinearLatencyModel
 
 from slipstream_operator import kube
 from slipstream_operator.api import (
@@ -87,6 +86,7 @@ from slipstream_operator.sidecar_client import (
     SidecarControl,
     SidecarStatus,
 )
+from slipstream_scheduler.latency import LinearLatencyModel
 
 logger = logging.getLogger(__name__)
 
@@ -480,5 +480,12 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings)
 
-    del service_timer, job_timer, job_delete, startup
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # kopf's own login handlers live on its default registry; this one reads the same
+        # kubeconfig ($KUBECONFIG) or in-cluster account as the kubernetes client.
+        info: kopf.ConnectionInfo | None = kopf.login_with_kubeconfig(**kwargs)
+        return info or kopf.login_with_service_account(**kwargs)
+
+    del service_timer, job_timer, job_delete, startup, login
     return registry

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
-
 from slipstream_operator.api import (
     API_VERSION,
     ConditionStatus,
@@ -53,6 +51,7 @@ from slipstream_operator.budgets import (
 from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.observe import WindowStats
 from slipstream_operator.sidecar_client import ConfigureCall, SidecarStatus
+from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 
 SERVICE_LABEL = "slipstream.dev/service"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "slipstream-operator"}

@@ -31,42 +31,53 @@ class OperatorSettings(BaseSettings):
         default_factory=list, description="Namespaces to watch; empty: all namespaces."
     )
     loopback_only: bool = Field(
-        False,
+        default=False,
         description="Test setting: skip (never dial) pods whose IP is outside 127.0.0.0/8. "
         "Default: false.",
     )
     reconcile_interval_s: float = Field(
-        5.0, gt=0, description="Seconds between reconciles of one object. Default: 5."
+        default=5.0, gt=0, description="Seconds between reconciles of one object. Default: 5."
     )
     sidecar_timeout_s: float = Field(
-        5.0, gt=0, description="Deadline of one sidecar control call (s). Default: 5."
+        default=5.0, gt=0, description="Deadline of one sidecar control call (s). Default: 5."
     )
     window_s: float = Field(
-        300.0, gt=0, description="Window of the observed latency statistics (s). Default: 300."
+        default=300.0,
+        gt=0,
+        description="Window of the observed latency statistics (s). Default: 300.",
     )
     prometheus_url: str | None = Field(
-        None, description="Prometheus base URL; unset: scrape sidecars' /metrics directly."
+        default=None, description="Prometheus base URL; unset: scrape sidecars' /metrics directly."
     )
     default_prompt_tokens: float = Field(
-        1000.0, gt=0, description="Mean online prompt length assumed by the search (tokens)."
+        default=1000.0,
+        gt=0,
+        description="Mean online prompt length assumed by the search (tokens).",
     )
     default_output_tokens: float = Field(
-        200.0, gt=0, description="Mean online output length until observed (tokens)."
+        default=200.0, gt=0, description="Mean online output length until observed (tokens)."
     )
     max_shards_per_pod: int = Field(
-        2, ge=1, description="Offline shards (all jobs) one pod runs at once. Default: 2."
+        default=2, ge=1, description="Offline shards (all jobs) one pod runs at once. Default: 2."
     )
     stall_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds without progress before a shard moves. Default: 120."
+        default=120.0,
+        gt=0,
+        description="Seconds without progress before a shard moves. Default: 120.",
     )
     prefix_chars: int = Field(
-        256, ge=1, description="Prompt characters that form the PSM prefix key. Default: 256."
+        default=256,
+        ge=1,
+        description="Prompt characters that form the PSM prefix key. Default: 256.",
     )
     plan_run_lines: int = Field(
-        20_000, ge=100, description="Lines sorted in memory per run while planning. Default: 20000."
+        default=20_000,
+        ge=100,
+        description="Lines sorted in memory per run while planning. Default: 20000.",
     )
     profiles_dir: Path | None = Field(
-        None, description="Extra folder of latency_<model>_<gpu>.json profiles (searched first)."
+        default=None,
+        description="Extra folder of latency_<model>_<gpu>.json profiles (searched first).",
     )
     budget: BudgetParams = Field(
         default_factory=lambda: BudgetParams.model_validate({}),

@@ -130,6 +130,7 @@ class GrpcSidecarControl:
 
     def _stub(self, address: PodAddress) -> object:
         import grpc
+
         from slipstream_sidecar.proto import sidecar_pb2_grpc
 
         channel = self._channels.get(address.target)
@@ -148,8 +149,11 @@ class GrpcSidecarControl:
                 getattr(stub, method)(request, metadata=metadata, timeout=self._timeout_s),
                 self._timeout_s + 1.0,
             )
+        except grpc.aio.AioRpcError as exc:
+            raise SidecarError(f"{method} failed: {exc.code().name}: {exc.details()}",
+                               pod=address.pod, address=address.target) from exc
         except (grpc.RpcError, TimeoutError, OSError) as exc:
-            raise SidecarError(f"{method} failed: {exc}", pod=address.pod,
+            raise SidecarError(f"{method} failed: {exc!r}", pod=address.pod,
                                address=address.target) from exc
 
     async def status(self, address: PodAddress) -> SidecarStatus:

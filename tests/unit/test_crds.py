@@ -7,13 +7,26 @@ from typing import Any
 
 import pytest
 import yaml
+
 from slipstream_operator import crdgen
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-TAKEN_SHORT_NAMES = {"isvc", "llmisvc", "cq", "lq", "queue", "kwl", "wpc", "infpool", "dgd",
-                     "dgdr", "va", "vr"}
+TAKEN_SHORT_NAMES = {
+    "isvc",
+    "llmisvc",
+    "cq",
+    "lq",
+    "queue",
+    "kwl",
+    "wpc",
+    "infpool",
+    "dgd",
+    "dgdr",
+    "va",
+    "vr",
+}
 
 
 def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
@@ -71,11 +84,19 @@ def test_names_printer_columns_and_subresource(kind: str) -> None:
     version = doc["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     assert doc["metadata"]["name"] == f"{names['plural']}.slipstream.dev"
-    columns = [c["name"].upper() for c in version["additionalPrinterColumns"]
-               if c.get("priority", 0) == 0]
+    columns = [
+        c["name"].upper() for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0
+    ]
     expected = {
-        "InferenceService": ["READY", "TTFT-P99", "TBT-P99", "SLO", "BUDGET", "OFFLINE-TOK/S",
-                             "AGE"],
+        "InferenceService": [
+            "READY",
+            "TTFT-P99",
+            "TBT-P99",
+            "SLO",
+            "BUDGET",
+            "OFFLINE-TOK/S",
+            "AGE",
+        ],
         "OfflineJob": ["PHASE", "PROGRESS", "TOK/S", "ETA", "AGE"],
     }[kind]
     assert columns == expected
@@ -86,8 +107,10 @@ def test_cel_rules_are_where_the_issue_wants_them() -> None:
     spec = svc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     slo_rules = [r["rule"] for r in spec["properties"]["slo"]["x-kubernetes-validations"]]
     assert "has(self.ttft) || has(self.tbt)" in slo_rules
-    ttft_rules = [r["rule"] for r in
-                  spec["properties"]["slo"]["properties"]["ttft"]["x-kubernetes-validations"]]
+    ttft_rules = [
+        r["rule"]
+        for r in spec["properties"]["slo"]["properties"]["ttft"]["x-kubernetes-validations"]
+    ]
     assert any("duration(self.p99) >= duration(self.mean)" in r for r in ttft_rules)
     job = yaml.safe_load(crdgen.render("OfflineJob"))
     jspec = job["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -114,3 +137,5 @@ def test_optional_spec_objects_default_to_empty_so_nested_defaults_apply() -> No
     assert spec["properties"]["sidecar"]["default"] == {}
     assert spec["properties"]["sidecar"]["properties"]["grpcPort"]["default"] == 9000
     assert "default" not in spec["properties"]["engine"]  # has a required member
+    ttft = spec["properties"]["slo"]["properties"]["ttft"]
+    assert "default" not in ttft  # an empty target would fail its own CEL rule

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+
 from slipstream_operator.api import (
     InferenceService,
     InferenceServiceSpec,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from slipstream_operator.api import SLOSpec
 from slipstream_operator.budgets import (
     AnalyticSearch,

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+
 from slipstream_operator.api import ConditionStatus
 from slipstream_operator.conditions import find_condition, is_true, rfc3339, set_condition
 

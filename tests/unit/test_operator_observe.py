@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
 from slipstream_operator.observe import PodHistory, combine, parse_sample
 
 pytestmark = pytest.mark.unit

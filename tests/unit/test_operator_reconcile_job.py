@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from slipstream_operator.api import OfflineJobSpec
 from slipstream_operator.reconcile_job import (
     CandidatePod,

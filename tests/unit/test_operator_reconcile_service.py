@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from slipstream_operator.api import InferenceServiceSpec
 from slipstream_operator.budgets import (
     AnalyticSearch,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from slipstream_operator.errors import OutputError
 from slipstream_operator.shards import (
     Plan,
