@@ -93,6 +93,7 @@ class Sidecar:
         self._restore_config()
         self.dispatcher = build_dispatcher(settings, self.brain)
         self.controller = Controller(self.dispatcher, self.metrics, tick_s=settings.tick_s)
+        self.controller.latency_model = self.brain.latency_model
         self.proxy_state = ProxyState()
         self.proxy = Proxy(
             self.engine,
@@ -172,6 +173,7 @@ class Sidecar:
         new = BrainConfig(update.budget_s, update.ordering or self.brain.ordering, model)
         if live:
             apply(self.dispatcher, self.brain, new)
+            self.controller.latency_model = model
             self.controller._schedule_pump()
         self.brain = new
         self.slo = update.slo
@@ -241,9 +243,7 @@ class Sidecar:
         spare = max(0.0, 1.0 - busy / limit)
         if self.settings.kv_blocks:
             spare = min(spare, stats.est_free_kv_blocks / self.settings.kv_blocks)
-        model = self.brain.latency_model
-        predicted = model.predict(c.running_batch()) if model is not None else 0.0
-        self.metrics.step.labels("predicted").set(predicted)
+        predicted = c.predicted_step_s()
         return SidecarStatus(
             generation=self.generation,
             online=ClassStatus(c.held["online"], c.in_flight["online"],
@@ -263,8 +263,8 @@ class Sidecar:
     async def drain(self, timeout_s: float) -> tuple[bool, int]:
         self.proxy_state.draining = True
         for shard_id in list(self.shards):
-            if not self.shards[shard_id].done:
-                await self.shards[shard_id].revoke()
+            # Forgotten in the state dir too: the operator places them elsewhere.
+            await self.revoke(shard_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.controller.in_flight["online"] + self.controller.held["online"] > 0:

@@ -10,8 +10,10 @@ prompt's, id/created/model from the first segment, finish reason from the last.
 
 The shapes follow vLLM's ``CompletionResponse`` and ``ChatCompletionResponse``
 (v0.11 field order included, as the engine model renders them), so the body
-is what the engine would have returned to the same request sent non-streaming. Deliberately left out: logprobs, ``n > 1`` and tool
-calls, which batch lines may not ask for (``batch_io.parse_line``).
+is what the engine would have returned to the same request sent non-streaming.
+
+Deliberately left out: logprobs, ``n > 1`` and tool calls, which batch lines
+may not ask for (``batch_io.parse_line``).
 """
 
 from __future__ import annotations

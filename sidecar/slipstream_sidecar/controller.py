@@ -9,7 +9,7 @@ offline request to abort to make room. This module only feeds it events on
   dispatcher submits it (the request is *held* in the sidecar until then);
 * the streams report ``progress`` / ``finished`` / ``failed`` / ``aborted``;
 * after every event a *pump* runs ``decide`` once per event-loop turn
-  (coalesced), resolves the tickets it submits and fires the abort callbacks
+  (coalesced: a burst of arrivals in one turn is planned once), resolves the tickets it submits and fires the abort callbacks
   of the ones it aborts; a ticker also pumps every ``tick_s`` while anything
   is held, for decisions that depend only on time.
 
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from slipstream_scheduler.dispatcher import Dispatcher, DispatcherStats, Incoming
+from slipstream_scheduler.protocols import LatencyModel
 from slipstream_scheduler.types import BatchItem, Phase, RequestClass
 
 from slipstream_sidecar.metrics import SidecarMetrics
@@ -107,6 +108,7 @@ class Controller:
         self.preempted_total = {"online": 0, "offline": 0}
         self.observed_step_s = 0.0
         self.decide_calls = 0
+        self.latency_model: LatencyModel | None = None  # for the predicted-step gauge only
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -140,7 +142,9 @@ class Controller:
         self._tickets[incoming.request_id] = ticket
         self.held[ticket.label] += 1
         self.dispatcher.arrive(incoming, self.now())
-        self._pump()  # NOTE: not deferred: an online arrival may preempt within this iteration
+        # NOTE: deferred to the end of this event-loop turn (microseconds, far inside one
+        # engine iteration), so a burst of arrivals is planned once rather than once each.
+        self._schedule_pump()
         return ticket
 
     def progress(self, ticket: Ticket, generated_tokens: int) -> None:
@@ -246,8 +250,15 @@ class Controller:
             if t.state == _GRANTED
         ]
 
+    def predicted_step_s(self) -> float:
+        """The latency model's iteration time for the in-flight batch (0: no model)."""
+        if self.latency_model is None:
+            return 0.0
+        return float(self.latency_model.predict(self.running_batch()))
+
     def refresh_gauges(self) -> None:
         for label in ("online", "offline"):
             self.metrics.queued.labels(label).set(self.held[label])
             self.metrics.in_flight.labels(label).set(self.in_flight[label])
         self.metrics.step.labels("observed").set(self.observed_step_s)
+        self.metrics.step.labels("predicted").set(self.predicted_step_s())

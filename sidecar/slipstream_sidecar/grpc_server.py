@@ -96,7 +96,7 @@ class SidecarServicer(pb_grpc.SidecarServicer):
     async def Configure(  # noqa: N802
         self, request: pb.ConfigureRequest, context: grpc.aio.ServicerContext
     ) -> pb.ConfigureResponse:
-        if request.budget_s < 0 if request.HasField("budget_s") else False:
+        if request.HasField("budget_s") and request.budget_s <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "budget_s must be positive")
         update = ConfigUpdate(
             generation=request.generation,

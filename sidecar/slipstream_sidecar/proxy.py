@@ -237,7 +237,10 @@ class Proxy:
             last = ticket.arrival_s
             try:
                 async for chunk in upstream.content.iter_any():
-                    await write(chunk)
+                    try:
+                        await write(chunk)
+                    except ConnectionError:
+                        return resp, "cancelled"  # the client went away; upstream is closed
                     t = now()
                     for ev in scanner.feed(chunk):
                         if ev.usage is not None:
