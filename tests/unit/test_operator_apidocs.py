@@ -1,0 +1,34 @@
+"""The generated API reference is current and covers every spec field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from slipstream_operator import apidocs
+from slipstream_operator.api import InferenceServiceSpec, OfflineJobSpec
+
+pytestmark = pytest.mark.unit
+
+
+def test_committed_reference_matches_the_models() -> None:
+    path = Path(__file__).resolve().parents[2] / "docs" / "reference" / "api.md"
+    assert path.read_text() == apidocs.render(), (
+        "docs/reference/api.md is stale: run python -m slipstream_operator.apidocs"
+    )
+
+
+def test_every_top_level_spec_field_and_rule_is_documented() -> None:
+    text = apidocs.render()
+    for model in (InferenceServiceSpec, OfflineJobSpec):
+        for name, field in model.model_fields.items():
+            assert f"| `{field.alias or name}`" in text, name
+    assert "duration(self.p99) >= duration(self.mean)" in text
+    assert "inferenceservices.slipstream.dev" in text
+
+
+def test_check_mode(tmp_path: Path) -> None:
+    out = tmp_path / "api.md"
+    assert apidocs.main(["--out", str(out), "--check"]) == 1
+    assert apidocs.main(["--out", str(out)]) == 0
+    assert apidocs.main(["--out", str(out), "--check"]) == 0
