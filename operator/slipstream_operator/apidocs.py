@@ -85,7 +85,7 @@ def _section(title: str, node: dict[str, Any], out: list[str], depth: int) -> No
 def render() -> str:
     """The whole reference page."""
     out = [HEADER]
-    for kind, meta in CRD_META.items():
+    for kind in CRD_META:
         doc = crd(kind)
         version = doc["spec"]["versions"][0]
         schema = version["schema"]["openAPIV3Schema"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from slipstream_operator import apidocs
 from slipstream_operator.api import InferenceServiceSpec, OfflineJobSpec
 
