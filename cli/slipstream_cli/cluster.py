@@ -555,11 +555,16 @@ class LocalCluster:
             self._stop_all()
             self._fresh_state()
             started = time.monotonic()
-            for component in self._components():
-                self._start(component)
-                self._wait_healthy(component, timeout)
-                LOG.info("%s healthy after %.1fs", component.name, time.monotonic() - started)
-            self._bootstrap(timeout)
+            try:
+                for component in self._components():
+                    self._start(component)
+                    self._wait_healthy(component, timeout)
+                    LOG.info("%s healthy after %.1fs", component.name, time.monotonic() - started)
+                self._bootstrap(timeout)
+            except BaseException:
+                # Leave nothing half-started running; the logs stay for the post-mortem.
+                self._stop_all()
+                raise
             write_json(self.state_dir / "cluster.json", self.config.fingerprint())
             LOG.info("cluster up in %.1fs: %s", time.monotonic() - started, self.admin_kubeconfig)
             return self
