@@ -196,6 +196,13 @@ main() {
   local gocaches="no go on PATH"
   if command -v go >/dev/null 2>&1; then gocaches="GOMODCACHE=$(go env GOMODCACHE) GOCACHE=$(go env GOCACHE)"; fi
   log "cache: $BIN (k8s v$K8S_VERSION, kwok $KWOK_VERSION); $gocaches"
+  # One build at a time per cache: a second `make cluster-build` waits, then finds it cached.
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/build.lock"
+  if ! flock -n 9; then
+    log "another build.sh holds $CACHE/build.lock; waiting for it"
+    flock 9
+  fi
   local what=("$@")
   [[ ${#what[@]} -gt 0 ]] || what=(k8s etcd kwok tools)
   local w
