@@ -51,7 +51,14 @@ from slipstream_operator.api import (
 from slipstream_operator.budgets import AnalyticSearch, BudgetSearch
 from slipstream_operator.conditions import set_condition
 from slipstream_operator.errors import InputError, OperatorError, OutputError, SidecarError
-from slipstream_operator.observe import PodHistory, combine, parse_sample
+from slipstream_operator.observe import (
+    PodHistory,
+    WindowStats,
+    combine,
+    parse_sample,
+    promql_queries,
+    stats_from_prometheus,
+)
 from slipstream_operator.profiles import find_profile
 from slipstream_operator.reconcile_job import (
     CandidatePod,
@@ -224,8 +231,12 @@ class Handlers:
         views = await asyncio.gather(
             *(self._pod_view(p, token, spec, history, now_s) for p in pods)
         )
-        window = combine(history.values(), self.settings.default_prompt_tokens,
-                         self.settings.default_output_tokens) if history else None
+        window = None
+        if self.settings.prometheus_url:
+            window = await self._prometheus_window(namespace, name)
+        elif history:
+            window = combine(history.values(), self.settings.default_prompt_tokens,
+                             self.settings.default_output_tokens)
         observed = ServiceObserved(
             pods=tuple(views),
             token=token,
@@ -233,6 +244,7 @@ class Handlers:
             latency_model=profile.model if profile else None,
             profile=profile.name if profile else "",
             window_label=f"{int(self.settings.window_s)}s",
+            window_source="prometheus" if self.settings.prometheus_url else "sidecar",
         )
         outcome = reconcile_service(
             ref, spec, observed, self.state.services.get(uid, ServiceMemory()),
@@ -260,6 +272,32 @@ class Handlers:
         _patch_status(patch, outcome.status)
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
+
+    async def _prometheus_window(self, namespace: str, name: str) -> WindowStats | None:
+        """The window from Prometheus (``observe.promql_queries``), or None when unreachable."""
+        from prometheus_api_client import PrometheusConnect
+        from prometheus_api_client.exceptions import PrometheusApiClientException
+
+        url = self.settings.prometheus_url
+        assert url is not None
+        queries = promql_queries(namespace, name, f"{int(self.settings.window_s)}s")
+
+        def query_all() -> dict[str, float | None]:
+            prom = PrometheusConnect(url=url, timeout=int(self.settings.sidecar_timeout_s))
+            out: dict[str, float | None] = {}
+            for key, promql in queries.items():
+                result = prom.custom_query(promql)
+                out[key] = float(result[0]["value"][1]) if result else None
+            return out
+
+        try:
+            values = await asyncio.to_thread(query_all)
+        except (PrometheusApiClientException, OSError, ValueError, KeyError) as exc:
+            logger.warning("Prometheus query for %s/%s failed: %s", namespace, name, exc)
+            return None
+        return stats_from_prometheus(values, self.settings.window_s,
+                                     self.settings.default_prompt_tokens,
+                                     self.settings.default_output_tokens)
 
     def _invalid(self, patch: kopf.Patch, previous: dict[str, Any], type_: str, *,
                  generation: int, message: str, now: datetime) -> None:

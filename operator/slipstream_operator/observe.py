@@ -231,3 +231,29 @@ def promql_queries(namespace: str, service: str, window: str) -> dict[str, str]:
         "samples": f"sum(increase({TTFT}_count{{{sel}}}[{window}]))",
         "arrival_rate_rps": f"sum(rate({ADMITTED}{{{sel}}}[{window}]))",
     }
+
+
+def stats_from_prometheus(
+    values: dict[str, float | None], window_s: float, default_prompt_tokens: float,
+    default_output_tokens: float,
+) -> WindowStats:
+    """Window statistics from the scalar results of :func:`promql_queries` (None: no data)."""
+
+    def get(key: str) -> float | None:
+        value = values.get(key)
+        return None if value is None or math.isnan(value) else float(value)
+
+    samples = int(get("samples") or 0)
+    observed = ObservedSLO(
+        samples=samples,
+        ttft_mean_s=get("ttft_mean_s"),
+        ttft_p99_s=get("ttft_p99_s"),
+        tbt_mean_s=get("tbt_mean_s"),
+        tbt_p99_s=get("tbt_p99_s"),
+    )
+    load = LoadStats(
+        arrival_rate_rps=get("arrival_rate_rps") or 0.0,
+        mean_prompt_tokens=default_prompt_tokens,
+        mean_output_tokens=default_output_tokens,
+    )
+    return WindowStats(observed=observed, load=load, span_s=window_s)

@@ -109,6 +109,7 @@ class ServiceObserved:
     latency_model: LinearLatencyModel | None
     profile: str  # where the model came from, e.g. shipped:latency_x_h100.json
     window_label: str = "5m"
+    window_source: str = "sidecar"  # or "prometheus"
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,7 +424,7 @@ def reconcile_service(
         "sloSummary": slo_summary,
     }
     obs: dict[str, Any] = {"window": observed.window_label, "samples": slo_obs.samples,
-                           "source": "sidecar" if window is not None else "none"}
+                           "source": observed.window_source if window is not None else "none"}
     for key in ("ttft_mean_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s"):
         value = getattr(slo_obs, key)
         if value is not None and slo_obs.samples > 0:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from slipstream_operator.observe import PodHistory, combine, parse_sample
+from slipstream_operator.observe import (
+    PodHistory,
+    combine,
+    parse_sample,
+    promql_queries,
+    stats_from_prometheus,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -90,3 +96,21 @@ def test_old_samples_leave_the_window() -> None:
     assert 50.0 <= history.span_s() <= 70.0
     win = history.window()
     assert win is not None and 5 <= win.ttft.count <= 7
+
+
+def test_prometheus_results_become_the_same_statistics() -> None:
+    values = {"ttft_p99_s": 1.2, "ttft_mean_s": 0.4, "tbt_p99_s": float("nan"),
+              "tbt_mean_s": None, "samples": 57.0, "arrival_rate_rps": 1.9}
+    stats = stats_from_prometheus(values, 300.0, 1000.0, 200.0)
+    assert stats.observed.samples == 57
+    assert stats.observed.ttft_p99_s == 1.2 and stats.observed.tbt_p99_s is None
+    assert stats.load.arrival_rate_rps == 1.9 and stats.span_s == 300.0
+
+
+def test_promql_selects_the_service_and_online_class() -> None:
+    queries = promql_queries("team-a", "chat", "5m")
+    assert set(queries) == {"ttft_p99_s", "ttft_mean_s", "tbt_p99_s", "tbt_mean_s", "samples",
+                            "arrival_rate_rps"}
+    assert 'slipstream_dev_service="chat"' in queries["ttft_p99_s"]
+    assert 'class="online"' in queries["tbt_mean_s"] and "[5m]" in queries["tbt_mean_s"]
+    assert queries["ttft_p99_s"].startswith("histogram_quantile(0.99")
