@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from slipstream_scheduler.latency import LinearLatencyModel
-
 from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient

@@ -34,7 +34,6 @@ from slipstream_scheduler.ordering import (
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.types import EngineLimits
-
 from slipstream_sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,10 @@ offline request to abort to make room. This module only feeds it events on
   dispatcher submits it (the request is *held* in the sidecar until then);
 * the streams report ``progress`` / ``finished`` / ``failed`` / ``aborted``;
 * after every event a *pump* runs ``decide`` once per event-loop turn
-  (coalesced: a burst of arrivals in one turn is planned once), resolves the tickets it submits and fires the abort callbacks
-  of the ones it aborts; a ticker also pumps every ``tick_s`` while anything
-  is held, for decisions that depend only on time.
+  (coalesced: a burst of arrivals in one turn is planned once), resolves the
+  tickets it submits and fires the abort callbacks of the ones it aborts; a
+  ticker also pumps every ``tick_s`` while anything is held, for decisions
+  that depend only on time.
 
 It keeps its own counts of held and in-flight requests per class, for metrics
 and Status, and the observed iteration time (token gaps).
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from slipstream_scheduler.dispatcher import Dispatcher, DispatcherStats, Incoming
 from slipstream_scheduler.protocols import LatencyModel
 from slipstream_scheduler.types import BatchItem, Phase, RequestClass
-
 from slipstream_sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)

@@ -40,10 +40,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
+
 from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.textgen import block_hashes
 from slipstream_scheduler.types import RequestClass
-
 from slipstream_sidecar.controller import Controller, Ticket
 from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError

@@ -42,10 +42,10 @@ from typing import Any
 
 import aiohttp
 import fsspec
+
 from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.textgen import block_hashes
 from slipstream_scheduler.types import RequestClass
-
 from slipstream_sidecar.assemble import Assembly
 from slipstream_sidecar.batch_io import (
     BatchRequest,

@@ -156,6 +156,7 @@ def sidecar_proc(
 def control_stub(grpc_port: int) -> tuple[object, object]:
     """A (channel, SidecarStub) to a sidecar's control port; close the channel when done."""
     import grpc
+
     from slipstream_sidecar.proto import sidecar_pb2_grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from helpers_procs import MODEL, Proc, bearer, control_stub, engine_proc, sidecar_proc
+
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 
 pytestmark = pytest.mark.integration

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from slipstream_sidecar.auth import TokenFile
 from slipstream_sidecar.errors import AuthError
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from slipstream_sidecar.batch_io import (
     DurableLog,
     error_record,

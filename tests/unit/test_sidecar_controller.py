@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.types import RequestClass
 from slipstream_sidecar.brain import BrainConfig, build_dispatcher

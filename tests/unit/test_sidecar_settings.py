@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 from pydantic import ValidationError
+
 from slipstream_sidecar import __main__ as cli
 from slipstream_sidecar.settings import SidecarSettings
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from slipstream_sidecar.assemble import Assembly
 from slipstream_sidecar.sse import EventScanner
 
