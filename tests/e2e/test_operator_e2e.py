@@ -155,17 +155,8 @@ def procs() -> Iterator[list[Proc]]:
         proc.stop()
 
 
-def test_operator_end_to_end(
-    cluster: LocalCluster,
-    admin_api: client.ApiClient,
-    namespace: str,
-    tmp_path: Path,
-    procs: list[Proc],
-) -> None:
-    kubectl(cluster, "apply", "-f", str(REPO / "crds"))
-    examples, input_path, results = prepared_examples(tmp_path)
-
-    # The operator, as a process, watching this namespace only.
+def start_operator(cluster: LocalCluster, namespace: str, tmp_path: Path, stall_s: int) -> Proc:
+    """``slipstream operator`` as a process, watching ``namespace`` only (not waited for)."""
     operator = Proc(
         "operator",
         [
@@ -182,29 +173,23 @@ def test_operator_end_to_end(
             "--window",
             "30",
             "--stall-timeout",
-            "30",
-            "--liveness",
-            "http://127.0.0.1:0/healthz",
+            str(stall_s),
         ],
         tmp_path / "operator.log",
         0,
     )
-    operator.args = [
-        a
-        for a in operator.args
-        if not a.startswith("--liveness") and a != "http://127.0.0.1:0/healthz"
-    ]
     log = operator.log_path.open("ab")
     operator.popen = subprocess.Popen(
         operator.args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
     )
     log.close()
-    procs.append(operator)
+    return operator
 
-    applied = kubectl(cluster, "apply", "-n", namespace, "-f", str(examples))
-    assert "inferenceservice.slipstream.dev/chat created" in applied.stdout
-    assert "offlinejob.slipstream.dev/mmlu-sample created" in applied.stdout
 
+def start_pods(
+    admin_api: client.ApiClient, namespace: str, tmp_path: Path, procs: list[Proc]
+) -> list[tuple[str, Proc, Proc]]:
+    """For each pod of the ``chat`` service: an engine model and a sidecar on the pod's IP."""
     core = client.CoreV1Api(admin_api)
 
     def running_pods() -> list[str] | None:
@@ -214,7 +199,7 @@ def test_operator_end_to_end(
             for p in pods.items
             if p.status is not None and p.status.phase == "Running" and p.status.pod_ip
         ]
-        return ips if len(ips) == 2 else None
+        return sorted(ips) if len(ips) == 2 else None
 
     pod_ips = eventually("two running pods of the Deployment", running_pods)
 
@@ -226,11 +211,9 @@ def test_operator_end_to_end(
         raw = (secret.data or {}).get("token")
         return base64.b64decode(raw).decode() if raw else None
 
-    control_token = eventually("the control-token Secret", token)
     token_file = tmp_path / "token"
-    token_file.write_text(control_token)
-
-    urls = []
+    token_file.write_text(eventually("the control-token Secret", token))
+    started: list[tuple[str, Proc, Proc]] = []
     for i, ip in enumerate(pod_ips):
         assert ip.startswith("127."), ip
         engine = engine_proc(tmp_path, name=f"engine-{i}", seed=i, mean_output_tokens=16)
@@ -262,7 +245,26 @@ def test_operator_end_to_end(
             host=ip,
         )
         procs.append(sidecar.start())
-        urls.append(sidecar.url)
+        started.append((ip, engine, sidecar))
+    return started
+
+
+def test_operator_end_to_end(
+    cluster: LocalCluster,
+    admin_api: client.ApiClient,
+    namespace: str,
+    tmp_path: Path,
+    procs: list[Proc],
+) -> None:
+    kubectl(cluster, "apply", "-f", str(REPO / "crds"))
+    examples, input_path, results = prepared_examples(tmp_path)
+    operator = start_operator(cluster, namespace, tmp_path, stall_s=30)
+    procs.append(operator)
+
+    applied = kubectl(cluster, "apply", "-n", namespace, "-f", str(examples))
+    assert "inferenceservice.slipstream.dev/chat created" in applied.stdout
+    assert "offlinejob.slipstream.dev/mmlu-sample created" in applied.stdout
+    urls = [sidecar.url for _, _, sidecar in start_pods(admin_api, namespace, tmp_path, procs)]
 
     stop = threading.Event()
     statuses: list[int] = []
@@ -432,3 +434,110 @@ def test_operator_end_to_end(
     rejected = kubectl(cluster, "apply", "-n", namespace, "-f", str(bad), check=False)
     assert rejected.returncode != 0 and "spec.output.uri" in rejected.stderr
     assert operator.popen is not None and operator.popen.poll() is None, operator.log_tail()
+
+
+def mmlu_batch(path: Path, subjects: int, per_subject: int, max_tokens: int) -> list[str]:
+    """An OpenAI Batch input of 5-shot MMLU prompts (real questions), subjects interleaved."""
+    names = sorted(p.name[: -len("_test.csv")] for p in (DATA / "mmlu" / "test").glob("*.csv"))
+    rows: list[list[dict[str, Any]]] = []
+    for subject in names[:subjects]:
+        with open(DATA / "mmlu" / "dev" / f"{subject}_dev.csv", encoding="utf-8") as f:
+            prefix = "".join(
+                f"{r['question']}\nAnswer: {r['answer']}\n\n" for r in csv.DictReader(f)
+            )
+        with open(DATA / "mmlu" / "test" / f"{subject}_test.csv", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows.append(
+                [
+                    {
+                        "custom_id": f"{subject}-{i}",
+                        "method": "POST",
+                        "url": "/v1/completions",
+                        "body": {
+                            "model": "llama-2-7b",
+                            "prompt": prefix + row["question"],
+                            "max_tokens": max_tokens,
+                        },
+                    }
+                    for i, row in zip(range(per_subject), reader, strict=False)
+                ]
+            )
+    lines = [json.dumps(r[i]) for i in range(per_subject) for r in rows if i < len(r)]
+    path.write_text("".join(line + "\n" for line in lines))
+    return [json.loads(line)["custom_id"] for line in lines]
+
+
+def test_a_job_survives_a_pod_that_dies(
+    cluster: LocalCluster,
+    admin_api: client.ApiClient,
+    namespace: str,
+    tmp_path: Path,
+    procs: list[Proc],
+) -> None:
+    """Kill one pod's sidecar and engine mid-job: its shards move and finish exactly once."""
+    kubectl(cluster, "apply", "-f", str(REPO / "crds"))
+    examples, _, _ = prepared_examples(tmp_path)
+    procs.append(start_operator(cluster, namespace, tmp_path, stall_s=15))
+    kubectl(cluster, "apply", "-n", namespace, "-f", str(examples / "inferenceservice.yaml"))
+    pods = start_pods(admin_api, namespace, tmp_path, procs)
+
+    wanted = mmlu_batch(tmp_path / "big.jsonl", subjects=8, per_subject=40, max_tokens=24)
+    job = {
+        "apiVersion": "slipstream.dev/v1alpha1",
+        "kind": "OfflineJob",
+        "metadata": {"name": "survivor"},
+        "spec": {
+            "model": "llama-2-7b",
+            "input": {"uri": f"file://{tmp_path}/big.jsonl"},
+            "output": {"uri": f"file://{tmp_path}/out/survivor.jsonl"},
+            "serviceSelector": {"matchLabels": {"slipstream.dev/pool": "shared"}},
+            "shardSize": 20,
+        },
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    kubectl(cluster, "apply", "-n", namespace, "-f", str(tmp_path / "job.json"))
+
+    def status() -> dict[str, Any]:
+        doc = json.loads(
+            kubectl(cluster, "get", "-n", namespace, "offlinejob", "survivor", "-o", "json").stdout
+        )
+        result: dict[str, Any] = doc.get("status", {})
+        return result
+
+    def some_progress() -> dict[str, Any] | None:
+        st = status()
+        done = st.get("requests", {}).get("completed", 0)
+        return st if 10 <= done < len(wanted) and st.get("phase") == "Running" else None
+
+    eventually("the job to make progress", some_progress, timeout=120.0)
+    _, victim_engine, victim_sidecar = pods[1]
+    victim_sidecar.kill()  # SIGKILL: no drain, no flush beyond what was fsynced
+    victim_engine.kill()
+
+    def finished() -> dict[str, Any] | None:
+        st = status()
+        assert st.get("phase") != "Failed", st
+        return st if st.get("phase") == "Succeeded" else None
+
+    final = eventually("the job to succeed on the surviving pod", finished, timeout=300.0)
+    out_path = tmp_path / "out" / "survivor.jsonl"
+    out = [json.loads(x)["custom_id"] for x in out_path.read_text().splitlines()]
+    errors_path = tmp_path / "out" / "survivor.errors.jsonl"
+    errs = [json.loads(x)["custom_id"] for x in errors_path.read_text().splitlines()]
+    assert sorted(out + errs) == sorted(wanted)  # every request exactly once
+    assert (
+        final["requests"]["total"]
+        == len(wanted)
+        == final["requests"]["completed"] + final["requests"]["failed"]
+    )
+    assert final["shards"]["reassigned"] >= 1
+    events = kubectl(
+        cluster,
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        "involvedObject.name=survivor",
+    ).stdout
+    assert "ShardMoved" in events, events
