@@ -1,0 +1,61 @@
+"""Operator process wiring: settings, loopback-only dialling, profile lookup, kopf settings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import kopf
+import pytest
+
+from slipstream_operator.__main__ import add_arguments, settings_from_args
+from slipstream_operator.handlers import FINALIZER, configure_kopf
+from slipstream_operator.kube import dialable
+from slipstream_operator.profiles import find_profile, slugs
+from slipstream_operator.settings import OperatorSettings
+
+pytestmark = pytest.mark.unit
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLIPSTREAM_OPERATOR_RECONCILE_INTERVAL_S", "7")
+    monkeypatch.setenv("SLIPSTREAM_OPERATOR_BUDGET__DECREASE_FACTOR", "0.5")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["-n", "a", "-n", "b", "--loopback-only", "--window", "30"])
+    settings = settings_from_args(args)
+    assert settings.namespaces == ["a", "b"] and settings.loopback_only
+    assert settings.window_s == 30.0 and settings.reconcile_interval_s == 7.0
+    assert settings.budget.decrease_factor == 0.5
+    assert OperatorSettings().loopback_only is False
+
+
+@pytest.mark.parametrize(
+    ("ip", "loopback_only", "ok"),
+    [("127.1.0.1", True, True), ("10.0.0.5", True, False), ("10.0.0.5", False, True),
+     ("not-an-ip", False, False)],
+)
+def test_loopback_only_never_dials_other_addresses(ip: str, loopback_only: bool, ok: bool) -> None:
+    assert dialable(ip, loopback_only) is ok
+
+
+def test_profile_slugs_and_lookup(tmp_path: Path) -> None:
+    assert slugs("meta-llama/Llama-2-7b-hf") == ["llama-2-7b-hf", "meta-llama--llama-2-7b-hf",
+                                                  "llama-2-7b"]
+    shipped = find_profile("meta-llama/Llama-2-7b-hf", "H100")
+    assert shipped is not None and shipped.name == "shipped:latency_llama-2-7b_h100.json"
+    assert find_profile("no-such-model", "h100") is None
+    (tmp_path / "latency_llama-2-7b_h100.json").write_text(shipped.model.to_json())
+    user = find_profile("llama-2-7b", "h100", tmp_path)
+    assert user is not None and user.name.startswith("user:")
+    (tmp_path / "latency_broken_h100.json").write_text("{not json")
+    assert find_profile("broken", "h100", tmp_path) is None
+
+
+def test_kopf_uses_our_finalizer_and_annotation_prefix() -> None:
+    settings = kopf.OperatorSettings()
+    configure_kopf(settings)
+    assert settings.persistence.finalizer == FINALIZER == "slipstream.dev/finalizer"
+    progress = settings.persistence.progress_storage
+    assert isinstance(progress, kopf.AnnotationsProgressStorage)
+    assert progress.prefix == "slipstream.dev"
