@@ -3,9 +3,79 @@
 No network, no Kubernetes, no wall clock, no unseeded randomness: every
 function takes the time and the state it needs. The sidecar, the operator,
 the simulator and the benchmarks all run this same code.
+
+Modules, in the order a request meets them:
+
+* ``lengths``    output-length distribution predictors (SageSched) and embedders
+* ``gittins``    the cost model C = O²/2 + I·O and the Gittins rank
+* ``ordering``   online orderings (FCFS, SJF, TRAIL-like, Gittins) and their queue
+* ``psm``        the prefix-sharing (PSM) offline queue with anti-starvation
+* ``latency``    HyGen's batch-latency model
+* ``planner``    HyGen's two-phase planner; ``admission`` names its policies
+* ``dispatcher`` the sidecar's admission layer (also driven by the simulator)
+* ``engine``     the vLLM engine model; ``sim`` the discrete-event simulator
+* ``budget``     the SLO-aware budget search; ``profiler`` the latency-model fit
+* ``textgen``    the engine model's deterministic tokenizer and text
+
+The MiniLM embedder (``embedders_semantic``) is deliberately not imported
+here: it pulls in torch, which only the ``semantic`` extra installs.
 """
 
+from slipstream_scheduler.admission import (
+    ADMISSION_POLICIES,
+    AdmissionError,
+    AdmissionPolicy,
+    BudgetParams,
+    NaiveParams,
+    OfflineOnlyParams,
+    OnlineOnlyParams,
+    PolicyConfigError,
+    PolicyParams,
+    StaticCapParams,
+    UnknownPolicyError,
+    build_planner,
+)
+from slipstream_scheduler.gittins import GittinsTracker, gittins_rank, request_cost
+from slipstream_scheduler.latency import (
+    BatchFeatures,
+    FeatureSet,
+    FitError,
+    FitResult,
+    FitStats,
+    LatencyModelError,
+    LatencyModelMeta,
+    LinearLatencyModel,
+    ModelFormatError,
+    SchemaVersionError,
+    fit,
+    kfold_mape,
+)
+from slipstream_scheduler.lengths import (
+    GlobalDistributionPredictor,
+    HashingEmbedder,
+    HistoryParams,
+    InputLengthHistoryPredictor,
+    InputLengthParams,
+    SemanticHistoryParams,
+    SemanticHistoryPredictor,
+)
+from slipstream_scheduler.ordering import (
+    ORDERINGS,
+    KeyedQueue,
+    Ordering,
+    RequestView,
+    make_ordering,
+)
+from slipstream_scheduler.planner import FillRules, PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.protocols import Embedder, LatencyModel, LengthPredictor, Planner
+from slipstream_scheduler.psm import PsmParams, PsmPick, PsmQueue
+from slipstream_scheduler.textgen import (
+    TextGenConfig,
+    TokenGenerator,
+    Tokenizer,
+    block_hashes,
+    render_chat,
+)
 from slipstream_scheduler.types import (
     Admission,
     BatchItem,
@@ -19,17 +89,67 @@ from slipstream_scheduler.types import (
 )
 
 __all__ = [
+    "ADMISSION_POLICIES",
+    "ORDERINGS",
     "Admission",
+    "AdmissionError",
+    "AdmissionPolicy",
+    "BatchFeatures",
     "BatchItem",
+    "BudgetParams",
     "Embedder",
     "EngineLimits",
+    "FeatureSet",
+    "FillRules",
+    "FitError",
+    "FitResult",
+    "FitStats",
+    "GittinsTracker",
+    "GlobalDistributionPredictor",
+    "HashingEmbedder",
+    "HistoryParams",
+    "InputLengthHistoryPredictor",
+    "InputLengthParams",
+    "KeyedQueue",
     "LatencyModel",
+    "LatencyModelError",
+    "LatencyModelMeta",
     "LengthPredictor",
+    "LinearLatencyModel",
+    "ModelFormatError",
+    "NaiveParams",
+    "OfflineOnlyParams",
+    "OnlineOnlyParams",
+    "Ordering",
     "Phase",
     "Planner",
+    "PlannerMode",
+    "PolicyConfigError",
+    "PolicyParams",
+    "PsmParams",
+    "PsmPick",
+    "PsmQueue",
     "QueuedRequest",
     "RequestClass",
+    "RequestView",
     "RunningRequest",
+    "SchemaVersionError",
+    "SemanticHistoryParams",
+    "SemanticHistoryPredictor",
     "Snapshot",
+    "StaticCapParams",
     "StepPlan",
+    "TextGenConfig",
+    "TokenGenerator",
+    "Tokenizer",
+    "TwoPhasePlanner",
+    "UnknownPolicyError",
+    "block_hashes",
+    "build_planner",
+    "fit",
+    "gittins_rank",
+    "kfold_mape",
+    "make_ordering",
+    "render_chat",
+    "request_cost",
 ]
