@@ -504,13 +504,33 @@ def test_a_job_survives_a_pod_that_dies(
         result: dict[str, Any] = doc.get("status", {})
         return result
 
-    def some_progress() -> dict[str, Any] | None:
-        st = status()
-        done = st.get("requests", {}).get("completed", 0)
-        return st if 10 <= done < len(wanted) and st.get("phase") == "Running" else None
+    # Wait until the victim pod's sidecar itself reports a shard in progress, then kill it.
+    victim_ip, victim_engine, victim_sidecar = pods[1]
+    control_token = (tmp_path / "token").read_text()
 
-    eventually("the job to make progress", some_progress, timeout=120.0)
-    _, victim_engine, victim_sidecar = pods[1]
+    def victim_busy() -> str | None:
+        import grpc
+
+        from slipstream_sidecar.proto import sidecar_pb2, sidecar_pb2_grpc
+
+        with grpc.insecure_channel(f"{victim_ip}:9000") as channel:
+            stub = sidecar_pb2_grpc.SidecarStub(channel)
+            try:
+                reply = stub.Status(
+                    sidecar_pb2.StatusRequest(),
+                    metadata=(("authorization", f"Bearer {control_token}"),),
+                    timeout=5,
+                )
+            except grpc.RpcError:
+                return None
+        running = [
+            s.shard_id
+            for s in reply.shards
+            if s.state == sidecar_pb2.SHARD_STATE_RUNNING and s.completed + s.failed < s.total
+        ]
+        return running[0] if running else None
+
+    busy_shard = eventually("a shard running on the victim pod", victim_busy, timeout=120.0)
     victim_sidecar.kill()  # SIGKILL: no drain, no flush beyond what was fsynced
     victim_engine.kill()
 
@@ -540,4 +560,4 @@ def test_a_job_survives_a_pod_that_dies(
         "--field-selector",
         "involvedObject.name=survivor",
     ).stdout
-    assert "ShardMoved" in events, events
+    assert "ShardMoved" in events and busy_shard in events, events
