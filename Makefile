@@ -13,14 +13,15 @@ EXTRAS     ?= operator,sidecar,semantic,dev
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv system-deps cluster-build lint typecheck test test-fast demo demo-sim crds proto bench clean
+.PHONY: help venv system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
 
 help:
 	@echo "make demo        run the main job (builds what it needs)"
 	@echo "make test        every test tier, as CI runs it"
 	@echo "make test-fast   unit + simulation tiers only (no cluster, no subprocesses)"
 	@echo "make lint        ruff, mypy --strict, import-linter"
-	@echo "make crds        regenerate CRDs from the API models"
+	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
+	@echo "make bench       rerun every benchmark into docs/benchmarks/"
 	@echo "make proto       regenerate the sidecar's gRPC code"
 
 venv: $(VENV)/.installed
@@ -50,6 +51,8 @@ lint: venv
 	@$(BIN)/mypy --strict scheduler/slipstream_scheduler cli/slipstream_cli sidecar/slipstream_sidecar operator/slipstream_operator
 	@echo "==> import-linter (the core stays pure)"
 	@$(BIN)/lint-imports
+	@echo "==> generated files (CRDs, chart copy, API reference) match the API models"
+	@$(MAKE) --no-print-directory verify
 
 typecheck: lint
 
@@ -68,6 +71,23 @@ demo-sim: venv
 
 crds: venv
 	@$(BIN)/python -m slipstream_operator.crdgen
+	@bash hack/sync-chart-crds.sh
+	@$(BIN)/python -m slipstream_operator.apidocs
+
+# Generated files must match their sources (CI runs this through `make lint`).
+verify: venv
+	@$(BIN)/python -m slipstream_operator.crdgen --check
+	@bash hack/sync-chart-crds.sh --check
+	@$(BIN)/python -m slipstream_operator.apidocs --check
+
+# Benchmarks write their results under docs/benchmarks/ (never run by `make test`).
+bench: venv
+	@$(BIN)/slipstream bench core --json docs/benchmarks/core.json
+	@$(BIN)/slipstream bench lengths --json docs/benchmarks/length_predictor.json
+	@$(BIN)/slipstream bench colocation --json docs/benchmarks/colocation.json
+	@$(BIN)/slipstream bench ordering --json docs/benchmarks/ordering.json
+	@$(BIN)/slipstream bench prefix --json docs/benchmarks/prefix.json
+	@$(BIN)/slipstream bench sidecar --json docs/benchmarks/sidecar.json
 
 proto: venv
 	@bash hack/gen-proto.sh
