@@ -44,7 +44,6 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.panel import Panel
 from rich.table import Table
 
 logger = logging.getLogger(__name__)
@@ -70,8 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace arrivals are replayed this many times faster (default 1)")
     parser.add_argument("--max-output-tokens", type=int, default=128,
                         help="cap on the trace's output lengths (default 128)")
-    parser.add_argument("--offline-copies", type=int, default=5,
-                        help="the 60-line offline sample repeated this many times (default 5)")
+    parser.add_argument("--offline-copies", type=int, default=20,
+                        help="the 60-line offline sample repeated this many times (default 20)")
+    parser.add_argument("--offline-max-tokens", type=int, default=64,
+                        help="max_tokens of each offline request (default 64)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default out/demo-<timestamp>)")
     parser.add_argument("--trace", type=Path, default=None,
@@ -97,8 +98,9 @@ def find_trace(explicit: Path | None) -> Path:
                     "checkout (and $SLIPSTREAM_DATA has none); pass --trace FILE")
 
 
-def offline_input(out: Path, copies: int) -> tuple[Path, int]:
-    """The shipped MMLU batch repeated ``copies`` times with unique custom_ids."""
+def offline_input(out: Path, copies: int, max_tokens: int) -> tuple[Path, int]:
+    """The shipped MMLU batch repeated ``copies`` times with unique custom_ids and
+    ``max_tokens`` (the prompts are unchanged)."""
     sample = EXAMPLES / "data" / "offline-sample.jsonl"
     if not sample.is_file():
         raise DemoError(f"{sample} is missing from this checkout")
@@ -108,12 +110,13 @@ def offline_input(out: Path, copies: int) -> tuple[Path, int]:
     with path.open("w") as f:
         for copy in range(copies):
             for record in lines:
-                f.write(json.dumps({**record, "custom_id": f"{record['custom_id']}-{copy}"})
-                        + "\n")
+                body = {**record["body"], "max_tokens": max_tokens}
+                f.write(json.dumps({**record, "custom_id": f"{record['custom_id']}-{copy}",
+                                    "body": body}) + "\n")
     return path, len(lines) * copies
 
 
-def manifests(out: Path, input_path: Path) -> Path:
+def manifests(out: Path, input_path: Path, max_tokens: int) -> Path:
     """The example InferenceService and OfflineJob, pointed at the demo's files."""
     docs = []
     for name in ("inferenceservice.yaml", "offlinejob.yaml"):
@@ -125,6 +128,7 @@ def manifests(out: Path, input_path: Path) -> Path:
     if service["metadata"]["name"] != SERVICE or job["metadata"]["name"] != JOB:
         raise DemoError("examples/*.yaml changed names; update slipstream_cli.demo")
     job["spec"]["input"]["uri"] = f"file://{input_path}"
+    job["spec"].setdefault("requestDefaults", {})["maxTokens"] = max_tokens
     job["spec"]["output"]["uri"] = f"file://{out / 'results' / 'mmlu-sample.jsonl'}"
     (out / "results").mkdir(parents=True, exist_ok=True)
     path = out / "manifests.yaml"
@@ -237,14 +241,17 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
         runner_thread.start()
 
         kube.kubectl("create", "namespace", DEMO_NS, check=False)
-        input_path, total = offline_input(out, max(1, args.offline_copies))
-        applied = kube.kubectl("apply", "-n", DEMO_NS, "-f", str(manifests(out, input_path)))
+        max_tokens = max(1, args.offline_max_tokens)
+        input_path, total = offline_input(out, max(1, args.offline_copies), max_tokens)
+        manifest = manifests(out, input_path, max_tokens)
+        applied = kube.kubectl("apply", "-n", DEMO_NS, "-f", str(manifest))
         console.print(f"[green]✓[/] applied InferenceService/{SERVICE} (TTFT p99 2s, TBT p99 "
                       f"150ms) and OfflineJob/{JOB} ({total} MMLU requests)")
         logger.info("%s", applied.strip())
 
         def sidecars() -> list[str] | None:
-            assert runner is not None
+            assert runner is not None and prometheus is not None
+            _update_targets(prometheus, runner)
             pods = [p for p in runner.snapshot() if p.kind == "inference"]
             urls = []
             for pod in pods:
@@ -279,6 +286,7 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
         def drive() -> None:
             summary_box["summary"] = asyncio.run(generator.run())
 
+        load_started = time.time()
         load_thread = threading.Thread(target=drive, daemon=True, name="loadgen")
         load_thread.start()
         snapshots = _watch(console, kube, prometheus=prometheus, runner=runner,
@@ -294,14 +302,15 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
                     job_status = _job_status(kube)
         final = kube.kubectl("get", "-n", DEMO_NS,
                              "inferenceservices.slipstream.dev,offlinejobs", "-o", "wide")
-        console.print(Panel(final.rstrip(), title="kubectl get -o wide (final)"))
+        console.rule("kubectl get -o wide (final)", align="left")
+        console.print(final.rstrip(), soft_wrap=True, highlight=False)
         summary = summary_box.get("summary")
         if summary is None:
             raise DemoError("the load generator did not finish")
-        report = _report(console, out, generator=generator, summary=summary,
-                         prometheus=prometheus, kube=kube, job=job_status,
-                         wall_s=time.monotonic() - started, snapshots=snapshots)
-        _plots(out, generator, prometheus, report)
+        _report(console, out, generator=generator, summary=summary,
+                prometheus=prometheus, kube=kube, job=job_status,
+                wall_s=time.monotonic() - started, snapshots=snapshots)
+        _plots(out, generator, prometheus, load_started)
         console.print(f"\n[bold]Results, plots and logs:[/] {out}")
         return 0
     finally:
@@ -355,7 +364,9 @@ def _watch(console: Console, kube: Kube, *, prometheus: Any, runner: Any,
             key = "\n".join(" ".join(line.split()[:-1]) for line in table.splitlines())
             elapsed = time.monotonic() - begin
             if key != last and table.strip():
-                console.print(Panel(table.rstrip(), title=f"kubectl get  (t={elapsed:.0f}s)"))
+                console.rule(f"kubectl get -n {DEMO_NS} inferenceservices,offlinejobs  "
+                             f"(t={elapsed:.0f}s)", align="left")
+                console.print(table.rstrip(), soft_wrap=True, highlight=False)
                 log.write(f"--- t={elapsed:.1f}s\n{table}\n")
                 last = key
             snapshots.append({"t": round(elapsed, 1), "job": _job_status(kube)})
@@ -399,6 +410,7 @@ def _report(console: Console, out: Path, *, generator: Any, summary: Any, promet
     status = service.get("status") or {}
     requests = job.get("requests") or {}
     duration = generator.config.duration_s
+    offline_tokens, offline_span = _offline_output(out, job)
     report = {
         "wall_s": round(wall_s, 1),
         "online": {"client": asdict(summary), "attainment_client": client,
@@ -409,6 +421,7 @@ def _report(console: Console, out: Path, *, generator: Any, summary: Any, promet
         "offline": {"phase": job.get("phase"), "requests": requests,
                     "tokens_per_second_status": job.get("tokensPerSecond"),
                     "tokens_per_second_prometheus": (prom["offline_tokens"] or 0) / duration,
+                    "output_tokens_file": offline_tokens, "span_s": offline_span,
                     "output_uri": job.get("outputUri")},
         "job_snapshots": snapshots,
     }
@@ -438,16 +451,38 @@ def _report(console: Console, out: Path, *, generator: Any, summary: Any, promet
     table.add_row("budget in force", str((status.get("budget") or {}).get("iteration", "-")))
     table.add_row("offline job", f"{job.get('phase', '-')}: {requests.get('completed', 0)} done, "
                   f"{requests.get('failed', 0)} failed of {requests.get('total', 0)}")
-    table.add_row("offline tokens/s (Prometheus, over the run)",
+    table.add_row("offline output tokens (output file) / tokens/s while it ran",
+                  f"{offline_tokens} / "
+                  f"{offline_tokens / offline_span:.1f}" if offline_span else f"{offline_tokens}")
+    table.add_row("offline tokens/s (Prometheus, over the replay)",
                   f"{(prom['offline_tokens'] or 0) / duration:.1f}")
-    table.add_row("online tokens/s (Prometheus, over the run)",
+    table.add_row("online tokens/s (Prometheus, over the replay)",
                   f"{(prom['online_tokens'] or 0) / duration:.1f}")
     table.add_row("offline preemptions", f"{prom.get('preemptions') or 0:.0f}")
     console.print(table)
     return report
 
 
-def _plots(out: Path, generator: Any, prometheus: Any, report: dict[str, Any]) -> None:
+def _offline_output(out: Path, job: dict[str, Any]) -> tuple[int, float]:
+    """Output tokens in the job's merged output file, and start-to-completion seconds."""
+    path = out / "results" / "mmlu-sample.jsonl"
+    tokens = 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                usage = json.loads(line)["response"]["body"].get("usage") or {}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            tokens += int(usage.get("completion_tokens") or 0)
+    span = 0.0
+    if job.get("startTime") and job.get("completionTime"):
+        begin = dt.datetime.fromisoformat(str(job["startTime"]).replace("Z", "+00:00"))
+        end = dt.datetime.fromisoformat(str(job["completionTime"]).replace("Z", "+00:00"))
+        span = max(0.0, (end - begin).total_seconds())
+    return tokens, span
+
+
+def _plots(out: Path, generator: Any, prometheus: Any, load_started: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -462,7 +497,7 @@ def _plots(out: Path, generator: Any, prometheus: Any, report: dict[str, Any]) -
         "tbt": np.array([g for r in ok for g in r.gaps_s]),
     }}, out / "latency_cdf.png", "Online latency seen by the client")
     end = time.time()
-    start = end - generator.config.duration_s - 60
+    start = load_started - 20
     fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     series = {
         "online tok/s": 'sum(rate(slipstream_output_tokens_total{class="online"}[15s]))',
@@ -481,14 +516,13 @@ def _plots(out: Path, generator: Any, prometheus: Any, report: dict[str, Any]) -
     axes[1].plot(t, v, label="iteration budget")
     axes[1].axhline(2.0, color="red", linestyle=":", label="TTFT SLO (p99 2s)")
     axes[1].set_ylabel("seconds")
-    axes[1].set_xlabel("seconds since start")
+    axes[1].set_xlabel("seconds since the online replay started")
     axes[1].legend()
     axes[1].grid(alpha=0.3)
     fig.suptitle("Online and offline on the same pods (from Prometheus)")
     fig.tight_layout()
     fig.savefig(out / "timeline.png", dpi=110)
     plt.close(fig)
-    report["plots"] = ["latency_cdf.png", "timeline.png"]
 
 
 def _range(prometheus: Any, expr: str, start: float, end: float) -> tuple[list[float],
@@ -510,5 +544,5 @@ def _range(prometheus: Any, expr: str, start: float, end: float) -> tuple[list[f
         session.close()
     if not data:
         return [], []
-    points = [(float(ts) - start, float(v)) for ts, v in data[0]["values"]]
+    points = [(float(ts) - start - 20, float(v)) for ts, v in data[0]["values"]]
     return [p[0] for p in points], [p[1] for p in points]

@@ -1,0 +1,120 @@
+"""The chart on a real API server: install, CRDs present and upgraded, RBAC exactly as needed.
+
+``helm install`` into the local cluster (helm and kubectl from the cluster's bin dir); the
+CRDs exist with the keep policy and serve both kinds; ``helm upgrade`` with a changed CRD
+file (a new printer column, as a schema change would be) changes the CRD in the cluster;
+``kubectl auth can-i --list`` for the chart's service account lists exactly the rules
+``tests/unit/test_chart.py`` pins (NEEDED_*), both for the ClusterRole (watch all namespaces)
+and for the namespaced Role; ``helm uninstall`` keeps the CRDs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from unit.test_chart import NEEDED_CLUSTER_ONLY, NEEDED_NAMESPACED
+
+from slipstream_cli.cluster import LocalCluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "slipstream"
+CRDS = ("inferenceservices.slipstream.dev", "offlinejobs.slipstream.dev")
+
+
+def run(cluster: LocalCluster, binary: Path, *args: str,
+        check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KUBECONFIG=str(cluster.admin_kubeconfig))
+    result = subprocess.run([str(binary), *args], env=env, capture_output=True, text=True,
+                            timeout=180, check=False)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{binary.name} {' '.join(args)}:\n{result.stderr}")
+    return result
+
+
+def can_i_list(cluster: LocalCluster, namespace: str, account: str,
+               where: str) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) the account may use in ``where``, resource rules only."""
+    out = run(cluster, cluster.kubectl, "auth", "can-i", "--list", "-n", where,
+              f"--as=system:serviceaccount:{namespace}:{account}").stdout
+    granted: set[tuple[str, str, str]] = set()
+    for line in out.splitlines()[1:]:
+        cols = line.split()
+        if not cols or not cols[-1].startswith("["):
+            continue
+        resource = cols[0]
+        verbs = line[line.rindex("[") + 1:line.rindex("]")].split()
+        if resource.startswith("/") or cols[1].startswith("[/"):
+            continue  # non-resource URLs (discovery, health): every account has them
+        name, _, group = resource.partition(".")
+        if "/" in group:  # "offlinejobs.slipstream.dev/status" style
+            group, _, sub = group.partition("/")
+            name = f"{name}/{sub}"
+        for verb in verbs:
+            granted.add((group, name, verb))
+    return granted
+
+
+BASELINE_ACCOUNT_RULES = {
+    # Granted to every authenticated account by the default cluster roles.
+    ("authentication.k8s.io", "selfsubjectreviews", "create"),
+    ("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
+    ("authorization.k8s.io", "selfsubjectrulesreviews", "create"),
+}
+
+
+@pytest.mark.parametrize("mode", ["all", "release"])
+def test_install_upgrade_rbac_uninstall(cluster: LocalCluster, namespace: str, mode: str,
+                                        tmp_path: Path) -> None:
+    release = f"slip-{mode}"
+    chart = tmp_path / "slipstream"
+    shutil.copytree(CHART, chart)
+    sets = ["--set", f"operator.watchNamespaces={mode}", "--set", "operator.replicas=0"]
+    run(cluster, cluster.helm, "install", release, str(chart), "-n", namespace, *sets)
+    try:
+        crds = json.loads(run(cluster, cluster.kubectl, "get", "crd", *CRDS,
+                              "-o", "json").stdout)["items"]
+        assert {c["metadata"]["name"] for c in crds} == set(CRDS)
+        for crd in crds:
+            assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        run(cluster, cluster.kubectl, "get", "-n", namespace,
+            "inferenceservices.slipstream.dev,offlinejobs")  # both kinds are served
+
+        # RBAC, as the API server evaluates it.
+        account = f"{release}-slipstream"
+        wanted = set(NEEDED_NAMESPACED)
+        if mode == "all":
+            wanted |= NEEDED_CLUSTER_ONLY
+        here = can_i_list(cluster, namespace, account, namespace) - BASELINE_ACCOUNT_RULES
+        assert here == wanted, {"extra": here - wanted, "missing": wanted - here}
+        elsewhere = can_i_list(cluster, namespace, account, "default") - BASELINE_ACCOUNT_RULES
+        assert elsewhere == (wanted if mode == "all" else set()), elsewhere
+
+        # Upgrade: a changed CRD file reaches the cluster (CRDs are templates, not crds/).
+        path = chart / "files" / "crds" / "slipstream.dev_offlinejobs.yaml"
+        doc = yaml.safe_load(path.read_text())
+        doc["spec"]["versions"][0]["additionalPrinterColumns"].append(
+            {"name": "Upgraded", "type": "string", "jsonPath": ".status.phase"})
+        path.write_text(yaml.safe_dump(doc))
+        run(cluster, cluster.helm, "upgrade", release, str(chart), "-n", namespace, *sets)
+        crd = json.loads(run(cluster, cluster.kubectl, "get", "crd", CRDS[1],
+                             "-o", "json").stdout)
+        columns = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
+        assert "Upgraded" in columns
+        # And back to the shipped one, so later tests see the real CRD.
+        run(cluster, cluster.helm, "upgrade", release, str(CHART), "-n", namespace, *sets)
+    finally:
+        run(cluster, cluster.helm, "uninstall", release, "-n", namespace, check=False)
+    # The CRDs (and everyone's objects) survive an uninstall.
+    left = run(cluster, cluster.kubectl, "get", "crd", *CRDS, "-o", "name").stdout.split()
+    assert sorted(left) == sorted(f"customresourcedefinition.apiextensions.k8s.io/{c}"
+                                  for c in CRDS)
+    assert run(cluster, cluster.kubectl, "get", "clusterrole", f"{release}-slipstream-operator",
+               check=False).returncode != 0
