@@ -348,6 +348,13 @@ class EngineModel:
                 raise RequestError(rid, f"prompt of {request.prompt_len} >= max_model_len {cap}")
             if cap - request.prompt_len < limit:
                 limit, reason = cap - request.prompt_len, "length"
+        # NOTE: vLLM refuses to start if max_model_len does not fit in the KV cache; here
+        # the cache bounds every request instead, so a lone request can always finish.
+        room = self.pool.num_blocks * self._bs
+        if request.prompt_len >= room:
+            raise RequestError(rid, f"prompt of {request.prompt_len} exceeds the KV cache")
+        if room - request.prompt_len < limit:
+            limit, reason = room - request.prompt_len, "length"
         full = request.prompt_len // self._bs
         if len(request.block_hashes) > full:
             request = EngineRequest(
