@@ -46,15 +46,14 @@ def can_i_list(cluster: LocalCluster, namespace: str, account: str,
               f"--as=system:serviceaccount:{namespace}:{account}").stdout
     granted: set[tuple[str, str, str]] = set()
     for line in out.splitlines()[1:]:
-        cols = line.split()
-        if not cols or not cols[-1].startswith("["):
+        # "Resources  Non-Resource URLs  Resource Names  Verbs": rows of non-resource URLs
+        # (discovery, health; every account has them) leave the first column empty.
+        if not line.strip() or line[0].isspace() or "[" not in line:
             continue
-        resource = cols[0]
+        resource = line.split()[0]
         verbs = line[line.rindex("[") + 1:line.rindex("]")].split()
-        if resource.startswith("/") or cols[1].startswith("[/"):
-            continue  # non-resource URLs (discovery, health): every account has them
         name, _, group = resource.partition(".")
-        if "/" in group:  # "offlinejobs.slipstream.dev/status" style
+        if "/" in group:  # "offlinejobs.slipstream.dev/status"
             group, _, sub = group.partition("/")
             name = f"{name}/{sub}"
         for verb in verbs:
@@ -62,11 +61,27 @@ def can_i_list(cluster: LocalCluster, namespace: str, account: str,
     return granted
 
 
+def adopt_crds(cluster: LocalCluster, release: str, namespace: str) -> None:
+    """Hand CRDs left by an earlier release (kept on uninstall) or by `kubectl apply` to
+    ``release``: Helm's adoption annotations (docs/operations.md)."""
+    present = run(cluster, cluster.kubectl, "get", "crd", *CRDS, "-o", "name",
+                  check=False).stdout.split()
+    for crd in present:
+        run(cluster, cluster.kubectl, "annotate", "--overwrite", crd,
+            f"meta.helm.sh/release-name={release}",
+            f"meta.helm.sh/release-namespace={namespace}")
+        run(cluster, cluster.kubectl, "label", "--overwrite", crd,
+            "app.kubernetes.io/managed-by=Helm")
+
+
 BASELINE_ACCOUNT_RULES = {
     # Granted to every authenticated account by the default cluster roles.
     ("authentication.k8s.io", "selfsubjectreviews", "create"),
     ("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
     ("authorization.k8s.io", "selfsubjectrulesreviews", "create"),
+    ("certificates.k8s.io", "clustertrustbundles", "get"),
+    ("certificates.k8s.io", "clustertrustbundles", "list"),
+    ("certificates.k8s.io", "clustertrustbundles", "watch"),
 }
 
 
@@ -77,6 +92,7 @@ def test_install_upgrade_rbac_uninstall(cluster: LocalCluster, namespace: str, m
     chart = tmp_path / "slipstream"
     shutil.copytree(CHART, chart)
     sets = ["--set", f"operator.watchNamespaces={mode}", "--set", "operator.replicas=0"]
+    adopt_crds(cluster, release, namespace)
     run(cluster, cluster.helm, "install", release, str(chart), "-n", namespace, *sets)
     try:
         crds = json.loads(run(cluster, cluster.kubectl, "get", "crd", *CRDS,
