@@ -90,6 +90,11 @@ ML.ENERGY's TPOT cannot tell it apart from the per-sequence host overhead."""
 
 # ML.ENERGY does not publish prompt lengths; assumed means (ShareGPT chat first
 # turns, HumanEval-style code prompts). They only set the prefill share of a step.
+PREFILL_EFF_RANGE = (30, 90)
+"""Search range of the prefill attention efficiency, in percent of peak FLOPs: what
+FlashAttention-2 reaches on A100/H100 (about 35-75 %). Unbounded, the Splitwise fit
+drives it to the 10 % floor, charging attention for time the old stack lost elsewhere."""
+
 MLENERGY_PROMPT_TOKENS = {"chat": 200, "code": 150}
 
 SPLITWISE_MAX_STEP_TOKENS = 16384
@@ -301,7 +306,7 @@ def _fit_prefill_eff(gpu: str, rows: Sequence[SplitwiseRow], c0: float, c1: floa
     """Grid search of the prefill attention efficiency on Splitwise 70B prompt latencies."""
     profiles = {tp: build_profile("llama-2-70b", gpu, tp) for tp in sorted({r.tp for r in rows})}
     best, best_err = 0.5, math.inf
-    for k in range(10, 101):
+    for k in range(PREFILL_EFF_RANGE[0], PREFILL_EFF_RANGE[1] + 1):
         eff = k / 100.0
         cal = Calibration(c0, c1, eff, DECODE_ATTN_EFFICIENCY)
         err = 0.0
