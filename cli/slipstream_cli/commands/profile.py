@@ -25,16 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from slipstream_scheduler.engine.gpu import (
-    Calibration,
-    Curve,
-    GpuProfile,
-    GpuTimingModel,
-    Hardware,
-    ModelArch,
-    profile_name,
-)
-
 from slipstream_cli.workloads import data_root
 from slipstream_cli.workloads.profiling_data import (
     MlEnergyRow,
@@ -44,6 +34,15 @@ from slipstream_cli.workloads.profiling_data import (
     read_mlenergy,
     read_splitwise,
     read_vidur_ops,
+)
+from slipstream_scheduler.engine.gpu import (
+    Calibration,
+    Curve,
+    GpuProfile,
+    GpuTimingModel,
+    Hardware,
+    ModelArch,
+    profile_name,
 )
 
 logger = logging.getLogger(__name__)
