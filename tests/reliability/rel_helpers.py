@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from integration.helpers_procs import MODEL, Proc, engine_proc, sidecar_proc
+import grpc
+from integration.helpers_procs import MODEL, Proc, bearer, engine_proc, sidecar_proc
+
+from slipstream_sidecar.proto import sidecar_pb2 as pb
 
 TOKEN = "reliability-secret-token-7f3a9c"  # distinctive, so the log-hygiene test can grep for it
 
@@ -208,3 +211,51 @@ def start_rel_stack(
         eng.stop()
         raise
     return RelStack(eng, sc, tmp)
+
+
+# -- offline shards through the control API ----------------------------------------------------
+
+
+def assign(stack: RelStack, shard_id: str, n: int, tmp: Path) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as ch:
+        stub = ch.unary_unary(
+            "/slipstream.sidecar.v1alpha1.Sidecar/AssignShard",
+            request_serializer=pb.AssignShardRequest.SerializeToString,
+            response_deserializer=pb.AssignShardResponse.FromString,
+        )
+        shard = pb.Shard(
+            shard_id=shard_id, job_namespace="default", job_name="bad", model=MODEL,
+            input_uri=f"file://{tmp / 'in.jsonl'}", line_start=0, line_end=n,
+            output_uri=f"file://{tmp / 'out.jsonl'}", error_uri=f"file://{tmp / 'err.jsonl'}",
+            priority=10,
+        )
+        reply = stub(pb.AssignShardRequest(shard=shard), metadata=bearer(TOKEN), timeout=30)
+        assert reply.accepted
+
+
+def shard_progress(stack: RelStack, shard_id: str) -> pb.ShardProgress | None:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as ch:
+        stub = ch.unary_unary(
+            "/slipstream.sidecar.v1alpha1.Sidecar/Status",
+            request_serializer=pb.StatusRequest.SerializeToString,
+            response_deserializer=pb.StatusResponse.FromString,
+        )
+        st = stub(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=30)
+    return next((s for s in st.shards if s.shard_id == shard_id), None)
+
+
+def wait_done(stack: RelStack, shard_id: str, timeout_s: float = 180) -> pb.ShardProgress:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = shard_progress(stack, shard_id)
+        if p is not None and p.state in (pb.SHARD_STATE_SUCCEEDED, pb.SHARD_STATE_FAILED):
+            return p
+        time.sleep(0.2)
+    raise AssertionError(f"shard {shard_id} did not end within {timeout_s}s")
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """Every line must parse: a corrupt output file fails here."""
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_bytes().splitlines()]
