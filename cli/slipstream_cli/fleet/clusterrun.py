@@ -1,0 +1,496 @@
+"""One fleet-scale run of the real operator on the local cluster, measured.
+
+Steps (:class:`FleetRun`):
+
+1. On a running :class:`~slipstream_cli.cluster.LocalCluster`: apply the CRDs, a
+   ServiceAccount for the operator (bound to ``cluster-admin``: this is a bench,
+   the chart's Role is narrower) and an API Priority and Fairness FlowSchema that
+   matches only that account, so the API server's
+   ``apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}`` counts
+   exactly the operator's requests.
+2. Start the stand-in (:mod:`slipstream_cli.fleet.server`, admin identity) and
+   ``slipstream operator`` (the operator's own kubeconfig) as processes.
+3. Apply namespaces, InferenceServices and OfflineJobs (:mod:`.workload`) and
+   time: all pods Running, all services ``Ready=True``, all jobs' shards placed
+   (``status.shards.assigned == total``).
+4. Status freshness: bump every fake pod's online counters at a known time and
+   watch each service's ``status.observed.samples`` reach the new count; the
+   lag is the time from the bump to the bench seeing it.
+5. The operator's CPU (``/proc/<pid>/stat`` utime+stime), RSS (``VmRSS``,
+   ``VmHWM``) and API requests per second, over the ramp (apply to ready) and
+   over the steady state (the bumps).
+
+Deliberately left out: starting the cluster (the caller chooses its size) and
+any assertion (the e2e test and the bench judge the result).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from slipstream_cli.cluster import ApiError, LocalCluster
+from slipstream_cli.fleet.workload import (
+    FleetPlan,
+    batch_lines,
+    job_manifests,
+    namespace_names,
+    service_manifests,
+    shards_per_pod_needed,
+)
+
+logger = logging.getLogger(__name__)
+
+OPERATOR_NAMESPACE = "slipstream-system"
+OPERATOR_ACCOUNT = "slipstream-operator"
+FLOW_SCHEMA = "slipstream-operator"
+PRIORITY_LEVEL = "slipstream-bench"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+REPO = Path(__file__).resolve().parents[3]
+
+
+class FleetRunError(RuntimeError):
+    """A fleet run could not set up or did not reach the state it waits for."""
+
+    def __init__(self, message: str, stage: str) -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage = stage
+
+
+@dataclass(frozen=True, slots=True)
+class ProcSample:
+    at_s: float
+    cpu_s: float
+    rss_mb: float
+    hwm_mb: float
+
+
+def proc_sample(pid: int) -> ProcSample:
+    """CPU seconds (user+system, threads included) and memory of one process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+    rss = hwm = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) / 1024
+    return ProcSample(time.monotonic(), cpu, rss, hwm)
+
+
+def dispatched(metrics_text: str, flow_schema: str) -> tuple[float, float]:
+    """(requests dispatched for ``flow_schema``, all requests counted by the API server)."""
+    ours = total = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == "apiserver_flowcontrol_dispatched_requests_total":
+                if s.labels.get("flow_schema") == flow_schema:
+                    ours += s.value
+            elif s.name == "apiserver_request_total":
+                total += s.value
+    return ours, total
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """Operator cost over one interval."""
+
+    seconds: float
+    cpu_cores: float
+    api_rps: float
+    apiserver_rps: float
+
+    @staticmethod
+    def between(a: ProcSample, b: ProcSample, api_a: tuple[float, float],
+                api_b: tuple[float, float]) -> Phase:
+        span = max(b.at_s - a.at_s, 1e-9)
+        return Phase(round(span, 2), round((b.cpu_s - a.cpu_s) / span, 3),
+                     round((api_b[0] - api_a[0]) / span, 1), round((api_b[1] - api_a[1]) / span, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class FleetResult:
+    """Everything one run measured (``to_dict`` gives the bench's JSON keys)."""
+
+    plan: FleetPlan
+    interval_s: float
+    pods_running_s: float
+    services_ready_s: float
+    shards_placed_s: float
+    ready_s: float
+    status_lags_s: tuple[float, ...]
+    lag_timeouts: int
+    ramp: Phase
+    steady: Phase
+    operator_rss_mb: float
+    operator_hwm_mb: float
+    standin: dict[str, int] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def status_lag_p99_s(self) -> float | None:
+        if not self.status_lags_s:
+            return None
+        ordered = sorted(self.status_lags_s)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+    def to_dict(self) -> dict[str, Any]:
+        lags = sorted(self.status_lags_s)
+        return {
+            **self.plan.to_dict(),
+            "interval_s": self.interval_s,
+            "ready_s": round(self.ready_s, 1),
+            "pods_running_s": round(self.pods_running_s, 1),
+            "services_ready_s": round(self.services_ready_s, 1),
+            "shards_placed_s": round(self.shards_placed_s, 1),
+            "status_lag_p50_s": round(lags[len(lags) // 2], 2) if lags else None,
+            "status_lag_p99_s": (round(self.status_lag_p99_s, 2)
+                                 if self.status_lag_p99_s is not None else None),
+            "status_lag_max_s": round(lags[-1], 2) if lags else None,
+            "status_lag_samples": len(lags),
+            "status_lag_timeouts": self.lag_timeouts,
+            "operator_cpu_cores": self.steady.cpu_cores,
+            "operator_rss_mb": round(self.operator_rss_mb, 1),
+            "operator_peak_rss_mb": round(self.operator_hwm_mb, 1),
+            "api_rps": self.steady.api_rps,
+            "ramp": asdict(self.ramp),
+            "steady": asdict(self.steady),
+            "standin": self.standin,
+        }
+
+
+def _condition(obj: dict[str, Any], kind: str) -> str | None:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return str(cond.get("status"))
+    return None
+
+
+def mmlu_questions(data_dir: Path, limit: int = 2000) -> list[str]:
+    """Real MMLU test questions (the first ``limit``, subjects in name order)."""
+    out: list[str] = []
+    for path in sorted((data_dir / "mmlu" / "test").glob("*.csv")):
+        with path.open(encoding="utf-8") as f:
+            for row in csv.reader(f):
+                out.append(row[0])
+                if len(out) >= limit:
+                    return out
+    if not out:
+        raise FleetRunError(f"no MMLU questions under {data_dir}", "input")
+    return out
+
+
+class FleetRun:
+    """One measured run on ``cluster`` (see the module docstring)."""
+
+    def __init__(self, cluster: LocalCluster, plan: FleetPlan, workdir: Path, *,
+                 data_dir: Path, prefix: str = "fleet", interval_s: float = 5.0,
+                 bumps: int = 3, bump_gap_s: float | None = None, clusterwide: bool = True,
+                 timeout_s: float = 1800.0, lag_timeout_s: float = 120.0) -> None:
+        self.cluster = cluster
+        self.plan = plan
+        self.workdir = workdir
+        self.data_dir = data_dir
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self.bumps = bumps
+        self.bump_gap_s = bump_gap_s if bump_gap_s is not None else 2 * interval_s
+        self.clusterwide = clusterwide
+        self.timeout_s = timeout_s
+        self.lag_timeout_s = lag_timeout_s
+        self.rest = cluster.admin_rest()
+        self.namespaces = namespace_names(plan, prefix)
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self.standin_port = 0
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _get_text(self, path: str) -> str:
+        request = urllib.request.Request(self.rest.server + path)
+        with urllib.request.urlopen(request, context=self.rest.context, timeout=30) as resp:
+            return str(resp.read().decode())
+
+    def _api_counts(self) -> tuple[float, float]:
+        return dispatched(self._get_text("/metrics"), FLOW_SCHEMA)
+
+    def _apply(self, path: str, body: dict[str, Any]) -> None:
+        self.rest.create(path, body)
+
+    def _parallel(self, fn: Callable[[dict[str, Any]], None], items: list[dict[str, Any]]) -> None:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            for _ in pool.map(fn, items):
+                pass
+
+    def _list(self, plural: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        spaces = [None] if self.clusterwide else self.namespaces
+        for ns in spaces:
+            where = f"/namespaces/{ns}" if ns else ""
+            answer = self.rest.request("GET", f"/apis/slipstream.dev/v1alpha1{where}/{plural}")
+            items.extend(answer.get("items", []))
+        return [i for i in items if i["metadata"]["namespace"] in self.namespaces]
+
+    def _running_pods(self) -> int:
+        count = 0
+        for ns in self.namespaces:
+            answer = self.rest.request(
+                "GET", f"/api/v1/namespaces/{ns}/pods?labelSelector=slipstream.dev%2Fservice")
+            count += sum(1 for p in answer["items"]
+                         if (p.get("status") or {}).get("phase") == "Running")
+        return count
+
+    # ------------------------------------------------------------------ set-up
+
+    def _identity(self) -> Path:
+        path = self.workdir / "operator.kubeconfig"
+        self.cluster.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_ACCOUNT, path)
+        self._apply("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"{OPERATOR_ACCOUNT}-bench"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_ACCOUNT,
+                          "namespace": OPERATOR_NAMESPACE}],
+        })
+        fc = "/apis/flowcontrol.apiserver.k8s.io/v1"
+        self._apply(f"{fc}/prioritylevelconfigurations", {
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+            "kind": "PriorityLevelConfiguration", "metadata": {"name": PRIORITY_LEVEL},
+            "spec": {"type": "Limited", "limited": {
+                "nominalConcurrencyShares": 100, "lendablePercent": 0,
+                "limitResponse": {"type": "Queue", "queuing": {
+                    "queues": 64, "handSize": 6, "queueLengthLimit": 100}}}},
+        })
+        everything = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                      "clusterScope": True, "namespaces": ["*"]}
+        self._apply(f"{fc}/flowschemas", {
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
+            "metadata": {"name": FLOW_SCHEMA},
+            "spec": {
+                "priorityLevelConfiguration": {"name": PRIORITY_LEVEL},
+                "matchingPrecedence": 500,
+                "distinguisherMethod": {"type": "ByUser"},
+                "rules": [{
+                    "subjects": [{"kind": "ServiceAccount", "serviceAccount": {
+                        "name": OPERATOR_ACCOUNT, "namespace": OPERATOR_NAMESPACE}}],
+                    "resourceRules": [everything],
+                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                }],
+            },
+        })
+        return path
+
+    def _crds(self) -> None:
+        env = dict(os.environ, KUBECONFIG=str(self.cluster.admin_kubeconfig))
+        subprocess.run([str(self.cluster.kubectl), "apply", "--server-side", "--force-conflicts",
+                        "-f", str(REPO / "crds")], env=env, check=True, capture_output=True,
+                       timeout=120)
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.workdir / f"{name}.log").open("ab")
+        proc = subprocess.Popen(argv, stdout=log if name != "standin" else subprocess.PIPE,
+                                stderr=log, cwd=REPO, start_new_session=True)
+        log.close()
+        self._procs.append(proc)
+        return proc
+
+    def _start_standin(self) -> None:
+        proc = self._spawn("standin", [
+            sys.executable, "-m", "slipstream_cli.fleet.server",
+            "--kubeconfig", str(self.cluster.admin_kubeconfig), "--lines-per-second", "0.001"])
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode().strip()
+        if not line.startswith("READY "):
+            raise FleetRunError(f"stand-in did not start: {line!r}", "standin")
+        self.standin_port = int(line.split()[1])
+
+    def _start_operator(self, kubeconfig: Path) -> subprocess.Popen[bytes]:
+        slipstream = Path(sys.executable).parent / "slipstream"
+        argv = [str(slipstream), "operator", "--kubeconfig", str(kubeconfig), "--loopback-only",
+                "--interval", str(self.interval_s), "--window", "3600",
+                "--stall-timeout", "3600", "--max-shards-per-pod",
+                str(shards_per_pod_needed(self.plan, self.prefix) + 1)]
+        if not self.clusterwide:
+            for ns in self.namespaces:
+                argv += ["-n", ns]
+        return self._spawn("operator", argv)
+
+    def _standin(self, method: str, path: str) -> dict[str, Any]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.standin_port}{path}",
+                                         method=method, data=b"" if method == "POST" else None)
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            result: dict[str, Any] = json.loads(resp.read())
+            return result
+
+    def _apply_workload(self) -> None:
+        inputs = self.workdir / "input.jsonl"
+        lines = batch_lines(mmlu_questions(self.data_dir), self.plan.lines_per_job)
+        inputs.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        (self.workdir / "out").mkdir(exist_ok=True)
+        for ns in self.namespaces:
+            self._apply("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                               "metadata": {"name": ns}})
+        base = "/apis/slipstream.dev/v1alpha1/namespaces"
+
+        def create(plural: str) -> Callable[[dict[str, Any]], None]:
+            def go(obj: dict[str, Any]) -> None:
+                ns = obj["metadata"]["namespace"]
+                for attempt in range(30):
+                    try:
+                        self._apply(f"{base}/{ns}/{plural}", obj)
+                        return
+                    except ApiError as exc:  # namespace not initialised yet
+                        if exc.status != 403 or attempt == 29:
+                            raise
+                        time.sleep(0.5)
+
+            return go
+
+        self._parallel(create("inferenceservices"), service_manifests(self.plan, self.prefix))
+        self._parallel(create("offlinejobs"), job_manifests(
+            self.plan, self.prefix, f"file://{inputs}", str(self.workdir / "out")))
+
+    # ------------------------------------------------------------------ waits
+
+    def _wait(self, what: str, check: Callable[[], bool], started: float) -> float:
+        deadline = started + self.timeout_s
+        while not check():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise FleetRunError(f"not reached after {self.timeout_s:.0f}s", what)
+            time.sleep(1.0)
+        return time.monotonic() - started
+
+    def _check_alive(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is not None:
+                raise FleetRunError(f"{proc.args!r} exited with {proc.returncode}", "processes")
+
+    def _services_ready(self) -> bool:
+        items = self._list("inferenceservices")
+        return len(items) == self.plan.services and all(
+            _condition(i, "Ready") == "True" for i in items)
+
+    def _shards_placed(self) -> bool:
+        items = self._list("offlinejobs")
+        if len(items) != self.plan.jobs:
+            return False
+        for job in items:
+            shards = (job.get("status") or {}).get("shards") or {}
+            if not shards or shards.get("assigned") != shards.get("total"):
+                return False
+        return True
+
+    def _lags(self) -> tuple[list[float], int]:
+        """Bump the fake pods and time each service's status catching up."""
+        lags: list[float] = []
+        timeouts = 0
+        for _ in range(self.bumps):
+            time.sleep(self.bump_gap_s)
+            answer = self._standin("POST", "/bump")
+            bumped_at, number = float(answer["at"]), int(answer["bump"])
+            want = number * self.plan.replicas
+            waiting = {f"{s['metadata']['namespace']}/{s['metadata']['name']}"
+                       for s in service_manifests(self.plan, self.prefix)}
+            deadline = time.time() + self.lag_timeout_s
+            while waiting and time.time() < deadline:
+                seen_at = time.time()
+                for svc in self._list("inferenceservices"):
+                    key = f"{svc['metadata']['namespace']}/{svc['metadata']['name']}"
+                    samples = ((svc.get("status") or {}).get("observed") or {}).get("samples", 0)
+                    if key in waiting and int(samples) >= want:
+                        waiting.discard(key)
+                        lags.append(seen_at - bumped_at)
+                time.sleep(0.25)
+            timeouts += len(waiting)
+            lags.extend(self.lag_timeout_s for _ in waiting)
+        return lags, timeouts
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> FleetResult:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with self._processes():
+            self._crds()
+            kubeconfig = self._identity()
+            self._start_standin()
+            operator = self._start_operator(kubeconfig)
+            time.sleep(2.0)
+            self._check_alive()
+            p0, a0 = proc_sample(operator.pid), self._api_counts()
+            started = time.monotonic()
+            self._apply_workload()
+            running_s = self._wait("pods running",
+                                   lambda: self._running_pods() >= self.plan.pods, started)
+            services_s = self._wait("services ready", self._services_ready, started)
+            shards_s = self._wait("shards placed", self._shards_placed, started)
+            ready_s = max(services_s, shards_s)
+            p1, a1 = proc_sample(operator.pid), self._api_counts()
+            lags, timeouts = self._lags()
+            p2, a2 = proc_sample(operator.pid), self._api_counts()
+            checks = self._checks()
+            standin = {k: int(v) for k, v in self._standin("GET", "/totals").items()}
+        return FleetResult(
+            plan=self.plan, interval_s=self.interval_s, pods_running_s=running_s,
+            services_ready_s=services_s, shards_placed_s=shards_s, ready_s=ready_s,
+            status_lags_s=tuple(lags), lag_timeouts=timeouts,
+            ramp=Phase.between(p0, p1, a0, a1), steady=Phase.between(p1, p2, a1, a2),
+            operator_rss_mb=p2.rss_mb, operator_hwm_mb=p2.hwm_mb, standin=standin,
+            checks=checks,
+        )
+
+    def _checks(self) -> dict[str, Any]:
+        """What the statuses say, for the test to compare with the stand-in's own counts."""
+        services = self._list("inferenceservices")
+        jobs = self._list("offlinejobs")
+        return {
+            "services_ready": sum(1 for s in services if _condition(s, "Ready") == "True"),
+            "ready_replicas": sum(int((s.get("status") or {}).get("readyReplicas", 0))
+                                  for s in services),
+            "samples": sorted({int(((s.get("status") or {}).get("observed") or {})
+                                   .get("samples", 0)) for s in services}),
+            "active_shards": sum(int(((s.get("status") or {}).get("offline") or {})
+                                     .get("activeShards", 0)) for s in services),
+            "shards_total": sum(int(((j.get("status") or {}).get("shards") or {})
+                                    .get("total", 0)) for j in jobs),
+            "shards_assigned": sum(int(((j.get("status") or {}).get("shards") or {})
+                                       .get("assigned", 0)) for j in jobs),
+            "job_phases": sorted({str((j.get("status") or {}).get("phase")) for j in jobs}),
+        }
+
+    @contextlib.contextmanager
+    def _processes(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            for proc in reversed(self._procs):
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            for proc in reversed(self._procs):
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+            self._procs.clear()
+
+    def cleanup(self) -> None:
+        """Delete the run's namespaces (the cluster stays up)."""
+        for ns in self.namespaces:
+            with contextlib.suppress(ApiError):
+                self.rest.request("DELETE", f"/api/v1/namespaces/{ns}")
