@@ -441,6 +441,10 @@ class RequestDefaults(ApiModel):
     )
     temperature: float | None = Field(default=None, description="Default temperature.", ge=0, le=2)
 
+    def body_fields(self) -> dict[str, Any]:
+        """The defaults as OpenAI request-body fields (``max_tokens``, not ``maxTokens``)."""
+        return self.model_dump(by_alias=False, exclude_none=True, mode="json")
+
 
 class Phase(StrEnum):
     PENDING = "Pending"

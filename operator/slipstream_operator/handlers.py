@@ -423,7 +423,7 @@ class Handlers:
                     await self.control.revoke(addresses[pod_name], shard_id)
                 except SidecarError as exc:
                     logger.warning("%s", exc)
-        defaults = json.dumps(spec.request_defaults.wire())
+        defaults = json.dumps(spec.request_defaults.body_fields())
         for pod_name, shard in outcome.assign:
             assert plan is not None
             assignment = ShardAssignment(

@@ -150,3 +150,11 @@ def test_full_objects_parse() -> None:
 )
 def test_label_selector(selector: dict[str, Any], labels: dict[str, str], expected: bool) -> None:
     assert LabelSelector.model_validate(selector).matches(labels) is expected
+
+
+def test_request_defaults_reach_the_sidecar_as_openai_body_fields() -> None:
+    from slipstream_operator.api import RequestDefaults
+
+    defaults = RequestDefaults.model_validate({"maxTokens": 64, "temperature": 0.5})
+    assert defaults.body_fields() == {"max_tokens": 64, "temperature": 0.5}
+    assert RequestDefaults().body_fields() == {}
