@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -103,6 +104,14 @@ class DispatcherConfig(BaseModel):
     admit_offline: bool = Field(default=True, description="False: never submit offline work.")
     preempt_offline: bool = Field(
         default=True, description="Abort running offline requests when the planner asks to."
+    )
+    idle_budget_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Per-iteration budget while no online request is held or in flight, "
+        "seconds; None (default): the budget applies always, as in HyGen. A larger value (inf: "
+        "unbounded) lets offline work run at full batch in online idle periods; it is preempted "
+        "when online work arrives.",
     )
     kv_headroom_blocks: int = Field(
         default=0, ge=0, description="KV blocks (16 tokens) kept free in the estimate; default 0."
@@ -537,6 +546,16 @@ class Dispatcher:
                 self._dirty = True
                 return Decisions((), (reorder_abort,))
             return Decisions()
+        budget = self._budget_s
+        if (
+            budget is not None
+            and cfg.idle_budget_s is not None
+            and n_on == 0
+            and self._n_inflight[RequestClass.ONLINE] == 0
+        ):
+            # NOTE: policy bent (see DispatcherConfig.idle_budget_s): no online
+            # work to protect, so offline fills up to the idle budget.
+            budget = None if math.isinf(cfg.idle_budget_s) else cfg.idle_budget_s
         snap = Snapshot(
             now_s=now_s,
             running=tuple(self._running_view()),
@@ -544,7 +563,7 @@ class Dispatcher:
             offline_queue=tuple(self._queued_view(self._recs[r]) for r in offline_ids),
             free_kv_blocks=self.est_free_kv_blocks,
             limits=self.limits,
-            budget_s=self._budget_s,
+            budget_s=budget,
         )
         plan = self.planner.plan(snap)
         self._plans += 1
@@ -590,16 +609,23 @@ class Dispatcher:
 
     def _running_view(self) -> Iterator[RunningRequest]:
         on_p, off_p = self.config.online_priority, self.config.offline_priority
+        lim = self.limits
+        chunk = lim.max_num_batched_tokens
+        if 0 < lim.long_prefill_token_threshold < chunk:
+            chunk = lim.long_prefill_token_threshold
         for rec in self._inflight.values():
             if rec.aborting:
                 continue
             prompt = rec.prompt_tokens + rec.resume_from
             gen = rec.generated - rec.resume_from
+            # The stream shows no prefill progress: price the pending prefill
+            # as its last (costliest, longest-context) chunk, conservatively.
+            computed = prompt if gen else max(prompt - chunk, 0)
             yield RunningRequest(
                 request_id=rec.request_id,
                 cls=rec.cls,
                 prompt_tokens=prompt,
-                computed_tokens=prompt if gen else 0,
+                computed_tokens=computed,
                 generated_tokens=gen,
                 max_tokens=rec.max_tokens - rec.resume_from,
                 arrival_s=rec.arrival_s,

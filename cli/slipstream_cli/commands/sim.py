@@ -31,6 +31,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from slipstream_cli import plots
+from slipstream_cli.workloads import WorkloadError, arxiv, azure, mmlu, mooncake
 from slipstream_scheduler.budget import (
     Observed,
     SearchResult,
@@ -40,6 +43,7 @@ from slipstream_scheduler.budget import (
     parse_slo,
     search_budget,
 )
+from slipstream_scheduler.dispatcher import DispatcherConfig
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.sim.simulator import (
@@ -52,9 +56,6 @@ from slipstream_scheduler.sim.simulator import (
     simulate,
 )
 from slipstream_scheduler.sim.workload import SimRequest, Workload, scale_rate, window
-
-from slipstream_cli import plots
-from slipstream_cli.workloads import WorkloadError, arxiv, azure, mmlu, mooncake
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class Scenario:
     engine: EngineConfig
     slos: tuple[Slo, ...] = ()
     seed: int = 0
+    idle_budget_s: float | None = None
     backlog: bool = True
     label: str = ""
     profile_window_s: float = 300.0
@@ -150,7 +152,7 @@ class Scenario:
         horizon: float | None = None,
         tag: str = "",
     ) -> SimResult:
-        key = (policy, budget_s, static_cap, id(online), horizon)
+        key = (policy, budget_s, static_cap, id(online), horizon, self.idle_budget_s)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -168,6 +170,7 @@ class Scenario:
             seed=self.seed,
             ttft_target_s=ttft,
             tbt_target_s=tbt,
+            dispatcher=DispatcherConfig(idle_budget_s=self.idle_budget_s),
         )
         wl = self.workload(online, horizon)
         span = wl.horizon_s or (wl.end_of_arrivals_s or 1.0)
@@ -446,6 +449,12 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
         "--start-s", type=float, default=0.0, help="window start in the scaled trace"
     )
     parser.add_argument("--duration-s", type=float, help="window length, s (default: whole trace)")
+    parser.add_argument(
+        "--idle-budget",
+        type=float,
+        help="budget while no online request is in flight, s ('inf': unbounded); "
+        "default: the budget always applies (HyGen)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -467,6 +476,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         engine=engine,
         slos=tuple(parse_slo(s) for s in args.slo),
         seed=args.seed,
+        idle_budget_s=args.idle_budget,
         backlog=not args.no_backlog,
         label=args.trace or "azure-conv-dev",
     )

@@ -110,6 +110,9 @@ class SimConfig(BaseModel):
         default_factory=lambda: PsmParams(block_size=1),
         description="PSM queue knobs (block_size 1: the trie is over 16-token block hashes).",
     )
+    offline_order: Literal["fcfs", "psm"] | None = Field(
+        default=None, description="Override the policy's offline order (None: the policy's)."
+    )
     backlog_depth: int = Field(
         default=512,
         ge=1,
@@ -236,7 +239,7 @@ class Simulator:
             mode=PlannerMode.ADMISSION,
         )
         offline_q: RequestQueue
-        if spec.offline_order == "psm":
+        if (config.offline_order or spec.offline_order) == "psm":
             offline_q = PsmOfflineQueue(PsmQueue(config.psm))
         else:
             offline_q = FifoQueue()
@@ -359,8 +362,6 @@ class Simulator:
                     self._submit(
                         live_map[sub.request_id], sub.priority, sub.resume_from_tokens, now
                     )
-                if dec.abort:
-                    continue  # the aborts may let the dispatcher admit more right away
             if not eng.has_work():
                 nxt = min(
                     online[i_on].arrival_s if i_on < n_on else math.inf,

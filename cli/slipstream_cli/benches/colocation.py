@@ -1,0 +1,233 @@
+"""``slipstream bench colocation``: the six co-location policies on one trace, HyGen-style.
+
+One invocation, one trace, one model, one set of SLOs: ``online-only``,
+``offline-only``, ``naive`` (Sarathi++), ``static-cap`` (HyGen*, its cap
+profiled so the SLOs hold on the trace's busiest window), ``budget`` and
+``budget-psm`` (HyGen, the budget found by the SLO-aware profiler's test runs).
+All run as the sidecar ships them (dispatcher in front of vLLM's priority
+scheduler). The arrival rate is scaled so that online-only serving keeps the
+GPU busy about 30 % of the time (factor found by bisection and printed), and
+the table is repeated at about 15 % and 50 % busy.
+
+Default: Azure conversation dev trace, a 1200 s (virtual) window from its
+start after rate scaling, llama-2-7b on a100, arXiv-summarisation backlog,
+SLOs ``ttft:p99:+10%`` and ``tbt:p99:+10%``. The window is a benchmark-time
+compromise and is printed and recorded in the JSON.
+
+Deliberately left out: asserting the targets (the write-up reports them,
+met or not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from slipstream_cli import plots
+from slipstream_cli.commands.sim import (
+    RichProgress,
+    Scenario,
+    add_scenario_arguments,
+    load_offline,
+    load_trace,
+    rows_table,
+    run_policy,
+    search_doc,
+    summary_row,
+)
+from slipstream_scheduler.budget import parse_slo
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.sim.workload import SimRequest, scale_rate, window
+
+ORDER = ("online-only", "offline-only", "naive", "static-cap", "budget", "budget-psm")
+DEFAULT_SLOS = ("ttft:p99:+10%", "tbt:p99:+10%")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_scenario_arguments(parser)
+    parser.set_defaults(duration_s=1200.0, rate_scale=None)
+    parser.add_argument("--json", type=Path, required=True, help="write the JSON report here")
+    parser.add_argument("--target-busy", type=float, default=0.30, help="online-only busy fraction")
+    parser.add_argument(
+        "--extra-busy",
+        type=float,
+        nargs="*",
+        default=[0.15, 0.50],
+        help="more loads to report (busy fractions); none: only the target",
+    )
+    parser.add_argument("--policies", nargs="*", default=list(ORDER), help="subset to run")
+
+
+def _online(
+    full: tuple[SimRequest, ...], factor: float, start: float, dur: float
+) -> tuple[SimRequest, ...]:
+    return window(scale_rate(full, factor), start, dur)
+
+
+def find_rate_scale(
+    full: tuple[SimRequest, ...], engine: EngineConfig, start: float, dur: float, target: float
+) -> tuple[float, float]:
+    """Rate factor whose online-only run is busy ``target`` of the time (bisection in log space)."""
+    lo, hi = math.log(0.002), math.log(4.0)
+    best = (1.0, math.nan)
+    for _ in range(10):
+        mid = 0.5 * (lo + hi)
+        f = math.exp(mid)
+        scn = Scenario(_online(full, f, start, dur), (), dur, engine)
+        busy = scn.run("online-only").metrics.busy_fraction
+        best = (f, busy)
+        if abs(busy - target) < 0.01:
+            break
+        if busy < target:
+            lo = mid
+        else:
+            hi = mid
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(width=max(Console().width, 140))
+    t_start = time.perf_counter()
+    full = load_trace(args.trace)
+    offline = load_offline(args.offline, args.offline_path)
+    engine = EngineConfig(
+        model=args.model, gpu=args.gpu, long_prefill_token_threshold=args.long_prefill_tokens
+    )
+    slos = tuple(parse_slo(s) for s in (args.slo or DEFAULT_SLOS))
+    dur = float(args.duration_s)
+    loads: list[tuple[float | None, float, float]] = []  # (target busy, factor, busy)
+    targets = [args.target_busy, *(args.extra_busy or [])]
+    for i, target in enumerate(targets):
+        if i == 0 and args.rate_scale is not None:
+            scn0 = Scenario(_online(full, args.rate_scale, args.start_s, dur), (), dur, engine)
+            busy = scn0.run("online-only").metrics.busy_fraction
+            loads.append((None, args.rate_scale, busy))
+        else:
+            f, busy = find_rate_scale(full, engine, args.start_s, dur, target)
+            loads.append((target, f, busy))
+        console.print(
+            f"load {i}: target busy {target:.2f} -> rate scale {loads[-1][1]:.4f}, "
+            f"online-only busy {loads[-1][2]:.3f}"
+        )
+    results: list[dict[str, Any]] = []
+    cdf_series: dict[str, dict[str, Any]] = {}
+    timelines: dict[str, Any] = {}
+    for li, (target, factor, busy) in enumerate(loads):
+        scn = Scenario(
+            _online(full, factor, args.start_s, dur),
+            offline,
+            dur,
+            engine,
+            slos=slos,
+            seed=args.seed,
+            idle_budget_s=args.idle_budget,
+            label=args.trace or "azure-conv-dev",
+        )
+        rows: list[dict[str, Any]] = []
+        searches: dict[str, Any] = {}
+        with RichProgress(console) as bar:
+            scn.progress = bar
+            for pol in [p for p in ORDER if p in args.policies]:
+                pr = run_policy(scn, pol)
+                rows.append(summary_row(pr, scn))
+                if pr.search is not None:
+                    searches[pol] = search_doc(pr.search)
+                if li == 0:
+                    s = pr.result.metrics.samples
+                    if pol != "offline-only":
+                        cdf_series[pol] = {"ttft": s["online_ttft"], "tbt": s["online_tbt"]}
+                    if pol in ("naive", "static-cap", "budget", "budget-psm", "offline-only"):
+                        timelines[pol] = pr.result.metrics.timeline
+        console.print(
+            rows_table(
+                rows,
+                f"co-location, rate scale {factor:.4f} (online-only busy {busy:.2f}), "
+                f"window {dur:.0f} s, SLOs {', '.join(map(str, slos))}",
+            )
+        )
+        verdict = _targets(rows)
+        for line in verdict["lines"]:
+            console.print(line)
+        results.append(
+            {
+                "target_busy": target,
+                "rate_scale": factor,
+                "online_only_busy_fraction": busy,
+                "rows": rows,
+                "searches": searches,
+                "targets": verdict["values"],
+            }
+        )
+    doc = {
+        "schema": "slipstream.bench.colocation/v1",
+        "trace": args.trace or "azure_llm_2023/AzureLLMInferenceTrace_conv.dev.csv",
+        "window": {
+            "start_s": args.start_s,
+            "duration_s": dur,
+            "note": "virtual seconds after rate scaling",
+        },
+        "model": args.model,
+        "gpu": args.gpu,
+        "long_prefill_tokens": args.long_prefill_tokens,
+        "idle_budget_s": args.idle_budget,
+        "offline": args.offline,
+        "slos": [str(s) for s in slos],
+        "rate_scale": loads[0][1],
+        "online_only_busy_fraction": loads[0][2],
+        "rows": results[0]["rows"],
+        "loads": results,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    stem = args.json.with_suffix("")
+    plots.latency_cdfs(cdf_series, Path(f"{stem}-latency.png"), "online latency CDFs per policy")
+    plots.throughput_timeline(timelines, Path(f"{stem}-throughput.png"), "throughput over time")
+    plots.grouped_bars(
+        [f"busy {r['online_only_busy_fraction']:.2f}" for r in results],
+        {
+            pol: [
+                next((x["offline_tokens_per_s"] for x in r["rows"] if x["policy"] == pol), 0.0)
+                for r in results
+            ]
+            for pol in ORDER
+            if pol in args.policies and pol != "online-only"
+        },
+        Path(f"{stem}-offline.png"),
+        ylabel="offline tokens/s",
+        title="offline throughput per policy and load",
+    )
+    console.print(f"wrote {args.json} and PNGs beside it ({time.perf_counter() - t_start:.0f} s)")
+    return 0
+
+
+def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["policy"]: r for r in rows}
+    vals: dict[str, Any] = {}
+    lines: list[str] = []
+    b, n, c, o = by.get("budget"), by.get("naive"), by.get("static-cap"), by.get("offline-only")
+    if b and n:
+        vals["budget_meets_slo"] = b["slo_met"]
+        vals["naive_breaks_slo"] = n["slo_met"] is False
+        lines.append(
+            f"budget meets every SLO: {b['slo_met']}; naive breaks them: {n['slo_met'] is False}"
+        )
+    if b and c:
+        ratio = (
+            b["offline_tokens_per_s"] / c["offline_tokens_per_s"]
+            if c["offline_tokens_per_s"]
+            else math.inf
+        )
+        vals["budget_over_static_cap"] = None if math.isinf(ratio) else ratio
+        lines.append(f"budget offline / static-cap offline: {ratio:.2f}x (target >= 2x)")
+    if b and o and o["offline_tokens_per_s"]:
+        frac = b["offline_tokens_per_s"] / o["offline_tokens_per_s"]
+        vals["budget_over_offline_only"] = frac
+        lines.append(f"budget offline / offline-only: {frac:.1%} (target >= 85%)")
+    return {"values": vals, "lines": lines}
