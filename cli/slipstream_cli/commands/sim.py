@@ -492,7 +492,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 130))
     scn = scenario_from_args(args)
     t0 = time.perf_counter()
     with RichProgress(console) as bar:
