@@ -32,16 +32,20 @@ def test_least_work_spreads_a_burst_and_round_robin_cycles() -> None:
     burst = _online(8, 0.0)
     assert route_online(burst, 4, "round-robin", 1000.0) == [0, 1, 2, 3, 0, 1, 2, 3]
     assert sorted(route_online(burst, 4, "least-work", 1000.0)) == [0, 0, 1, 1, 2, 2, 3, 3]
-    # One huge request: least-work keeps the next ones off its engine until it drains.
-    big = [SimRequest("big", RequestClass.ONLINE, 0.0, 50_000, 10), *_online(6, 0.001)]
+    # One long request: least-work keeps the next ones off its engine while it runs.
+    big = [SimRequest("big", RequestClass.ONLINE, 0.0, 50_000, 10), *_online(4, 0.001)]
     routed = route_online(big, 3, "least-work", 1000.0)
-    assert routed[0] == 0 and 0 not in routed[1:]
+    assert routed[0] == 0 and routed[1:3] == [1, 2]
 
 
 @pytest.mark.unit
-def test_least_work_forgets_work_that_has_drained() -> None:
-    spaced = _online(6, 10.0)  # 10 s apart at 1000 tokens/s: every engine is idle again
-    assert route_online(spaced, 3, "least-work", 1000.0) == [0] * 6
+def test_least_work_forgets_requests_that_have_finished() -> None:
+    # 60 s apart: each request (0.2 s prompt + ~20 tokens x 0.03 s) is done before the next,
+    # so every engine is idle and the tie-break rotates; 2 ms apart, all three are busy.
+    assert route_online(_online(6, 60.0), 3, "least-work", 1000.0) == [0, 1, 2, 0, 1, 2]
+    burst = [*_online(3, 0.002), SimRequest("late", RequestClass.ONLINE, 0.003, 100, 5)]
+    routed = route_online(burst, 3, "least-work", 1000.0)
+    assert routed == [0, 1, 2, 0]  # all three busy: the tie-break's turn (4th request -> 0)
 
 
 @pytest.mark.unit

@@ -126,12 +126,17 @@ def job_manifests(plan: FleetPlan, prefix: str, input_uri: str,
 
 
 def batch_lines(questions: list[str], lines: int) -> list[str]:
-    """OpenAI Batch API input lines asking ``MODEL`` the given questions (cycled)."""
+    """OpenAI Batch API input lines asking ``MODEL`` the given questions (cycled).
+
+    Each prompt starts with its line number, so no two lines share the planner's prefix key
+    and a job of ``n`` lines with ``shardSize: 1`` is cut into exactly ``n`` shards.
+    """
     if not questions:
         raise ValueError("no questions to build a batch from")
     return [
         json.dumps({"custom_id": f"q-{i:06d}", "method": "POST", "url": "/v1/completions",
-                    "body": {"model": MODEL, "prompt": questions[i % len(questions)]}})
+                    "body": {"model": MODEL,
+                             "prompt": f"Question {i}: {questions[i % len(questions)]}"}})
         for i in range(lines)
     ]
 

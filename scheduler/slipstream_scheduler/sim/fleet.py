@@ -5,11 +5,10 @@ unchanged) with two fleet-level decisions that a platform makes before any
 engine sees a request:
 
 * **Routing** of online requests (:func:`route_online`): ``round-robin``, or
-  ``least-work`` -- join the engine with the least expected outstanding work,
-  where each engine's work is a fluid that drains at the engine's token
-  capacity between arrivals and a request adds its prompt plus an output
-  estimate (the running mean of the outputs routed so far, never the request's
-  own length).
+  ``least-work`` -- join the engine with the fewest requests estimated in
+  flight, where a request's estimated time is its prompt at the engine's token
+  capacity plus an output estimate (the running mean of the outputs routed so
+  far, never the request's own length) at one decode step per token.
 * **Placement** of offline shards (:func:`place_shards`): ``even`` (round-robin)
   or ``spare`` -- water-filling by each engine's spare capacity (one minus its
   expected online utilisation), so engines with less online traffic take more
@@ -68,6 +67,11 @@ class FleetConfig(BaseModel):
         description="One engine's token throughput assumed by the router and the placement "
         "(prompt + output tokens/s). Default: 6000.",
     )
+    decode_step_s: float = Field(
+        default=0.03, gt=0,
+        description="Seconds per generated token assumed by the router (one decode step, "
+        "s). Default: 0.03.",
+    )
     sim: SimConfig = Field(default_factory=SimConfig, description="Each engine's replay settings.")
 
 
@@ -94,25 +98,37 @@ def make_shards(job: str, requests: Sequence[SimRequest], size: int) -> tuple[Sh
 
 
 def route_online(requests: Sequence[SimRequest], engines: int, router: Router,
-                 capacity_tokens_per_s: float) -> list[int]:
-    """The engine index of every request (requests sorted by arrival)."""
+                 capacity_tokens_per_s: float, decode_step_s: float = 0.03) -> list[int]:
+    """The engine index of every request (requests sorted by arrival).
+
+    ``least-work``: each engine keeps the estimated finish times of the requests
+    sent to it (prompt at ``capacity_tokens_per_s``, then one token per
+    ``decode_step_s`` for the estimated output); a request goes to the engine with
+    the fewest requests estimated in flight, ties broken round-robin. Decode is
+    sequential per request, so counting requests in flight tracks an engine's
+    load better than a token fluid, which would drain long generations far too fast.
+    """
     if engines < 1:
         raise FleetError("need at least one engine", "engines")
     if router == "round-robin":
         return [i % engines for i in range(len(requests))]
-    work = [0.0] * engines  # outstanding tokens per engine at time `at`
-    at = 0.0
+    active: list[list[float]] = [[] for _ in range(engines)]  # min-heaps of finish times
     seen_out = 0
     out: list[int] = []
     for seen, req in enumerate(requests):
-        drained = (req.arrival_s - at) * capacity_tokens_per_s
-        if drained > 0:
-            work = [max(0.0, w - drained) for w in work]
-            at = req.arrival_s
-        guess = seen_out / seen if seen else float(req.prompt_tokens) / 4
-        target = min(range(engines), key=work.__getitem__)
-        work[target] += req.prompt_tokens + guess
-        out.append(target)
+        now = req.arrival_s
+        best, best_n = 0, -1
+        for k in range(engines):
+            e = (seen + k) % engines
+            heap = active[e]
+            while heap and heap[0] <= now:
+                heapq.heappop(heap)
+            if best_n < 0 or len(heap) < best_n:
+                best, best_n = e, len(heap)
+        guess = seen_out / seen if seen else 128.0
+        finish = now + req.prompt_tokens / capacity_tokens_per_s + guess * decode_step_s
+        heapq.heappush(active[best], finish)
+        out.append(best)
         seen_out += req.max_tokens  # the client's limit; known once the request is sent
     return out
 
@@ -165,7 +181,8 @@ def plan_fleet(online: Sequence[SimRequest], shards: Sequence[Shard], config: Fl
                horizon_s: float) -> FleetPlan:
     """Route the online requests, then place the shards on what the routing leaves spare."""
     n = config.engines
-    routed = route_online(online, n, config.router, config.capacity_tokens_per_s)
+    routed = route_online(online, n, config.router, config.capacity_tokens_per_s,
+                          config.decode_step_s)
     util = online_utilisation(online, routed, n, horizon_s, config.capacity_tokens_per_s)
     placed = place_shards(shards, [max(0.0, 1.0 - u) for u in util], config.placement)
     per_online: list[list[SimRequest]] = [[] for _ in range(n)]
