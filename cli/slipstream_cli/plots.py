@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import numpy.typing as npt
+
 from slipstream_scheduler.sim.metrics import Timeline
 
 FloatArray = npt.NDArray[np.float64]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from slipstream_scheduler.budget import (
     BudgetError,
     MissingBaselineError,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import pytest
+
 from slipstream_scheduler.admission import build_planner
 from slipstream_scheduler.dispatcher import (
     Abort,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from slipstream_cli.workloads import WorkloadError, arxiv, azure, mmlu, mooncake
 from slipstream_cli.workloads.tokenize import count_tokens, tokenize
 from slipstream_scheduler.sim.workload import (

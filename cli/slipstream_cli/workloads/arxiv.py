@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from slipstream_cli.workloads import WorkloadError, data_path, stable_salt
 from slipstream_scheduler.sim.workload import SimRequest, unique_block_hashes
 from slipstream_scheduler.types import RequestClass
-
-from slipstream_cli.workloads import WorkloadError, data_path, stable_salt
 
 LENGTHS = "lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
 HEADER = "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio"

@@ -14,10 +14,9 @@ from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
+from slipstream_cli.workloads import WorkloadError, data_path, stable_salt
 from slipstream_scheduler.sim.workload import SimRequest, unique_block_hashes
 from slipstream_scheduler.types import RequestClass
-
-from slipstream_cli.workloads import WorkloadError, data_path, stable_salt
 
 CONV = "azure_llm_2023/AzureLLMInferenceTrace_conv.dev.csv"
 CODE = "azure_llm_2023/AzureLLMInferenceTrace_code.dev.csv"

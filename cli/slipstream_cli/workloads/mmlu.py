@@ -21,11 +21,10 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from slipstream_scheduler.sim.workload import SimRequest, chain_block_hashes, extend_block_hashes
-from slipstream_scheduler.types import RequestClass
-
 from slipstream_cli.workloads import WorkloadError, data_path
 from slipstream_cli.workloads.tokenize import tokenize
+from slipstream_scheduler.sim.workload import SimRequest, chain_block_hashes, extend_block_hashes
+from slipstream_scheduler.types import RequestClass
 
 LETTERS = "ABCD"
 

@@ -14,10 +14,9 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from slipstream_cli.workloads import WorkloadError, data_path
 from slipstream_scheduler.sim.workload import SimRequest, expand_block_hashes
 from slipstream_scheduler.types import RequestClass
-
-from slipstream_cli.workloads import WorkloadError, data_path
 
 CONVERSATION = "mooncake/conversation_trace.dev.jsonl"
 SYNTHETIC = "mooncake/synthetic_trace.jsonl"

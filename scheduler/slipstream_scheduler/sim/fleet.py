@@ -63,12 +63,14 @@ class FleetConfig(BaseModel):
     router: Router = Field(default="least-work", description="Online routing. Default: least-work.")
     placement: Placement = Field(default="spare", description="Shard placement. Default: spare.")
     capacity_tokens_per_s: float = Field(
-        default=6000.0, gt=0,
+        default=6000.0,
+        gt=0,
         description="One engine's token throughput assumed by the router and the placement "
         "(prompt + output tokens/s). Default: 6000.",
     )
     decode_step_s: float = Field(
-        default=0.03, gt=0,
+        default=0.03,
+        gt=0,
         description="Seconds per generated token assumed by the router (one decode step, "
         "s). Default: 0.03.",
     )
@@ -92,13 +94,18 @@ def make_shards(job: str, requests: Sequence[SimRequest], size: int) -> tuple[Sh
     if size < 1:
         raise FleetError(f"shard size must be >= 1, got {size}", "shard_size")
     return tuple(
-        Shard(f"{job}-{i // size:05d}", tuple(requests[i:i + size]))
+        Shard(f"{job}-{i // size:05d}", tuple(requests[i : i + size]))
         for i in range(0, len(requests), size)
     )
 
 
-def route_online(requests: Sequence[SimRequest], engines: int, router: Router,
-                 capacity_tokens_per_s: float, decode_step_s: float = 0.03) -> list[int]:
+def route_online(
+    requests: Sequence[SimRequest],
+    engines: int,
+    router: Router,
+    capacity_tokens_per_s: float,
+    decode_step_s: float = 0.03,
+) -> list[int]:
     """The engine index of every request (requests sorted by arrival).
 
     ``least-work``: each engine keeps the estimated finish times of the requests
@@ -133,8 +140,13 @@ def route_online(requests: Sequence[SimRequest], engines: int, router: Router,
     return out
 
 
-def online_utilisation(requests: Sequence[SimRequest], assignment: Sequence[int], engines: int,
-                       horizon_s: float, capacity_tokens_per_s: float) -> list[float]:
+def online_utilisation(
+    requests: Sequence[SimRequest],
+    assignment: Sequence[int],
+    engines: int,
+    horizon_s: float,
+    capacity_tokens_per_s: float,
+) -> list[float]:
     """Each engine's expected online utilisation (token work / capacity over the horizon)."""
     tokens = [0.0] * engines
     for req, engine in zip(requests, assignment, strict=True):
@@ -143,8 +155,9 @@ def online_utilisation(requests: Sequence[SimRequest], assignment: Sequence[int]
     return [t / budget for t in tokens]
 
 
-def place_shards(shards: Sequence[Shard], spare: Sequence[float],
-                 placement: Placement) -> list[int]:
+def place_shards(
+    shards: Sequence[Shard], spare: Sequence[float], placement: Placement
+) -> list[int]:
     """The engine index of every shard.
 
     ``spare``: each shard goes to the engine whose offline work, relative to its
@@ -177,12 +190,14 @@ class FleetPlan:
     utilisation: tuple[float, ...]
 
 
-def plan_fleet(online: Sequence[SimRequest], shards: Sequence[Shard], config: FleetConfig,
-               horizon_s: float) -> FleetPlan:
+def plan_fleet(
+    online: Sequence[SimRequest], shards: Sequence[Shard], config: FleetConfig, horizon_s: float
+) -> FleetPlan:
     """Route the online requests, then place the shards on what the routing leaves spare."""
     n = config.engines
-    routed = route_online(online, n, config.router, config.capacity_tokens_per_s,
-                          config.decode_step_s)
+    routed = route_online(
+        online, n, config.router, config.capacity_tokens_per_s, config.decode_step_s
+    )
     util = online_utilisation(online, routed, n, horizon_s, config.capacity_tokens_per_s)
     placed = place_shards(shards, [max(0.0, 1.0 - u) for u in util], config.placement)
     per_online: list[list[SimRequest]] = [[] for _ in range(n)]
@@ -191,8 +206,9 @@ def plan_fleet(online: Sequence[SimRequest], shards: Sequence[Shard], config: Fl
     per_shards: list[list[Shard]] = [[] for _ in range(n)]
     for shard, engine in zip(shards, placed, strict=True):
         per_shards[engine].append(shard)
-    return FleetPlan(tuple(tuple(x) for x in per_online), tuple(tuple(x) for x in per_shards),
-                     tuple(util))
+    return FleetPlan(
+        tuple(tuple(x) for x in per_online), tuple(tuple(x) for x in per_shards), tuple(util)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +238,15 @@ EngineDone = Callable[[int, SimResult], None]
 """Called after each engine's replay (index, result), e.g. for progress or timing."""
 
 
-def simulate_fleet(online: Sequence[SimRequest], shards: Sequence[Shard], config: FleetConfig,
-                   horizon_s: float, *, latency_model: LinearLatencyModel | None = None,
-                   on_engine: EngineDone | None = None) -> FleetOutcome:
+def simulate_fleet(
+    online: Sequence[SimRequest],
+    shards: Sequence[Shard],
+    config: FleetConfig,
+    horizon_s: float,
+    *,
+    latency_model: LinearLatencyModel | None = None,
+    on_engine: EngineDone | None = None,
+) -> FleetOutcome:
     """Plan the fleet, replay every engine up to ``horizon_s`` and pool the results."""
     if horizon_s <= 0:
         raise FleetError(f"horizon must be > 0 s, got {horizon_s}", "horizon_s")
@@ -232,8 +254,9 @@ def simulate_fleet(online: Sequence[SimRequest], shards: Sequence[Shard], config
     results: list[SimResult] = []
     for i in range(config.engines):
         offline = tuple(r for shard in plan.shards[i] for r in shard.requests)
-        workload = Workload(online=plan.online[i], offline=offline, horizon_s=horizon_s,
-                            name=f"engine-{i}")
+        workload = Workload(
+            online=plan.online[i], offline=offline, horizon_s=horizon_s, name=f"engine-{i}"
+        )
         sim = config.sim.model_copy(update={"seed": config.sim.seed + i})
         result = simulate(workload, sim, latency_model=latency_model)
         results.append(result)
@@ -248,8 +271,11 @@ def simulate_fleet(online: Sequence[SimRequest], shards: Sequence[Shard], config
         online_tbt=_pooled(results, "online_tbt"),
         online_requests=sum(r.metrics.online.requests for r in results),
         online_finished=sum(r.metrics.online.finished for r in results),
-        offline_tokens_per_s=(sum(r.metrics.offline.output_tokens for r in results)
-                              / duration if duration > 0 else 0.0),
+        offline_tokens_per_s=(
+            sum(r.metrics.offline.output_tokens for r in results) / duration
+            if duration > 0
+            else 0.0
+        ),
         offline_finished=sum(r.metrics.offline.finished for r in results),
         busy_fraction_min=min(busy, default=0.0),
         busy_fraction_max=max(busy, default=0.0),
