@@ -12,7 +12,8 @@ offline request to abort to make room. This module only feeds it events on
   (coalesced: a burst of arrivals in one turn is planned once), resolves the
   tickets it submits and fires the abort callbacks of the ones it aborts; a
   ticker also pumps every ``tick_s`` while anything is held, for decisions
-  that depend only on time.
+  that depend only on time (it sleeps on an event while nothing is held, so an
+  idle sidecar does not wake 200 times a second).
 
 It keeps its own counts of held and in-flight requests per class, for metrics
 and Status, and the observed iteration time (token gaps).
@@ -102,6 +103,7 @@ class Controller:
         self._tickets: dict[str, Ticket] = {}
         self._pump_scheduled = False
         self._ticker: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # set while anything is held
         self.held = {"online": 0, "offline": 0}
         self.in_flight = {"online": 0, "offline": 0}
         self.admitted_total = {"online": 0, "offline": 0}
@@ -123,9 +125,16 @@ class Controller:
 
     async def _tick(self) -> None:
         while True:
+            if not (self.held["online"] or self.held["offline"]):
+                self._wake.clear()
+                await self._wake.wait()
             await asyncio.sleep(self._tick_s)
             if self.held["online"] or self.held["offline"]:
                 self._pump()
+
+    def _held_more(self) -> None:
+        if not self._wake.is_set():
+            self._wake.set()
 
     def now(self) -> float:
         return self._clock()
@@ -141,6 +150,7 @@ class Controller:
         )
         self._tickets[incoming.request_id] = ticket
         self.held[ticket.label] += 1
+        self._held_more()
         self.dispatcher.arrive(incoming, self.now())
         # NOTE: deferred to the end of this event-loop turn (microseconds, far inside one
         # engine iteration), so a burst of arrivals is planned once rather than once each.
@@ -175,6 +185,7 @@ class Controller:
             return
         self.in_flight[ticket.label] -= 1
         self.held[ticket.label] += 1
+        self._held_more()
         ticket.state = _HELD
         ticket.prompt_tokens += ticket.generated
         ticket.generated = 0
@@ -203,6 +214,26 @@ class Controller:
         self.dispatcher.set_budget(budget_s)
         self.metrics.budget.set(budget_s or 0.0)
         self._schedule_pump()
+
+    def online_fits_now(self, tokens: int) -> bool:
+        """Whether one more online request of ``tokens`` (prompt + output) would be
+        submitted at the next decision along with every online request held now.
+
+        True when the held online requests plus this one fit the free sequence
+        slots (online in flight counted; offline in flight is preempted for
+        online work, so it does not count) and, at this request's size each,
+        the estimated free KV blocks. The ordering then cannot change what is
+        submitted, only in which order within one decision.
+        """
+        d = self.dispatcher
+        cap = d.limits.max_num_seqs
+        if d.config.max_online_inflight is not None:
+            cap = min(cap, d.config.max_online_inflight)
+        waiting = self.held["online"] + 1
+        if self.in_flight["online"] + waiting > cap:
+            return False
+        blocks = -(-tokens // d.limits.block_size)
+        return d.est_free_kv_blocks >= waiting * blocks
 
     def _schedule_pump(self) -> None:
         if not self._pump_scheduled:

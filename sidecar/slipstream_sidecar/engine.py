@@ -5,6 +5,10 @@ One pooled :class:`aiohttp.ClientSession` for everything: the proxied requests,
 ``/v1/models``. Aborting a request is closing its response (vLLM cancels the
 request when the connection drops); the connection is then not reused.
 
+:class:`TokenRatio` estimates a prompt's token count from its characters, at a
+tokens-per-character ratio learned from the engine's own ``/tokenize`` answers,
+so the proxy can skip that round trip when the count cannot change a decision.
+
 Deliberately left out: retries (callers decide) and any parsing of response
 bodies beyond ``/tokenize`` and ``/v1/models``.
 """
@@ -35,6 +39,61 @@ class Tokenized:
     @property
     def count(self) -> int:
         return len(self.tokens)
+
+
+def prompt_chars(request: dict[str, Any]) -> int | None:
+    """Characters of text a completion or chat request asks the engine to tokenize.
+
+    None: the prompt is not plain text (token ids, a batch of prompts, multimodal
+    parts), so only ``/tokenize`` can count it.
+    """
+    if "messages" in request:
+        msgs = request["messages"]
+        if not isinstance(msgs, list):
+            return None
+        n = 0
+        for m in msgs:
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, str):
+                return None
+            n += len(content) + _CHAT_OVERHEAD_CHARS
+        return n
+    prompt = request.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else None
+
+
+# NOTE: a chat template adds role markers around each message; counted as this many
+# characters per message (the learned ratio absorbs the rest).
+_CHAT_OVERHEAD_CHARS = 16
+
+
+class TokenRatio:
+    """Tokens per character of the engine's tokenizer, learned from ``/tokenize`` answers.
+
+    An exponentially weighted mean of ``tokens / chars`` (weight ``alpha`` per
+    observation), starting at ``initial`` (about 4 characters per token for
+    English text with a LLaMA-style tokenizer).
+    """
+
+    __slots__ = ("alpha", "observations", "ratio")
+
+    def __init__(self, initial: float = 0.25, alpha: float = 0.05) -> None:
+        self.ratio = initial
+        self.alpha = alpha
+        self.observations = 0
+
+    def estimate(self, chars: int) -> int:
+        """Estimated tokens of ``chars`` characters (at least 1)."""
+        return max(1, round(chars * self.ratio))
+
+    def observe(self, chars: int, tokens: int) -> None:
+        if chars <= 0 or tokens <= 0:
+            return
+        r = tokens / chars
+        # The first observations weigh more, so a fresh sidecar converges quickly.
+        a = max(self.alpha, 1.0 / (self.observations + 1))
+        self.ratio += a * (r - self.ratio)
+        self.observations += 1
 
 
 class EngineClient:

@@ -20,7 +20,15 @@ Choices made here (``docs/sidecar.md``):
   (no ``stream_options`` injected, so the bytes are what vLLM would send the
   client) and tokens are counted from the events (``sse.py``).
 * Prompt lengths come from the engine's ``/tokenize`` (setting
-  ``online_prompt_tokens``), whose token ids also give the prefix-block hashes.
+  ``online_prompt_tokens``), whose token ids also give the prefix-block hashes,
+  whenever they can change a decision: while online requests are held (the
+  ordering uses the length) or the engine's slots or KV are short. When the
+  dispatcher will submit the request at its next decision anyway, the length
+  is estimated from the prompt's characters at a ratio learned from earlier
+  ``/tokenize`` answers (``engine.TokenRatio``), which keeps one loopback round
+  trip through the engine off the critical path (``docs/benchmarks/sidecar.md``);
+  one such request in ``_CALIBRATE_EVERY`` is still tokenized, in the
+  background, to keep the ratio current.
 
 Deliberately left out: the control API (gRPC port only), authentication of
 online clients (the Service/Gateway in front does that), request rewriting
@@ -45,7 +53,7 @@ from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.textgen import block_hashes
 from slipstream_scheduler.types import RequestClass
 from slipstream_sidecar.controller import Controller, Ticket
-from slipstream_sidecar.engine import EngineClient
+from slipstream_sidecar.engine import EngineClient, TokenRatio, prompt_chars
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
 from slipstream_sidecar.metrics import SidecarMetrics
 from slipstream_sidecar.sse import EventScanner
@@ -55,6 +63,10 @@ log = logging.getLogger(__name__)
 _ids = itertools.count()
 _PREFIX = os.urandom(3).hex()
 _DEFAULT_MAX_TOKENS = 256
+# Plain-text prompts tokenized before estimates are trusted, and the background
+# sampling period of estimated ones (keeps the learned ratio current).
+_CALIBRATION_MIN = 4
+_CALIBRATE_EVERY = 32
 
 
 def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
@@ -95,6 +107,10 @@ class Proxy:
         self._tbt = metrics.tbt.labels("online")
         self._e2e = metrics.e2e.labels("online")
         self._tokens = metrics.output_tokens.labels("online")
+        self.ratio = TokenRatio()
+        self.estimated = 0  # online requests admitted on an estimated prompt length
+        self._exact_pending = 0  # requests waiting for /tokenize before they arrive
+        self._background: set[asyncio.Task[None]] = set()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -152,18 +168,24 @@ class Proxy:
             return error_response(400, "request body is not a JSON object")
         # NOTE: clients cannot raise their own priority; the dispatcher sets it.
         body.pop("priority", None)
-        try:
-            prompt_tokens, hashes = await self._measure(body, raw)
-        except EngineUnavailableError as exc:
-            return error_response(503, str(exc), "ServiceUnavailableError")
-        except EngineError as exc:
-            # The engine refuses what it cannot tokenize; it would refuse the request too.
-            self.metrics.finished.labels("online", "rejected").inc()
-            return _passthrough(exc.status, exc.body, "application/json")
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            mml = self.state.max_model_len
-            max_tokens = mml - prompt_tokens if mml and mml > prompt_tokens else _DEFAULT_MAX_TOKENS
+        asked = body.get("max_tokens") or body.get("max_completion_tokens")
+        fast = self._estimate_now(body, asked)
+        if fast is not None:
+            prompt_tokens, max_tokens = fast
+            hashes: tuple[int, ...] = ()
+        else:
+            self._exact_pending += 1
+            try:
+                prompt_tokens, hashes = await self._measure(body, raw)
+            except EngineUnavailableError as exc:
+                return error_response(503, str(exc), "ServiceUnavailableError")
+            except EngineError as exc:
+                # The engine refuses what it cannot tokenize; it would refuse the request too.
+                self.metrics.finished.labels("online", "rejected").inc()
+                return _passthrough(exc.status, exc.body, "application/json")
+            finally:
+                self._exact_pending -= 1
+            max_tokens = self._max_tokens(asked, prompt_tokens)
         rid = f"on-{_PREFIX}-{next(_ids)}"
         ticket = self.controller.register(
             Incoming(rid, RequestClass.ONLINE, prompt_tokens, max_tokens, arrival,
@@ -188,12 +210,57 @@ class Proxy:
             self.metrics.finished.labels("online", outcome).inc()
             self._e2e.observe(self.controller.now() - arrival)
 
+    def _max_tokens(self, asked: object, prompt_tokens: int) -> int:
+        if isinstance(asked, int) and asked >= 1:
+            return asked
+        mml = self.state.max_model_len
+        return mml - prompt_tokens if mml and mml > prompt_tokens else _DEFAULT_MAX_TOKENS
+
+    def _estimate_now(self, body: dict[str, Any], asked: object) -> tuple[int, int] | None:
+        """(estimated prompt tokens, max tokens) when the exact count cannot matter, else None.
+
+        It cannot matter when the dispatcher will submit the request at its next
+        decision whatever its length: no request is waiting for ``/tokenize``
+        (it would be overtaken) and the controller says every held online
+        request plus this one fits the engine's free slots and KV.
+        """
+        if not self._tokenize or self._exact_pending:
+            return None
+        chars = prompt_chars(body)
+        if chars is None or self.ratio.observations < _CALIBRATION_MIN:
+            return None
+        if not (isinstance(asked, int) and asked >= 1) and not self.state.max_model_len:
+            return None
+        prompt_tokens = self.ratio.estimate(chars)
+        max_tokens = self._max_tokens(asked, prompt_tokens)
+        if not self.controller.online_fits_now(prompt_tokens + max_tokens):
+            return None
+        self.estimated += 1
+        if self.estimated % _CALIBRATE_EVERY == 0:
+            task = asyncio.get_running_loop().create_task(self._calibrate(body, chars))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return prompt_tokens, max_tokens
+
+    async def _calibrate(self, body: dict[str, Any], chars: int) -> None:
+        try:
+            tok = await self.engine.tokenize(body)
+        except (EngineError, aiohttp.ClientError, RuntimeError) as exc:
+            log.debug("background /tokenize failed: %r", exc)
+            return
+        self.ratio.observe(chars, tok.count)
+        if tok.max_model_len:
+            self.state.max_model_len = tok.max_model_len
+
     async def _measure(self, body: dict[str, Any], raw: bytes) -> tuple[int, tuple[int, ...]]:
         if not self._tokenize:
             return max(len(raw) // 4, 1), ()
         tok = await self.engine.tokenize(body)
         if tok.max_model_len:
             self.state.max_model_len = tok.max_model_len
+        chars = prompt_chars(body)
+        if chars is not None:
+            self.ratio.observe(chars, tok.count)
         return max(tok.count, 1), block_hashes(tok.tokens, self._bs)
 
     async def _unary(
