@@ -1,34 +1,43 @@
 """HyGen's batch-latency model: predicts one engine iteration's wall time.
 
 The model is linear in a handful of batch-composition features (HyGen §1.2 in
-``research/algorithms.md``)::
+``research/algorithms.md``) plus one hinge::
 
     T = c0 + c1*S_p + c2*S_p**2 + c3*N_p + c4*N_d + c5*S_d_tok + c6*S_d_ctx + c7*P_c
+        + c8*max(0, tokens - knee)
 
 ``S_p`` prefill tokens in the step, ``N_p``/``N_d`` prefill/decode requests,
 ``S_d_tok`` decode tokens (the literal reading of HyGen's ``S_d``), ``S_d_ctx``
 the sum of the decode requests' context lengths (the attention reading of
 ``S_d``) and ``P_c = sum(chunk_i * context_i)`` over prefill chunks (a chunk's
 attention against its already-computed prefix, which matters with chunked
-prefill and prefix caching). A :class:`FeatureSet` names which coefficients are
-fitted; the others are zero, so prediction is one fixed expression.
+prefill and prefix caching). ``tokens`` is every token in the step: below
+the ``knee`` the GPU is under-utilised and the linear operators cost nearly the
+same whatever the batch, above it they turn throughput-bound; the hinge is the
+extra slope past the knee (a convex bend, so its coefficient is non-negative
+like the others). A :class:`FeatureSet` names which coefficients are fitted; the
+others are zero, so prediction is one fixed expression.
 
 Hot path: the planner never re-sums a batch. It keeps a :class:`BatchFeatures`
 accumulator, adds one item in O(1), and asks
 :meth:`LinearLatencyModel.predict_features` (a few multiply-adds over a
 precomputed coefficient tuple) or :meth:`LinearLatencyModel.max_prefill_tokens`
-(closed-form solution of the quadratic in the chunk size: HyGen's
-``get_max_prefill``). ``predict(batch)`` implements the ``LatencyModel``
+(closed-form solution of the quadratic in the chunk size, one quadratic on each
+side of the knee: HyGen's ``get_max_prefill``). ``predict(batch)`` implements the ``LatencyModel``
 protocol for callers that hold a plain batch.
 
 Fitting: least squares with every coefficient except the intercept kept
 non-negative (active-set elimination: fit, drop the most negative feature,
 refit). Non-negative coefficients make the prediction monotone when an item is
 added, which the planner and the closed-form chunk solver rely on. Feature-set
-selection is by k-fold MAPE with a parsimony rule (see :func:`fit`).
+selection is by k-fold MAPE with a parsimony rule; the knee of the hinge sets
+is picked from a grid by the same k-fold MAPE (see :func:`fit`).
 
 Persistence is a JSON *string* with a schema version and model / GPU /
 engine-settings metadata; reading and writing files is the caller's job.
+Version 2 adds the hinge (``knee_tokens`` and the ``tokens_over_knee``
+coefficient); version 1 documents (no hinge) are still read, as the same model
+with a zero hinge, so no migration is needed.
 
 Deliberately left out: file I/O, online refitting from live step timings, and
 any feature that needs more than the batch composition (GPU clocks, TP
@@ -58,8 +67,11 @@ from slipstream_scheduler.types import BatchItem, Phase
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the JSON document written by :meth:`LinearLatencyModel.to_json`."""
+
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Versions :meth:`LinearLatencyModel.from_json` reads (1: the eight linear columns only)."""
 
 MODEL_KIND = "slipstream.latency-model"
 
@@ -72,10 +84,27 @@ FEATURE_NAMES: tuple[str, ...] = (
     "s_d_tok",
     "s_d_ctx",
     "p_c",
+    "tokens_over_knee",
 )
 """Order of the coefficient tuple and of the columns of :func:`feature_matrix`."""
 
 _N_FEATURES = len(FEATURE_NAMES)
+_N_LINEAR = _N_FEATURES - 1  # the schema-1 columns: everything but the hinge
+_HINGE = _N_FEATURES - 1
+
+KNEE_GRID: tuple[int, ...] = (
+    16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+)
+"""Candidate knees (tokens per step) :func:`fit` tries for the hinge sets.
+
+Roughly geometric (x1.5 / x1.33), because the bend sits anywhere from a few
+dozen tokens (small models, big GPUs) to a few hundred. Knees with fewer than
+:data:`MIN_SIDE_SHARE` of the rows on either side are skipped: there the hinge
+cannot be told apart from the linear ``S_p`` term.
+"""
+
+MIN_SIDE_SHARE = 0.05
+"""Least share of the rows that must lie on each side of a candidate knee."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -105,9 +134,11 @@ class SchemaVersionError(ModelFormatError):
     """The document's schema version is not the one this code writes."""
 
     def __init__(self, found: object, expected: int = SCHEMA_VERSION) -> None:
+        readable = ", ".join(str(v) for v in READABLE_SCHEMA_VERSIONS)
         super().__init__(
             f"latency model schema version {found!r} is not supported; this build reads "
-            f"version {expected}: re-run the profiler to write a current model",
+            f"versions {readable} and writes {expected}: re-run the profiler to write a "
+            "current model",
             field_name="schema_version",
         )
         self.found = found
@@ -122,17 +153,26 @@ class FeatureSet(enum.Enum):
 
     ``TOKENS`` reads ``S_d`` as decode tokens (equal to ``N_d`` without
     speculative decoding, so it adds nothing then); ``CONTEXT`` reads it as the
-    sum of decode context lengths; the ``*_CHUNK`` sets add ``P_c``.
+    sum of decode context lengths; the ``*_CHUNK`` sets add ``P_c``; the
+    ``*_HINGE`` sets add ``max(0, tokens - knee)``.
     """
 
     TOKENS = "tokens"
     CONTEXT = "context"
     TOKENS_CHUNK = "tokens+chunk"
     CONTEXT_CHUNK = "context+chunk"
+    TOKENS_HINGE = "tokens+hinge"
+    CONTEXT_HINGE = "context+hinge"
+    TOKENS_CHUNK_HINGE = "tokens+chunk+hinge"
+    CONTEXT_CHUNK_HINGE = "context+chunk+hinge"
 
     @property
     def columns(self) -> tuple[str, ...]:
         return _COLUMNS[self]
+
+    @property
+    def has_hinge(self) -> bool:
+        return "tokens_over_knee" in _COLUMNS[self]
 
     @property
     def mask(self) -> tuple[bool, ...]:
@@ -146,6 +186,10 @@ _COLUMNS: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.CONTEXT: (*_BASE, "s_d_ctx"),
     FeatureSet.TOKENS_CHUNK: (*_BASE, "s_d_tok", "p_c"),
     FeatureSet.CONTEXT_CHUNK: (*_BASE, "s_d_ctx", "p_c"),
+    FeatureSet.TOKENS_HINGE: (*_BASE, "s_d_tok", "tokens_over_knee"),
+    FeatureSet.CONTEXT_HINGE: (*_BASE, "s_d_ctx", "tokens_over_knee"),
+    FeatureSet.TOKENS_CHUNK_HINGE: (*_BASE, "s_d_tok", "p_c", "tokens_over_knee"),
+    FeatureSet.CONTEXT_CHUNK_HINGE: (*_BASE, "s_d_ctx", "p_c", "tokens_over_knee"),
 }
 
 
@@ -153,7 +197,9 @@ class BatchFeatures:
     """Running sums over a batch; adding or removing one item is O(1).
 
     Mutable on purpose: the planner owns one per plan and grows it item by
-    item. ``tokens`` (all tokens in the step) is kept for the token cap.
+    item. ``tokens`` (all tokens in the step) is kept for the token cap and
+    for the hinge (a model's knee is applied at prediction time, so one
+    accumulator serves any model).
     """
 
     __slots__ = ("n_d", "n_p", "p_c", "s_d_ctx", "s_d_tok", "s_p", "tokens")
@@ -233,8 +279,8 @@ class BatchFeatures:
         out.tokens -= other.tokens
         return out
 
-    def row(self) -> tuple[float, ...]:
-        """The raw feature row, in :data:`FEATURE_NAMES` order."""
+    def row(self, knee_tokens: int = 0) -> tuple[float, ...]:
+        """The raw feature row, in :data:`FEATURE_NAMES` order, hinge at ``knee_tokens``."""
         s_p = float(self.s_p)
         return (
             1.0,
@@ -245,20 +291,36 @@ class BatchFeatures:
             float(self.s_d_tok),
             float(self.s_d_ctx),
             float(self.p_c),
+            float(max(0, self.tokens - knee_tokens)),
         )
 
     def __repr__(self) -> str:
         return (
             f"BatchFeatures(s_p={self.s_p}, n_p={self.n_p}, n_d={self.n_d}, "
-            f"s_d_tok={self.s_d_tok}, s_d_ctx={self.s_d_ctx}, p_c={self.p_c})"
+            f"s_d_tok={self.s_d_tok}, s_d_ctx={self.s_d_ctx}, p_c={self.p_c}, "
+            f"tokens={self.tokens})"
         )
 
 
-def feature_matrix(batches: Sequence[Sequence[BatchItem]]) -> npt.NDArray[np.float64]:
-    """Raw feature rows (``len(batches)`` x 8) for fitting or evaluation."""
+def feature_matrix(
+    batches: Sequence[Sequence[BatchItem]], knee_tokens: int = 0
+) -> npt.NDArray[np.float64]:
+    """Raw feature rows (``len(batches)`` x 9) for fitting or evaluation.
+
+    The last column is ``max(0, tokens - knee_tokens)``; with the default knee
+    of 0 it is the step's total token count, from which :func:`with_knee`
+    derives the column for any other knee without re-summing the batches.
+    """
     out = np.empty((len(batches), _N_FEATURES), dtype=np.float64)
     for i, batch in enumerate(batches):
-        out[i] = BatchFeatures.of(batch).row()
+        out[i] = BatchFeatures.of(batch).row(knee_tokens)
+    return out
+
+
+def with_knee(x: npt.NDArray[np.float64], knee_tokens: int) -> npt.NDArray[np.float64]:
+    """A copy of ``x`` (built with knee 0) whose hinge column uses ``knee_tokens``."""
+    out = x.copy()
+    out[:, _HINGE] = np.maximum(0.0, x[:, _HINGE] - knee_tokens)
     return out
 
 
@@ -292,7 +354,8 @@ class FitStats:
     folds: int
     kfold_mape: float  # of the chosen feature set, fraction (0.02 = 2 %)
     train_mape: float  # of the final model on all rows, fraction
-    candidates: tuple[tuple[str, float], ...]  # (feature-set value, k-fold MAPE)
+    candidates: tuple[tuple[str, float], ...]  # (feature-set value, k-fold MAPE at its best knee)
+    knee_grid: tuple[tuple[int, float], ...] = ()  # (knee, k-fold MAPE) of the best hinge set
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,15 +364,23 @@ class LinearLatencyModel:
 
     ``coefficients`` follow :data:`FEATURE_NAMES`; entries outside
     ``feature_set`` are zero. Every coefficient but the intercept must be
-    non-negative, which makes the prediction monotone in the batch.
+    non-negative, which makes the prediction monotone in the batch. An
+    8-tuple (the schema-1 columns, no hinge) is accepted and padded with a
+    zero hinge coefficient. ``knee_tokens`` is where the hinge starts (tokens
+    per step); it must be 0 for a set without the hinge. A hinge set with the
+    knee left at 0 is still a valid model, only a conservative one (it charges
+    the hinge slope from the first token).
     """
 
     feature_set: FeatureSet
     coefficients: tuple[float, ...]
     meta: LatencyModelMeta = field(default_factory=_default_meta)
     stats: FitStats | None = None
+    knee_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if len(self.coefficients) == _N_LINEAR:
+            object.__setattr__(self, "coefficients", (*self.coefficients, 0.0))
         if len(self.coefficients) != _N_FEATURES:
             raise ModelFormatError(
                 f"expected {_N_FEATURES} coefficients, got {len(self.coefficients)}",
@@ -329,13 +400,25 @@ class LinearLatencyModel:
                     f"coefficient {name} is negative; the model must be monotone",
                     field_name=name,
                 )
+        knee = self.knee_tokens
+        if isinstance(knee, bool) or not isinstance(knee, int) or knee < 0:
+            raise ModelFormatError(
+                f"knee_tokens must be a non-negative integer, got {knee!r}",
+                field_name="knee_tokens",
+            )
+        if knee and not self.feature_set.has_hinge:
+            raise ModelFormatError(
+                f"knee_tokens is set but feature set {self.feature_set.value} has no hinge",
+                field_name="knee_tokens",
+            )
 
     # -- prediction -------------------------------------------------------------------
 
     def predict_features(self, f: BatchFeatures) -> float:
         """Seconds for the batch summarised by ``f``. The planner's hot path."""
-        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p
+        over = f.tokens - self.knee_tokens
         return (
             c0
             + (c1 + c2 * s_p) * s_p
@@ -344,6 +427,7 @@ class LinearLatencyModel:
             + c5 * f.s_d_tok
             + c6 * f.s_d_ctx
             + c7 * f.p_c
+            + (c8 * over if over > 0 else 0.0)
         )
 
     def predict(self, batch: Sequence[BatchItem]) -> float:
@@ -354,8 +438,9 @@ class LinearLatencyModel:
 
     def predict_with_prefill(self, f: BatchFeatures, tokens: int, context: int) -> float:
         """Seconds for ``f`` plus one prefill chunk, without touching ``f``."""
-        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p + tokens
+        over = f.tokens + tokens - self.knee_tokens
         return (
             c0
             + (c1 + c2 * s_p) * s_p
@@ -364,12 +449,14 @@ class LinearLatencyModel:
             + c5 * f.s_d_tok
             + c6 * f.s_d_ctx
             + c7 * (f.p_c + tokens * context)
+            + (c8 * over if over > 0 else 0.0)
         )
 
     def predict_with_decode(self, f: BatchFeatures, context: int, tokens: int = 1) -> float:
         """Seconds for ``f`` plus one decode, without touching ``f``."""
-        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p
+        over = f.tokens + tokens - self.knee_tokens
         return (
             c0
             + (c1 + c2 * s_p) * s_p
@@ -378,6 +465,7 @@ class LinearLatencyModel:
             + c5 * (f.s_d_tok + tokens)
             + c6 * (f.s_d_ctx + context)
             + c7 * f.p_c
+            + (c8 * over if over > 0 else 0.0)
         )
 
     def max_prefill_tokens(
@@ -385,14 +473,18 @@ class LinearLatencyModel:
     ) -> int:
         """Largest chunk ``x <= limit`` with ``predict(f + prefill(x, context)) <= budget_s``.
 
-        HyGen's ``get_max_prefill``. The prediction is ``A + B*x + C*x**2`` in
-        the chunk size with ``B, C >= 0`` (non-negative coefficients), so the
-        answer is the positive root, floored, then checked against the model
-        to absorb rounding. Returns 0 when not even a 1-token chunk fits.
+        HyGen's ``get_max_prefill``. Adding a chunk of ``x`` tokens predicts
+        ``A + B*x + C*x**2`` with ``B, C >= 0`` (non-negative coefficients)
+        while the step stays at or below the knee, and the same quadratic with
+        ``B + c8`` and ``A + c8*(tokens - knee)`` past it: continuous and
+        non-decreasing in ``x``. The root of the first piece is the answer
+        when it lies at or before the knee, otherwise the root of the second
+        is. Floored, then checked against the model to absorb rounding.
+        Returns 0 when not even a 1-token chunk fits.
         """
         if limit <= 0:
             return 0
-        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p
         a = (
             c0
@@ -403,16 +495,19 @@ class LinearLatencyModel:
             + c6 * f.s_d_ctx
             + c7 * f.p_c
         )
-        slack = budget_s - a
-        if slack < 0.0:
-            return 0
         b = c1 + 2.0 * c2 * s_p + c7 * context
-        if c2 > 0.0:
-            x_real = (math.sqrt(b * b + 4.0 * c2 * slack) - b) / (2.0 * c2)
-        elif b > 0.0:
-            x_real = slack / b
+        # Chunk size at which the step reaches the knee (<= 0: already past it).
+        x_knee = self.knee_tokens - f.tokens
+        if c8 > 0.0 and x_knee <= 0:
+            a += c8 * -x_knee
+            b += c8
+            x_real = _quadratic_root(a, b, c2, budget_s)
         else:
-            return limit
+            x_real = _quadratic_root(a, b, c2, budget_s)
+            if c8 > 0.0 and x_real > x_knee:
+                x_real = _quadratic_root(a - c8 * x_knee, b + c8, c2, budget_s)
+        if x_real < 0.0:
+            return 0
         x = limit if x_real >= limit else int(x_real)
         # Floating-point guard: at most a couple of steps either way.
         while x > 0 and self.predict_with_prefill(f, x, context) > budget_s:
@@ -429,7 +524,8 @@ class LinearLatencyModel:
             "schema_version": SCHEMA_VERSION,
             "feature_set": self.feature_set.value,
             "coefficients": dict(zip(FEATURE_NAMES, self.coefficients, strict=True)),
-            "units": "seconds per iteration",
+            "knee_tokens": self.knee_tokens,
+            "units": "seconds per iteration; knee_tokens in tokens per step",
             "meta": self.meta.model_dump(mode="json"),
         }
         if self.stats is not None:
@@ -439,6 +535,7 @@ class LinearLatencyModel:
                 "kfold_mape": self.stats.kfold_mape,
                 "train_mape": self.stats.train_mape,
                 "candidates": [list(c) for c in self.stats.candidates],
+                "knee_grid": [list(k) for k in self.stats.knee_grid],
             }
         return doc
 
@@ -453,22 +550,32 @@ class LinearLatencyModel:
                 f"not a latency model: kind is {doc.get('kind')!r}", field_name="kind"
             )
         version = doc.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
             raise SchemaVersionError(version)
+        names = FEATURE_NAMES if version >= 2 else FEATURE_NAMES[:_N_LINEAR]
         try:
             feature_set = FeatureSet(doc["feature_set"])
         except (KeyError, ValueError) as exc:
             raise ModelFormatError(
                 "missing or unknown feature set", field_name="feature_set"
             ) from exc
+        if version < 2 and feature_set.has_hinge:
+            raise ModelFormatError(
+                f"feature set {feature_set.value} needs schema version 2",
+                field_name="feature_set",
+            )
         raw = doc.get("coefficients")
         if not isinstance(raw, Mapping):
             raise ModelFormatError("coefficients must be an object", field_name="coefficients")
-        unknown = set(raw) - set(FEATURE_NAMES)
+        unknown = set(raw) - set(names)
         if unknown:
             raise ModelFormatError(
-                f"unknown coefficients {sorted(unknown)}", field_name="coefficients"
+                f"unknown coefficients {sorted(unknown)} for schema version {version}",
+                field_name="coefficients",
             )
+        knee = doc.get("knee_tokens", 0) if version >= 2 else 0
+        if isinstance(knee, bool) or not isinstance(knee, int):
+            raise ModelFormatError("knee_tokens must be an integer", field_name="knee_tokens")
         try:
             coefficients = tuple(float(raw.get(name, 0.0)) for name in FEATURE_NAMES)
             meta = LatencyModelMeta.model_validate(doc.get("meta", {}))
@@ -484,10 +591,19 @@ class LinearLatencyModel:
                     kfold_mape=float(fit_doc["kfold_mape"]),
                     train_mape=float(fit_doc["train_mape"]),
                     candidates=tuple((str(k), float(v)) for k, v in fit_doc["candidates"]),
+                    knee_grid=tuple(
+                        (int(k), float(v)) for k, v in fit_doc.get("knee_grid", ())
+                    ),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ModelFormatError(f"invalid fit block: {exc}", field_name="fit") from exc
-        return cls(feature_set=feature_set, coefficients=coefficients, meta=meta, stats=stats)
+        return cls(
+            feature_set=feature_set,
+            coefficients=coefficients,
+            meta=meta,
+            stats=stats,
+            knee_tokens=knee,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> LinearLatencyModel:
@@ -499,6 +615,21 @@ class LinearLatencyModel:
         if not isinstance(doc, dict):
             raise ModelFormatError("latency model JSON must be an object")
         return cls.from_dict(doc)
+
+
+def _quadratic_root(a: float, b: float, c: float, budget_s: float) -> float:
+    """Largest real ``x`` with ``a + b*x + c*x**2 <= budget_s`` (``b, c >= 0``).
+
+    Negative when even ``x = 0`` is over budget; ``inf`` when nothing grows.
+    """
+    slack = budget_s - a
+    if slack < 0.0:
+        return -1.0
+    if c > 0.0:
+        return (math.sqrt(b * b + 4.0 * c * slack) - b) / (2.0 * c)
+    if b > 0.0:
+        return slack / b
+    return math.inf
 
 
 # --------------------------------------------------------------------------- fitting
@@ -549,6 +680,7 @@ def kfold_mape(
 ) -> float:
     """Mean absolute percentage error (fraction) of ``feature_set`` under k-fold CV.
 
+    ``x`` is a :func:`feature_matrix` (its hinge column at the knee to score).
     Rows are shuffled with ``seed`` and split into ``folds`` near-equal parts;
     each part is predicted by a model fitted on the others; the result is the
     mean over *all rows* of ``|pred - y| / y``.
@@ -573,13 +705,28 @@ class FitResult:
 
     model: LinearLatencyModel
     chosen: FeatureSet
-    kfold: Mapping[FeatureSet, float]
+    kfold: Mapping[FeatureSet, float]  # each hinge set at its best knee
+    knees: Mapping[FeatureSet, int] = field(default_factory=dict)  # best knee per hinge set
+
+
+def candidate_knees(tokens: npt.NDArray[np.float64], grid: Sequence[int]) -> list[int]:
+    """The knees of ``grid`` with at least :data:`MIN_SIDE_SHARE` of ``tokens`` on each side."""
+    n = len(tokens)
+    if n == 0:
+        return []
+    out = []
+    for knee in sorted(set(grid)):
+        above = float(np.count_nonzero(tokens > knee)) / n
+        if MIN_SIDE_SHARE <= above <= 1.0 - MIN_SIDE_SHARE:
+            out.append(knee)
+    return out
 
 
 def fit(
     rows: Sequence[tuple[Sequence[BatchItem], float]],
     *,
     feature_sets: Sequence[FeatureSet] | None = None,
+    knees: Sequence[int] | None = None,
     folds: int = 5,
     seed: int = 0,
     parsimony: float = 0.02,
@@ -587,47 +734,87 @@ def fit(
 ) -> FitResult:
     """Fit a :class:`LinearLatencyModel` on ``(batch, seconds)`` rows.
 
-    Every candidate feature set (all four by default) is scored by k-fold
-    MAPE. The winner is the *smallest* set whose MAPE is within ``parsimony``
-    (relative, default 2 %) of the best one: a superset always fits the
-    training rows at least as well, so without this rule noise alone would
-    pick the largest set. Ties in size go to the lower MAPE. The winner is
+    Every candidate feature set (all eight by default) is scored by k-fold
+    MAPE; a hinge set is scored at each knee of ``knees`` (default
+    :data:`KNEE_GRID`, less those with too few rows on a side, see
+    :func:`candidate_knees`) and keeps its best one. The winner is the
+    *smallest* set whose MAPE is within ``parsimony`` (relative, default 2 %)
+    of the best one: a superset always fits the training rows at least as
+    well, so without this rule noise alone would pick the largest set (the
+    hinge is one column more than the set it extends, so it has to earn its
+    place the same way). Ties in size go to the lower MAPE. The winner is
     refitted on all rows.
+
+    Choosing the knee by the same k-fold MAPE that ranks the sets makes a
+    hinge set's score slightly optimistic (the best of a dozen knees); held-out
+    rows, as the profiler keeps, measure the chosen model without that bias.
     """
     n = len(rows)
     candidates = list(feature_sets) if feature_sets is not None else list(FeatureSet)
     if not candidates:
         raise FitError("no feature set to try", rows=n)
+    grid = list(knees) if knees is not None else list(KNEE_GRID)
+    if any(isinstance(k, bool) or not isinstance(k, int) or k <= 0 for k in grid):
+        raise FitError("knees must be positive integers (tokens per step)", rows=n)
     min_rows = max(folds, max(len(fs.columns) for fs in candidates) + 1)
     if n < min_rows:
         raise FitError(f"need at least {min_rows} rows to fit", rows=n)
     y = np.fromiter((float(t) for _, t in rows), dtype=np.float64, count=n)
     if not np.all(np.isfinite(y)) or np.any(y <= 0.0):
         raise FitError("iteration times must be finite and positive", rows=n)
-    x = feature_matrix([b for b, _ in rows])
-    scores = {fs: kfold_mape(x, y, fs, folds=folds, seed=seed) for fs in candidates}
+    x = feature_matrix([b for b, _ in rows])  # hinge column at knee 0: total tokens
+    usable = candidate_knees(x[:, _HINGE], grid)
+    if not usable:
+        dropped = [fs for fs in candidates if fs.has_hinge]
+        if dropped:
+            logger.info("no usable knee in %s for these rows: hinge sets not tried", grid)
+        candidates = [fs for fs in candidates if not fs.has_hinge]
+        if not candidates:
+            raise FitError("no knee has enough rows on both sides to fit a hinge", rows=n)
+    x_at = {k: with_knee(x, k) for k in usable}
+    scores: dict[FeatureSet, float] = {}
+    best_knee: dict[FeatureSet, int] = {}
+    knee_scores: dict[FeatureSet, list[tuple[int, float]]] = {}
+    for fs in candidates:
+        if fs.has_hinge:
+            per_knee = [
+                (k, kfold_mape(x_at[k], y, fs, folds=folds, seed=seed)) for k in usable
+            ]
+            k_best, s_best = min(per_knee, key=lambda ks: (ks[1], ks[0]))
+            scores[fs], best_knee[fs], knee_scores[fs] = s_best, k_best, per_knee
+        else:
+            scores[fs] = kfold_mape(x, y, fs, folds=folds, seed=seed)
     best = min(scores.values())
     eligible = [fs for fs in candidates if scores[fs] <= best * (1.0 + parsimony)]
     chosen = min(eligible, key=lambda fs: (len(fs.columns), scores[fs]))
-    coef = _nonneg_lstsq(x, y, chosen.mask)
+    knee = best_knee.get(chosen, 0)
+    x_fit = x_at[knee] if chosen.has_hinge else x
+    coef = _nonneg_lstsq(x_fit, y, chosen.mask)
+    if chosen.has_hinge and coef[_HINGE] == 0.0:
+        knee = 0  # the fit dropped the hinge: keep the document canonical
+    hinge_sets = [fs for fs in candidates if fs.has_hinge]
+    grid_of = min(hinge_sets, key=lambda fs: scores[fs]) if hinge_sets else None
     stats = FitStats(
         rows=n,
         folds=folds,
         kfold_mape=scores[chosen],
-        train_mape=_mape(x, y, coef),
+        train_mape=_mape(x_fit, y, coef),
         candidates=tuple((fs.value, scores[fs]) for fs in candidates),
+        knee_grid=tuple(knee_scores[grid_of]) if grid_of is not None else (),
     )
     model = LinearLatencyModel(
         feature_set=chosen,
         coefficients=tuple(float(c) for c in coef),
         meta=meta if meta is not None else LatencyModelMeta(),
         stats=stats,
+        knee_tokens=knee,
     )
     logger.info(
-        "latency model fitted: rows=%s set=%s kfold_mape=%.4f candidates=%s",
+        "latency model fitted: rows=%s set=%s knee=%s kfold_mape=%.4f candidates=%s",
         n,
         chosen.value,
+        knee,
         scores[chosen],
         {fs.value: round(v, 5) for fs, v in scores.items()},
     )
-    return FitResult(model=model, chosen=chosen, kfold=scores)
+    return FitResult(model=model, chosen=chosen, kfold=scores, knees=best_knee)

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from slipstream_scheduler.latency import (
     FEATURE_NAMES,
+    KNEE_GRID,
     SCHEMA_VERSION,
     BatchFeatures,
     FeatureSet,
@@ -19,9 +21,11 @@ from slipstream_scheduler.latency import (
     LinearLatencyModel,
     ModelFormatError,
     SchemaVersionError,
+    candidate_knees,
     feature_matrix,
     fit,
     kfold_mape,
+    with_knee,
 )
 from slipstream_scheduler.types import BatchItem, Phase
 
@@ -38,6 +42,7 @@ TRUE = {
     "s_d_tok": 0.0,
     "s_d_ctx": 4e-8,
     "p_c": 0.0,
+    "tokens_over_knee": 0.0,
 }
 
 
@@ -62,11 +67,11 @@ def random_batch(rng: np.random.Generator) -> list[BatchItem]:
 
 
 def synthetic_rows(
-    coef: tuple[float, ...], n: int = 600, noise: float = 0.01, seed: int = 7
+    coef: tuple[float, ...], n: int = 600, noise: float = 0.01, seed: int = 7, knee: int = 0
 ) -> list[tuple[list[BatchItem], float]]:
     rng = np.random.default_rng(seed)
     batches = [random_batch(rng) for _ in range(n)]
-    x = feature_matrix(batches)
+    x = feature_matrix(batches, knee)
     y = x @ np.array(coef) * (1.0 + noise * rng.standard_normal(n))
     return list(zip(batches, (float(v) for v in y), strict=True))
 
@@ -79,23 +84,52 @@ def test_features_of_a_small_batch() -> None:
         BatchItem(Phase.DECODE, 1, 700),
     ]
     f = BatchFeatures.of(batch)
-    assert f.row() == (1.0, 120.0, 14400.0, 2.0, 2.0, 2.0, 1000.0, 5000.0)
+    assert f.row() == (1.0, 120.0, 14400.0, 2.0, 2.0, 2.0, 1000.0, 5000.0, 122.0)
     assert f.tokens == 122
+    assert f.row(100)[-1] == 22.0 and f.row(122)[-1] == 0.0 and f.row(500)[-1] == 0.0
     f.remove(batch[0])
-    assert f.row() == (1.0, 20.0, 400.0, 1.0, 2.0, 2.0, 1000.0, 0.0)
+    assert f.row() == (1.0, 20.0, 400.0, 1.0, 2.0, 2.0, 1000.0, 0.0, 22.0)
+    x = feature_matrix([batch, batch[1:]])
+    assert np.array_equal(with_knee(x, 100), feature_matrix([batch, batch[1:]], 100))
+    assert with_knee(x, 100)[:, -1].tolist() == [22.0, 0.0]
 
 
-def test_incremental_predictions_match_the_whole_batch() -> None:
-    model = LinearLatencyModel(FeatureSet.CONTEXT_CHUNK, _coef({"p_c": 1e-10}))
+@pytest.mark.parametrize("knee", [0, 64, 5000])
+def test_incremental_predictions_match_the_whole_batch(knee: int) -> None:
+    model = LinearLatencyModel(
+        FeatureSet.CONTEXT_CHUNK_HINGE,
+        _coef({"p_c": 1e-10, "tokens_over_knee": 3e-5}),
+        knee_tokens=knee,
+    )
     rng = np.random.default_rng(3)
     batch = random_batch(rng)
     f = BatchFeatures.of(batch)
     assert model.predict_features(f) == pytest.approx(model.predict(batch), rel=1e-12)
+    row = np.array(f.row(knee))
+    assert model.predict_features(f) == pytest.approx(float(row @ np.array(model.coefficients)))
     grown = [*batch, BatchItem(Phase.PREFILL, 77, 500)]
     assert model.predict_with_prefill(f, 77, 500) == pytest.approx(model.predict(grown))
     grown = [*batch, BatchItem(Phase.DECODE, 1, 900)]
     assert model.predict_with_decode(f, 900) == pytest.approx(model.predict(grown))
     assert model.predict([]) == 0.0
+
+
+def test_the_hinge_only_charges_tokens_past_the_knee() -> None:
+    model = LinearLatencyModel(
+        FeatureSet.TOKENS_HINGE, _coef({"s_d_ctx": 0.0, "tokens_over_knee": 1e-3}), knee_tokens=10
+    )
+    flat = LinearLatencyModel(FeatureSet.TOKENS, _coef({"s_d_ctx": 0.0}))
+    for tokens, extra in ((1, 0.0), (10, 0.0), (11, 1e-3), (30, 20e-3)):
+        batch = [BatchItem(Phase.PREFILL, tokens, 0)]
+        assert model.predict(batch) - flat.predict(batch) == pytest.approx(extra, abs=1e-15)
+
+
+def test_an_eight_column_tuple_is_a_model_without_hinge() -> None:
+    eight = tuple(TRUE[name] for name in FEATURE_NAMES[:8])
+    model = LinearLatencyModel(FeatureSet.CONTEXT, eight)
+    assert model.coefficients == (*eight, 0.0) and model.knee_tokens == 0
+    with pytest.raises(ModelFormatError, match="expected 9"):
+        LinearLatencyModel(FeatureSet.CONTEXT, eight[:7])
 
 
 def test_fit_recovers_known_coefficients_and_picks_the_context_reading() -> None:
@@ -123,6 +157,48 @@ def test_fit_picks_the_chunk_term_when_prefill_attends_to_its_prefix() -> None:
     assert p_c == pytest.approx(4e-9, rel=0.1)
 
 
+def test_fit_recovers_a_hinge_and_its_knee() -> None:
+    # Linear-operator cost flat until 384 tokens, then 60 us more per token.
+    coef = _coef({"s_p": 1e-5, "s_p_sq": 0.0, "tokens_over_knee": 6e-5})
+    result = fit(synthetic_rows(coef, n=800, knee=384))
+    assert result.chosen is FeatureSet.CONTEXT_HINGE
+    assert result.model.knee_tokens == 384 == result.knees[FeatureSet.CONTEXT_HINGE]
+    got = dict(zip(FEATURE_NAMES, result.model.coefficients, strict=True))
+    for name in ("const", "s_d_ctx", "n_d", "tokens_over_knee"):
+        assert got[name] == pytest.approx(coef[FEATURE_NAMES.index(name)], rel=0.1), name
+    # The straight-line sets cannot bend: clearly worse on these rows.
+    assert result.kfold[FeatureSet.CONTEXT] > 1.5 * result.kfold[FeatureSet.CONTEXT_HINGE]
+    assert result.model.stats is not None and result.model.stats.kfold_mape < 0.015
+    grid = dict(result.model.stats.knee_grid)
+    assert min(grid, key=grid.__getitem__) == 384 and len(grid) > 5
+    # A knee between grid points is approximated by a neighbour.
+    near = fit(synthetic_rows(coef, n=800, knee=300))
+    assert near.chosen is FeatureSet.CONTEXT_HINGE and near.model.knee_tokens in (256, 384)
+
+
+def test_parsimony_keeps_the_hinge_out_when_the_cost_is_straight() -> None:
+    # TRUE has no bend: every hinge set fits about as well and is one column larger.
+    result = fit(synthetic_rows(_coef()))
+    assert result.chosen is FeatureSet.CONTEXT
+    assert result.model.knee_tokens == 0
+    hinge = result.kfold[FeatureSet.CONTEXT_HINGE]
+    assert hinge <= result.kfold[FeatureSet.CONTEXT] * 1.02  # close: only parsimony decides
+
+
+def test_candidate_knees_need_rows_on_both_sides() -> None:
+    tokens = np.arange(1, 101, dtype=np.float64)  # 1..100
+    assert candidate_knees(tokens, (2, 5, 50, 94, 95, 96, 200)) == [5, 50, 94, 95]
+    assert candidate_knees(np.array([]), KNEE_GRID) == []
+    # Every batch the same size: no knee is usable and the hinge sets are skipped.
+    rows = [([BatchItem(Phase.DECODE, 1, 100 + i)], 0.01 + 1e-6 * i) for i in range(40)]
+    result = fit(rows)
+    assert not any(fs.has_hinge for fs in result.kfold)
+    with pytest.raises(FitError, match="knee"):
+        fit(rows, feature_sets=[FeatureSet.CONTEXT_HINGE])
+    with pytest.raises(FitError, match="positive integers"):
+        fit(rows, knees=[0])
+
+
 def test_fitted_coefficients_are_never_negative() -> None:
     # Times that *fall* with decode context: the unconstrained fit would go negative.
     rows = synthetic_rows(_coef({"s_d_ctx": 0.0}))
@@ -136,7 +212,7 @@ def test_fitted_coefficients_are_never_negative() -> None:
 
 def test_kfold_mape_is_the_mean_out_of_fold_error() -> None:
     rng = np.random.default_rng(1)
-    x = np.column_stack([np.ones(10), rng.uniform(1, 10, 10), np.zeros((10, 6))])
+    x = np.column_stack([np.ones(10), rng.uniform(1, 10, 10), np.zeros((10, 7))])
     # y = 2 + 3*s_p exactly, except one row off by +50 %.
     y = 2.0 + 3.0 * x[:, 1]
     y_bad = y.copy()
@@ -173,10 +249,42 @@ def test_json_round_trip_keeps_coefficients_metadata_and_stats() -> None:
     model = fit(synthetic_rows(_coef(), n=200), meta=meta).model
     text = model.to_json()
     doc = json.loads(text)
-    assert doc["schema_version"] == SCHEMA_VERSION
+    assert doc["schema_version"] == SCHEMA_VERSION == 2
     assert doc["meta"]["engine"]["max_num_batched_tokens"] == 2048
     back = LinearLatencyModel.from_json(text)
     assert back == model
+    coef = _coef({"s_p_sq": 0.0, "tokens_over_knee": 6e-5})
+    hinged = fit(synthetic_rows(coef, n=400, knee=256), meta=meta).model
+    assert hinged.knee_tokens == 256 and hinged.feature_set.has_hinge
+    doc = json.loads(hinged.to_json())
+    assert doc["knee_tokens"] == 256 and doc["coefficients"]["tokens_over_knee"] > 0
+    assert LinearLatencyModel.from_json(hinged.to_json()) == hinged
+
+
+def test_schema_version_1_documents_are_still_read() -> None:
+    v1 = {
+        "kind": "slipstream.latency-model",
+        "schema_version": 1,
+        "feature_set": "context+chunk",
+        "coefficients": {name: TRUE[name] for name in FEATURE_NAMES[:8]},
+        "units": "seconds per iteration",
+        "meta": {"model": "m", "gpu": "g", "engine": {}, "source": "v1"},
+        "fit": {"rows": 10, "folds": 5, "kfold_mape": 0.02, "train_mape": 0.02,
+                "candidates": [["context", 0.03], ["context+chunk", 0.02]]},
+    }
+    model = LinearLatencyModel.from_json(json.dumps(v1))
+    assert model.feature_set is FeatureSet.CONTEXT_CHUNK and model.knee_tokens == 0
+    assert model.coefficients == _coef()
+    assert model.stats is not None and model.stats.knee_grid == ()
+    # Version 1 has no hinge: neither its column nor a hinge set is accepted there.
+    bad = json.loads(json.dumps(v1))
+    bad["coefficients"]["tokens_over_knee"] = 1e-5
+    with pytest.raises(ModelFormatError, match="unknown coefficients"):
+        LinearLatencyModel.from_json(json.dumps(bad))
+    bad = json.loads(json.dumps(v1))
+    bad["feature_set"] = "context+chunk+hinge"
+    with pytest.raises(ModelFormatError, match="schema version 2"):
+        LinearLatencyModel.from_json(json.dumps(bad))
 
 
 def test_wrong_schema_version_raises_a_clear_error() -> None:
@@ -196,6 +304,11 @@ def test_wrong_schema_version_raises_a_clear_error() -> None:
         lambda d: d["coefficients"].update(s_d_tok=1.0),  # outside the CONTEXT set
         lambda d: d["coefficients"].update(n_p=-1.0),  # would break monotonicity
         lambda d: d["coefficients"].update(extra=1.0),
+        lambda d: d["coefficients"].update(tokens_over_knee=1e-5),  # CONTEXT has no hinge
+        lambda d: d.update(knee_tokens=128),  # a knee without a hinge
+        lambda d: d.update(knee_tokens=-1),
+        lambda d: d.update(knee_tokens=1.5),
+        lambda d: d.update(schema_version=True),
     ],
 )
 def test_malformed_documents_are_rejected(mutate: object) -> None:
@@ -207,7 +320,32 @@ def test_malformed_documents_are_rejected(mutate: object) -> None:
         LinearLatencyModel.from_json("[1, 2]")
 
 
-@settings(max_examples=200, deadline=None)
+def _bisect_max_prefill(
+    model: LinearLatencyModel, f: BatchFeatures, context: int, budget: float, limit: int
+) -> int:
+    """The reference: integer bisection on the (monotone) model."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.predict_with_prefill(f, mid, context) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _Counting(LinearLatencyModel):
+    """Counts the model evaluations ``max_prefill_tokens`` makes."""
+
+    __slots__ = ()
+    calls = 0
+
+    def predict_with_prefill(self, f: BatchFeatures, tokens: int, context: int) -> float:
+        _Counting.calls += 1
+        return LinearLatencyModel.predict_with_prefill(self, f, tokens, context)
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     decodes=st.integers(0, 300),
     ctx=st.integers(0, 16000),
@@ -215,26 +353,42 @@ def test_malformed_documents_are_rejected(mutate: object) -> None:
     context=st.integers(0, 8000),
     budget=st.floats(0.0, 0.2),
     limit=st.integers(0, 8192),
+    c1=st.sampled_from([0.0, 1e-5, 1e-4]),
     c2=st.sampled_from([0.0, 2e-9]),
     c7=st.sampled_from([0.0, 1e-9]),
+    c8=st.sampled_from([0.0, 3e-5, 2e-4]),
+    knee=st.integers(0, 6000),
 )
-def test_max_prefill_is_the_largest_chunk_within_budget(
+def test_max_prefill_equals_bisection_on_random_models(
     decodes: int,
     ctx: int,
     s_p: int,
     context: int,
     budget: float,
     limit: int,
+    c1: float,
     c2: float,
     c7: float,
+    c8: float,
+    knee: int,
 ) -> None:
-    model = LinearLatencyModel(FeatureSet.CONTEXT_CHUNK, _coef({"s_p_sq": c2, "p_c": c7}))
+    model = LinearLatencyModel(
+        FeatureSet.CONTEXT_CHUNK_HINGE,
+        _coef({"s_p": c1, "s_p_sq": c2, "p_c": c7, "tokens_over_knee": c8}),
+        knee_tokens=knee,
+    )
     f = BatchFeatures()
     for _ in range(decodes):
         f.add_decode(1, ctx)
     if s_p:
         f.add_prefill(s_p, 0)
     x = model.max_prefill_tokens(f, context, budget, limit)
+    assert x == _bisect_max_prefill(model, f, context, budget, limit)
+    # The closed form lands on the answer: the rounding guard checks x and x + 1, no walk.
+    counting = _Counting(model.feature_set, model.coefficients, knee_tokens=knee)
+    _Counting.calls = 0
+    assert counting.max_prefill_tokens(f, context, budget, limit) == x
+    assert _Counting.calls <= 3
     assert 0 <= x <= limit
     if x > 0:
         assert model.predict_with_prefill(f, x, context) <= budget
@@ -242,12 +396,30 @@ def test_max_prefill_is_the_largest_chunk_within_budget(
         assert model.predict_with_prefill(f, x + 1, context) > budget
 
 
+def test_max_prefill_lands_on_each_side_of_the_knee() -> None:
+    # 10 ms floor, 10 us/token below the knee at 100 tokens, 110 us/token past it.
+    coef = _coef({"const": 1e-2, "s_p": 1e-5, "s_p_sq": 0.0, "n_p": 0.0, "n_d": 0.0,
+                  "s_d_ctx": 0.0, "tokens_over_knee": 1e-4})
+    model = LinearLatencyModel(FeatureSet.CONTEXT_HINGE, coef, knee_tokens=100)
+    f = BatchFeatures()
+    assert model.max_prefill_tokens(f, 0, 1e-2 + 50e-5 + 1e-12, 4096) == 50  # before the knee
+    assert model.max_prefill_tokens(f, 0, 1e-2 + 100e-5 + 1e-12, 4096) == 100  # at it
+    # past it: 1 ms to the knee, then 110 us per token -> 10 more tokens for 1.1 ms
+    assert model.max_prefill_tokens(f, 0, 1e-2 + 1e-3 + 1.1e-3 + 1e-12, 4096) == 110
+    f.add_decode(150, 0)  # the step is already past the knee: every token pays 110 us
+    assert model.max_prefill_tokens(f, 0, model.predict_features(f) + 2.1e-3, 4096) == 19
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 512), st.integers(0, 4096)), max_size=40))
 def test_prediction_is_monotone_when_an_item_is_added(
     items: list[tuple[bool, int, int]],
 ) -> None:
-    model = LinearLatencyModel(FeatureSet.CONTEXT_CHUNK, _coef({"p_c": 1e-9}))
+    model = LinearLatencyModel(
+        FeatureSet.CONTEXT_CHUNK_HINGE,
+        _coef({"p_c": 1e-9, "tokens_over_knee": 5e-5}),
+        knee_tokens=700,
+    )
     f = BatchFeatures()
     last = model.predict_features(f)
     for prefill, tokens, context in items:
