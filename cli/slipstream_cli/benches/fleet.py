@@ -85,20 +85,23 @@ def _data_dir(args: argparse.Namespace) -> Path:
 
 
 def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]:
-    from slipstream_cli.cluster import ClusterConfig, ClusterError, LocalCluster, Ports
+    from slipstream_cli.cluster import ClusterConfig, ClusterError, Ports
+    from slipstream_cli.fleet.benchcluster import BenchCluster
     from slipstream_cli.fleet.clusterrun import FleetRun, FleetRunError
     from slipstream_cli.fleet.workload import plan_for_nodes
 
     results: list[dict[str, Any]] = []
     for nodes in [int(x) for x in str(args.nodes).split(",") if x.strip()]:
         plan = plan_for_nodes(nodes)
-        cluster = LocalCluster(ClusterConfig(state_dir=args.state_dir, nodes=nodes,
+        cluster = BenchCluster(ClusterConfig(state_dir=args.state_dir, nodes=nodes,
                                              ports=Ports.from_base(args.port_base)))
         workdir = args.workdir / f"nodes-{nodes}"
         shutil.rmtree(workdir, ignore_errors=True)
         began = time.monotonic()
         row: dict[str, Any] = dict(plan.to_dict())
         try:
+            if (args.state_dir / "cluster.json").exists():
+                cluster.down()  # a fresh control plane for every scale: nothing left over
             cluster.up(build=False, timeout=600.0)
             row["cluster_up_s"] = round(time.monotonic() - began, 1)
             run = FleetRun(cluster, plan, workdir, data_dir=_data_dir(args),

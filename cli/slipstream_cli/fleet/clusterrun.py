@@ -310,9 +310,12 @@ class FleetRun:
         return proc
 
     def _start_standin(self) -> None:
-        proc = self._spawn("standin", [
-            sys.executable, "-m", "slipstream_cli.fleet.server",
-            "--kubeconfig", str(self.cluster.admin_kubeconfig), "--lines-per-second", "0.001"])
+        argv = [sys.executable, "-m", "slipstream_cli.fleet.server",
+                "--kubeconfig", str(self.cluster.admin_kubeconfig), "--lines-per-second", "0.001"]
+        if not self.clusterwide:
+            for ns in self.namespaces:
+                argv += ["-n", ns]
+        proc = self._spawn("standin", argv)
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()
         if not line.startswith("READY "):
@@ -482,6 +485,8 @@ class FleetRun:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGTERM)
             for proc in reversed(self._procs):
+                if proc.stdout is not None:
+                    proc.stdout.close()
                 try:
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:

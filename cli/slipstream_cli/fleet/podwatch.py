@@ -2,10 +2,10 @@
 
 The pod runner for :mod:`slipstream_cli.fleet.standin`: a thread lists, then
 watches, pods labelled ``slipstream.dev/service`` in all namespaces; each
-Running pod with an IP becomes a fake sidecar on that IP, with the control
-token read once per service from the operator's ``<service>-control-token``
-Secret; a pod that stops running or is deleted is removed. Calls into the
-stand-in are handed to its event loop.
+Running pod with an IP (in the chosen namespaces, or any) becomes a fake
+sidecar on that IP, with the control token read once per service from the
+operator's ``<service>-control-token`` Secret; a pod that stops running or
+is deleted is removed. Calls into the stand-in are handed to its event loop.
 
 Deliberately left out: anything but pods and those Secrets (the operator owns
 every other object) and retries beyond re-listing after a broken watch.
@@ -61,8 +61,9 @@ class PodWatcher:
     """Feeds pod events to a :class:`Standin` running on ``loop``."""
 
     def __init__(self, api: client.ApiClient, standin: Standin,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, namespaces: frozenset[str] = frozenset()) -> None:
         self.api = api
+        self.namespaces = namespaces  # empty: every namespace
         self.standin = standin
         self.loop = loop
         self._tokens: dict[tuple[str, str], str] = {}
@@ -102,6 +103,8 @@ class PodWatcher:
             logger.warning("%s", exc)
 
     def handle(self, event: PodEvent) -> None:
+        if self.namespaces and event.namespace not in self.namespaces:
+            return  # someone else's pod (e.g. a test's real sidecar on a shared cluster)
         key = (event.namespace, event.name)
         known_ip = self._by_pod.get(key)
         if event.running:

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="progress of a running fake shard (lines/s, default 2)")
     parser.add_argument("--finish-shards", action="store_true",
                         help="report shards succeeded once their lines are done")
+    parser.add_argument("-n", "--namespace", action="append", dest="namespaces", default=[],
+                        help="serve only pods of this namespace (repeatable; default: all)")
     parser.add_argument("--fd-limit", type=int, default=20000,
                         help="RLIMIT_NOFILE soft limit to ask for (default 20000)")
 
@@ -70,7 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
     sockets = getattr(server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else args.control_port
     api = config.new_client_from_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
-    watcher = PodWatcher(api, standin, asyncio.get_running_loop())
+    watcher = PodWatcher(api, standin, asyncio.get_running_loop(), frozenset(args.namespaces))
     watcher.start()
     print(f"READY {port}", flush=True)
     stop = asyncio.Event()

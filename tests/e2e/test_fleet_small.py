@@ -1,0 +1,58 @@
+"""A small fleet on the shared local cluster: the real operator fed by the stand-in.
+
+The same code path as ``slipstream bench fleet`` (:class:`FleetRun`), at a size
+the test cluster holds (its GPU nodes, a few services, five jobs): the operator
+(namespaced to the run's team namespaces, with its own service account) must
+bring every service to Ready, place every shard, and write statuses that match
+what the stand-in's fake sidecars hold and report. Correctness only: the
+timings it measures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from slipstream_cli.cluster import LocalCluster
+from slipstream_cli.fleet.clusterrun import FleetRun
+from slipstream_cli.fleet.workload import FleetPlan
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(os.environ.get("SLIPSTREAM_DATA", REPO.parent / "shared" / "data"))
+
+
+def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_path: Path) -> None:
+    gpus = cluster.config.nodes * cluster.config.gpus_per_node
+    services = max(2, min(10, gpus // 2 // 2))  # 2 replicas, half the GPUs at most
+    plan = FleetPlan(nodes=cluster.config.nodes, services=services, replicas=2, jobs=5,
+                     shards_per_job=12, services_per_namespace=max(1, services // 2),
+                     pool_size=2)
+    run = FleetRun(cluster, plan, tmp_path, data_dir=DATA,
+                   prefix=f"t-fleet-{uuid.uuid4().hex[:6]}", interval_s=1.0, bumps=2,
+                   bump_gap_s=1.0, clusterwide=False, timeout_s=300.0, lag_timeout_s=60.0)
+    try:
+        result = run.run()
+    finally:
+        run.cleanup()
+    print(json.dumps(result.to_dict(), indent=1))
+    checks = result.checks
+    assert checks["services_ready"] == plan.services
+    assert checks["ready_replicas"] == plan.pods
+    # Every shard was planned (one line each) and placed, and the services' offline
+    # columns count exactly the shards the fake sidecars hold.
+    assert checks["shards_total"] == checks["shards_assigned"] == plan.shards
+    assert checks["active_shards"] == plan.shards == result.standin["shards"]
+    assert result.standin["pods"] == plan.pods
+    assert result.standin["AssignShard"] >= plan.shards
+    assert result.standin["Configure"] >= plan.pods  # each pod got the budget pushed
+    # Two bumps of one online request per pod: every service's window shows 2 x replicas.
+    assert checks["samples"] == [2 * plan.replicas]
+    assert result.lag_timeouts == 0 and len(result.status_lags_s) == 2 * plan.services
+    assert checks["job_phases"] == ["Running"]
+    assert result.steady.api_rps > 0 and result.operator_rss_mb > 0
