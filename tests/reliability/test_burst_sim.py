@@ -38,13 +38,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from slipstream_cli.workloads import azure, mmlu
+from slipstream_cli.workloads import arxiv, azure, mmlu
 from slipstream_scheduler.engine.model import EngineConfig, StepResult
 from slipstream_scheduler.sim.simulator import (
     SimConfig,
     Simulator,
     full_step_s,
     profile_latency_model,
+    simulate,
 )
 from slipstream_scheduler.sim.workload import SimRequest, Workload, scale_rate, window
 from slipstream_scheduler.types import RequestClass
@@ -211,3 +212,21 @@ def test_offline_yields_within_one_iteration_and_burst_slo_vs_online_only() -> N
     # median TTFT stays within 1.5x of online-only serving's.
     assert hygen.attainment >= runs["online-only"].attainment - 0.05
     assert hygen.ttft_p50_s <= 1.5 * runs["online-only"].ttft_p50_s
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the admission planner predicts an offline request's whole prefill and admits it only "
+    "if that fits the budget; with the operator's budget for the example SLOs (54 ms) a long "
+    "prompt is never admitted, even on an idle engine, and its job stalls (reported to the "
+    "dispatcher/planner owners: chunk the prediction, or admit on an idle engine)",
+)
+def test_offline_with_long_prompts_runs_under_a_tight_budget() -> None:
+    engine = EngineConfig()
+    model = profile_latency_model(engine, seed=0)
+    offline = arxiv.load(limit=200)  # arXiv summarisation lengths: prompts up to 4k tokens
+    res = simulate(Workload((), offline, offline_backlog=True, horizon_s=30.0),
+                   SimConfig(engine=engine, policy="budget", budget_s=0.054), latency_model=model)
+    print(f"\nbudget 54 ms, idle engine, arXiv backlog: offline "
+          f"{res.metrics.offline.tokens_per_s:.1f} tok/s, {res.dispatcher.submitted} submitted")
+    assert res.metrics.offline.tokens_per_s > 0
