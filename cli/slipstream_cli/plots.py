@@ -56,18 +56,19 @@ def latency_cdfs(series: Mapping[str, Mapping[str, FloatArray]], path: Path, tit
 def throughput_timeline(timelines: Mapping[str, Timeline], path: Path, title: str) -> Path:
     """Online and offline tokens/s over time per label, against the online arrival rate."""
     fig, ax = plt.subplots(figsize=(11, 4.2))
-    arrivals_drawn = False
     ax2 = ax.twinx()
     for label, tl in timelines.items():
         t = np.arange(len(tl.online_tokens_per_s)) * tl.bin_s
         if any(tl.offline_tokens_per_s):
             ax.plot(t, tl.offline_tokens_per_s, label=f"{label}: offline tok/s", linewidth=1.2)
-        if not arrivals_drawn:
-            ax.plot(t, tl.online_tokens_per_s, label="online tok/s", color="black", linewidth=1.0)
-            ax2.fill_between(
-                t, tl.online_arrivals_per_s, color="tab:grey", alpha=0.2, label="online req/s"
-            )
-            arrivals_drawn = True
+    # The online load is the same for every label that serves it: draw it once.
+    ref = next((tl for tl in timelines.values() if any(tl.online_arrivals_per_s)), None)
+    if ref is not None:
+        t = np.arange(len(ref.online_tokens_per_s)) * ref.bin_s
+        ax.plot(t, ref.online_tokens_per_s, label="online tok/s", color="black", linewidth=1.0)
+        ax2.fill_between(
+            t, ref.online_arrivals_per_s, color="tab:grey", alpha=0.25, label="online req/s"
+        )
     ax.set_xlabel("time (s, virtual)")
     ax.set_ylabel("tokens/s")
     ax2.set_ylabel("online arrivals/s")

@@ -143,3 +143,20 @@ def test_ordering_queue_runs_and_reorders_online() -> None:
     # every online request produced exactly its real length, resumed or not
     assert m.online.output_tokens == sum(r.output_tokens for r in online)
     assert all(r.cls is RequestClass.ONLINE for r in online)
+
+
+def test_in_engine_mode_sizes_offline_chunks_to_the_budget() -> None:
+    from slipstream_scheduler.sim.inengine import BudgetedEngine
+    from slipstream_scheduler.sim.simulator import SimError, Simulator
+
+    cfg = SimConfig(
+        engine=ENGINE, policy="budget", budget_s=0.04, mode="in-engine", in_engine_offline_window=4
+    )
+    sim = Simulator(_workload(), cfg, latency_model=_model())
+    assert isinstance(sim.engine, BudgetedEngine)
+    m = sim.run().metrics
+    assert sim.engine.capped_tokens > 0
+    assert m.offline.tokens_per_s > 0
+    assert m.online.tbt.p99 < _run("naive").metrics.online.tbt.p99
+    with pytest.raises(SimError):
+        Simulator(_workload(), cfg.model_copy(update={"policy": "naive"}), latency_model=_model())

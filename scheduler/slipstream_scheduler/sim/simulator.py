@@ -15,9 +15,12 @@ Loop, per event::
 Named policies (:data:`POLICIES`) bind an admission policy of the planner
 (``slipstream_scheduler.admission``) to an offline order (FCFS or PSM).
 
-Deliberately left out: file I/O (workloads come in as values), wall-clock
-reads (the caller times the run), and the in-engine planner (see
-``slipstream_scheduler.sim.inengine``).
+``SimConfig.mode="in-engine"`` swaps in :class:`~slipstream_scheduler.sim.inengine.BudgetedEngine`
+(the budget applied per iteration inside the engine): what an engine plugin
+would add, reported beside the sidecar, never as a sidecar figure.
+
+Deliberately left out: file I/O (workloads come in as values) and wall-clock
+reads (the caller times the run).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from slipstream_scheduler.latency import LinearLatencyModel, fit
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.psm import PsmParams, PsmQueue
+from slipstream_scheduler.sim.inengine import BudgetedEngine
 from slipstream_scheduler.sim.metrics import Recorder, SimMetrics
 from slipstream_scheduler.sim.workload import SimRequest, Workload
 from slipstream_scheduler.types import BatchItem, Phase, RequestClass
@@ -109,6 +113,17 @@ class SimConfig(BaseModel):
     psm: PsmParams = Field(
         default_factory=lambda: PsmParams(block_size=1),
         description="PSM queue knobs (block_size 1: the trie is over 16-token block hashes).",
+    )
+    mode: Literal["sidecar", "in-engine"] = Field(
+        default="sidecar",
+        description="sidecar (default): the dispatcher in front of vLLM's scheduler, what "
+        "Slipstream ships. in-engine: the budget applied per iteration inside the engine "
+        "(what an engine plugin would add; budget policies only; never a sidecar figure).",
+    )
+    in_engine_offline_window: int = Field(
+        default=32,
+        ge=1,
+        description="in-engine mode: offline requests the dispatcher keeps in the engine.",
     )
     offline_order: Literal["fcfs", "psm"] | None = Field(
         default=None, description="Override the policy's offline order (None: the policy's)."
@@ -225,15 +240,33 @@ class Simulator:
         self.spec = spec
         self.workload = workload
         self.config = config
-        self.engine = EngineModel(config.engine, seed=config.seed)
         params: dict[str, Any] = dict(config.planner_params)
         if spec.admission == "static-cap":
             params.setdefault("max_offline_in_flight", config.static_cap)
         needs_model = ADMISSION_POLICIES[spec.admission].needs_latency_model
         if needs_model and latency_model is None:
             latency_model = profile_latency_model(config.engine, seed=config.seed)
+        admission = spec.admission
+        dispatcher_budget = config.budget_s if spec.admission == "budget" else None
+        self.engine: EngineModel
+        if config.mode == "in-engine":
+            if spec.admission != "budget" or config.budget_s is None or latency_model is None:
+                raise SimError("in-engine mode needs a budget policy and a budget", config.policy)
+            self.engine = BudgetedEngine(
+                config.engine,
+                config.seed,
+                latency_model=latency_model,
+                budget_s=config.budget_s,
+                offline_priority=config.dispatcher.offline_priority,
+            )
+            # The engine enforces the budget per iteration; the dispatcher only
+            # keeps a window of offline work in it.
+            admission, needs_model, dispatcher_budget = "static-cap", False, None
+            params = {"max_offline_in_flight": config.in_engine_offline_window}
+        else:
+            self.engine = EngineModel(config.engine, seed=config.seed)
         planner = build_planner(
-            spec.admission,
+            admission,
             params or None,
             latency_model=latency_model if needs_model else None,
             mode=PlannerMode.ADMISSION,
@@ -254,7 +287,7 @@ class Simulator:
             length_predictor=length_predictor,
             limits=config.engine.limits(),
             kv_blocks=self.engine.pool.num_blocks,
-            budget_s=config.budget_s if spec.admission == "budget" else None,
+            budget_s=dispatcher_budget,
         )
         self.recorder = Recorder()
         self._live: dict[str, _Live] = {}
@@ -445,7 +478,7 @@ class Simulator:
             metrics,
             disp.stats(),
             st,
-            disp.budget_s,
+            cfg.budget_s if cfg.mode == "in-engine" else disp.budget_s,
             self._offline_done_tokens,
         )
 
