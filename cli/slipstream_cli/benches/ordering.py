@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             gain = 1.0 - at["gittins"]["mean_ttlt_s"] / best_other
             verdict.append({"load": load, "gittins_vs_best_other_mean_ttlt": gain})
             console.print(
-                f"load {load}: Gittins mean TTLT {gain:+.1%} lower than the best other ordering"
+                f"load {load}: Gittins mean TTLT vs the best other: {gain:+.1%} (positive: lower)"
             )
     doc = {
         "schema": "slipstream.bench.ordering/v1",
