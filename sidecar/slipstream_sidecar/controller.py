@@ -10,7 +10,9 @@ offline request to abort to make room. This module only feeds it events on
 * the streams report ``progress`` / ``finished`` / ``failed`` / ``aborted``;
 * after every event a *pump* runs ``decide`` once per event-loop turn
   (coalesced: a burst of arrivals in one turn is planned once), resolves the
-  tickets it submits and fires the abort callbacks of the ones it aborts; a
+  tickets it submits and fires the abort callbacks of the ones it aborts, and
+  pumps again in the next turn while a decision submitted something and work
+  is still held (one decision looks at a bounded window of each queue); a
   ticker also pumps every ``tick_s`` while anything is held, for decisions
   that depend only on time (it sleeps on an event while nothing is held, so an
   idle sidecar does not wake 200 times a second).
@@ -264,6 +266,11 @@ class Controller:
             self.metrics.preemptions.labels(ticket.label).inc()
             if ticket._on_abort is not None:
                 ticket._on_abort()
+        if dec.submit and (self.held["online"] or self.held["offline"]):
+            # The dispatcher shows the planner at most ``lookahead`` requests per
+            # decision: plan again in the next loop turn rather than at the next
+            # stream event or tick (a burst of 256 arrivals would wait 8 ticks).
+            self._schedule_pump()
         if dec.submit or dec.abort:
             log.debug(
                 "dispatch: submit=%d abort=%d held=%s in_flight=%s",

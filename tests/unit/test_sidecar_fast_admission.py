@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from slipstream_scheduler.dispatcher import Incoming
@@ -87,3 +89,16 @@ async def test_no_estimate_when_kv_is_short() -> None:
         proxy.ratio.observe(400, 100)
     assert proxy._estimate_now({"prompt": "x" * 400, "max_tokens": 8}, 8) == (100, 8)
     assert proxy._estimate_now({"prompt": "x" * 4000, "max_tokens": 8}, 8) is None
+
+
+async def test_a_burst_beyond_one_decisions_window_is_granted_without_waiting_for_a_tick() -> None:
+    ctl = _controller(max_num_seqs=512)  # tick_s=1.0 and no ticker started: pumps only
+    lookahead = ctl.dispatcher.config.lookahead
+    tickets = [
+        ctl.register(Incoming(f"o{i}", RequestClass.ONLINE, 100, 8, 100.0))
+        for i in range(3 * lookahead + 5)
+    ]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert all(t._fut.done() for t in tickets)
+    assert ctl.held["online"] == 0 and ctl.in_flight["online"] == len(tickets)

@@ -16,8 +16,17 @@ all as subprocesses on loopback, and drives them with an aiohttp client:
 
 The client, the engine model and the sidecar share the machine's CPUs, so the
 added latency includes CPU contention; the direct path is the baseline measured
-in the same run. Timings are printed and written (``--json``), never asserted.
-uvloop is used by the sidecar only if it is installed.
+in the same run. To separate the sidecar's own cost from contention, every
+block also records the CPU seconds each process spent (``/proc``), reported as
+CPU milliseconds per request of the engine and of the path's sidecar;
+``--pin`` puts the engine on the first CPU and the sidecars and the client on
+the last (``os.sched_setaffinity``; on a shared host this separates them from
+each other, not from other work). ``--baseline-sidecar DIR`` adds one more
+path, a sidecar whose package is imported from ``DIR`` first on
+``PYTHONPATH`` (an older checkout's ``sidecar/``), so before/after comparisons
+come from one run. The order of the paths rotates from block to block.
+Timings are printed and written (``--json``), never asserted. uvloop is used
+by the sidecar only if it is installed.
 
 Deliberately left out: offline work (``bench colocation`` measures SLOs under
 co-location); this measures the proxy path alone.
@@ -52,13 +61,27 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="requests per stream and block (default 3)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="alternating blocks per path (default 2)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="requests per stream and block (default 3)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="alternating blocks per path (default 2)"
+    )
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--rps-seconds", type=float, default=5.0)
     parser.add_argument("--gpu", default="a100")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="engine on the first CPU, sidecars and client on the last",
+    )
+    parser.add_argument(
+        "--baseline-sidecar",
+        type=Path,
+        default=None,
+        help="also run a sidecar imported from this directory (path "
+        "'sidecar_baseline', tokenize mode)",
+    )
 
 
 def _data_dir() -> Path:
@@ -76,11 +99,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
+def _start(
+    args: list[str], url: str, log: Path, pythonpath: Path | None = None
+) -> subprocess.Popen[bytes]:
+    env = None
+    if pythonpath is not None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p
+        )
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "slipstream_cli.main", *args],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
         )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -115,15 +149,21 @@ async def _stream_one(session: aiohttp.ClientSession, url: str, body: bytes) -> 
     return Sample(ttft if ttft is not None else e2e, e2e)
 
 
-async def _closed_loop(base: str, bodies: list[bytes], concurrency: int, per_stream: int,
-                       session: aiohttp.ClientSession) -> list[Sample]:
+async def _closed_loop(
+    base: str,
+    bodies: list[bytes],
+    concurrency: int,
+    per_stream: int,
+    session: aiohttp.ClientSession,
+) -> list[Sample]:
     url = base + "/v1/completions"
     samples: list[Sample] = []
 
     async def worker(k: int) -> None:
         for j in range(per_stream):
-            samples.append(await _stream_one(session, url, bodies[(k * per_stream + j)
-                                                                  % len(bodies)]))
+            samples.append(
+                await _stream_one(session, url, bodies[(k * per_stream + j) % len(bodies)])
+            )
 
     await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return samples
@@ -134,17 +174,23 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def _summary(samples: list[Sample]) -> dict[str, float]:
+def _summary(samples: list[Sample]) -> dict[str, Any]:
     ttft = [s.ttft_s * 1e3 for s in samples]
     e2e = [s.e2e_s * 1e3 for s in samples]
-    return {"n": len(samples), "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
-            "e2e_p50_ms": _pct(e2e, 0.5), "e2e_p99_ms": _pct(e2e, 0.99),
-            "ttft_mean_ms": statistics.fmean(ttft)}
+    return {
+        "n": len(samples),
+        "ttft_p50_ms": _pct(ttft, 0.5),
+        "ttft_p99_ms": _pct(ttft, 0.99),
+        "e2e_p50_ms": _pct(e2e, 0.5),
+        "e2e_p99_ms": _pct(e2e, 0.99),
+        "ttft_mean_ms": statistics.fmean(ttft),
+    }
 
 
 async def _rps(base: str, seconds: float, clients: int, session: aiohttp.ClientSession) -> float:
-    body = json.dumps({"model": MODEL, "prompt": "Say yes.", "max_tokens": 1,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Say yes.", "max_tokens": 1, "ignore_eos": True}
+    ).encode()
     url = base + "/v1/completions"
     done = 0
     stop = time.perf_counter() + seconds
@@ -152,8 +198,9 @@ async def _rps(base: str, seconds: float, clients: int, session: aiohttp.ClientS
     async def worker() -> None:
         nonlocal done
         while time.perf_counter() < stop:
-            async with session.post(url, data=body,
-                                    headers={"Content-Type": "application/json"}) as r:
+            async with session.post(
+                url, data=body, headers={"Content-Type": "application/json"}
+            ) as r:
                 await r.read()
                 if r.status == 200:
                     done += 1
@@ -163,10 +210,31 @@ async def _rps(base: str, seconds: float, clients: int, session: aiohttp.ClientS
     return done / (time.perf_counter() - t0)
 
 
-async def _measure(args: argparse.Namespace, paths: dict[str, str]) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(
+    args: argparse.Namespace, paths: dict[str, str], pids: dict[str, int]
+) -> dict[str, Any]:
     prompts = _prompts(512)
-    bodies = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": args.output_tokens,
-                          "ignore_eos": True, "stream": True}).encode() for p in prompts]
+    bodies = [
+        json.dumps(
+            {
+                "model": MODEL,
+                "prompt": p,
+                "max_tokens": args.output_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
+        for p in prompts
+    ]
     conn = aiohttp.TCPConnector(limit=0)
     results: dict[str, Any] = {"concurrency": {}}
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(600)) as s:
@@ -176,11 +244,23 @@ async def _measure(args: argparse.Namespace, paths: dict[str, str]) -> dict[str,
                 await _closed_loop(base, bodies, 8, 2, s)
         for c in args.concurrency:
             per: dict[str, list[Sample]] = {name: [] for name in paths}
+            cpu: dict[str, dict[str, float]] = {n: dict.fromkeys(pids, 0.0) for n in paths}
             per_stream = max(args.rounds, 40 // c)
-            for _ in range(args.repeats):
-                for name, base in paths.items():
-                    per[name] += await _closed_loop(base, bodies, c, per_stream, s)
-            summ = {name: _summary(v) for name, v in per.items()}
+            names = list(paths)
+            for rep in range(args.repeats):
+                k = rep % len(names)
+                for name in names[k:] + names[:k]:
+                    before = {p: _cpu_s(pid) for p, pid in pids.items()}
+                    per[name] += await _closed_loop(paths[name], bodies, c, per_stream, s)
+                    for p, pid in pids.items():
+                        cpu[name][p] += _cpu_s(pid) - before[p]
+            summ: dict[str, dict[str, Any]] = {name: _summary(v) for name, v in per.items()}
+            for name, v in summ.items():
+                v["cpu_ms_per_request"] = {
+                    p: 1e3 * t / len(per[name])
+                    for p, t in cpu[name].items()
+                    if p in (name, "engine")
+                }
             d = summ["direct"]
             row: dict[str, Any] = {"paths": summ}
             for name in paths:
@@ -190,43 +270,112 @@ async def _measure(args: argparse.Namespace, paths: dict[str, str]) -> dict[str,
                 row[name] = {
                     f"added_{m}_ms": v[f"{m}_ms"] - d[f"{m}_ms"]
                     for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
-                } | {f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"]
-                     for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")}
+                } | {
+                    f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"]
+                    for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+                }
             results["concurrency"][str(c)] = row
-            print(f"concurrency {c}: " + ", ".join(
-                f"{n} ttft p50/p99 {v['ttft_p50_ms']:.2f}/{v['ttft_p99_ms']:.2f} ms"
-                for n, v in summ.items()), flush=True)
+            print(
+                f"concurrency {c}: "
+                + ", ".join(
+                    f"{n} ttft p50/p99 {v['ttft_p50_ms']:.2f}/{v['ttft_p99_ms']:.2f} ms"
+                    for n, v in summ.items()
+                ),
+                flush=True,
+            )
         results["direct_max_rps"] = await _rps(paths["direct"], args.rps_seconds, 64, s)
         results["max_rps"] = await _rps(paths["sidecar"], args.rps_seconds, 64, s)
-        print(f"max rps: sidecar {results['max_rps']:.0f}, direct "
-              f"{results['direct_max_rps']:.0f}", flush=True)
+        if "sidecar_baseline" in paths:
+            results["baseline_max_rps"] = await _rps(
+                paths["sidecar_baseline"], args.rps_seconds, 64, s
+            )
+        print(
+            f"max rps: sidecar {results['max_rps']:.0f}, direct {results['direct_max_rps']:.0f}",
+            flush=True,
+        )
     return results
 
 
 def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="slipstream-bench-sidecar-"))
     procs: list[subprocess.Popen[bytes]] = []
+    pids: dict[str, int] = {}
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = {"engine": [cpus[0]], "sidecars": [cpus[-1]], "client": [cpus[-1]]}
     try:
         ep = _free_port()
         engine_url = f"http://127.0.0.1:{ep}"
-        procs.append(_start(
-            ["engine", "--port", str(ep), "--model", MODEL, "--gpu", args.gpu,
-             "--scheduling-policy", "priority", "--max-num-seqs", "512",
-             "--max-num-batched-tokens", "8192", "--kv-blocks", "65536", "--noise-cv", "0"],
-            engine_url, tmp / "engine.log"))
+        procs.append(
+            _start(
+                [
+                    "engine",
+                    "--port",
+                    str(ep),
+                    "--model",
+                    MODEL,
+                    "--gpu",
+                    args.gpu,
+                    "--scheduling-policy",
+                    "priority",
+                    "--max-num-seqs",
+                    "512",
+                    "--max-num-batched-tokens",
+                    "8192",
+                    "--kv-blocks",
+                    "65536",
+                    "--noise-cv",
+                    "0",
+                ],
+                engine_url,
+                tmp / "engine.log",
+            )
+        )
+        pids["engine"] = procs[-1].pid
         paths = {"direct": engine_url}
-        for name, mode in (("sidecar", "tokenize"), ("sidecar_estimate", "estimate")):
+        sidecars: list[tuple[str, str, Path | None]] = [
+            ("sidecar", "tokenize", None),
+            ("sidecar_estimate", "estimate", None),
+        ]
+        if args.baseline_sidecar is not None:
+            sidecars.append(("sidecar_baseline", "tokenize", args.baseline_sidecar.resolve()))
+        for name, mode, pythonpath in sidecars:
             hp = _free_port()
             url = f"http://127.0.0.1:{hp}"
-            procs.append(_start(
-                ["sidecar", "--engine", engine_url, "--http-port", str(hp),
-                 "--grpc-port", str(_free_port()), "--max-num-seqs", "512",
-                 "--max-num-batched-tokens", "8192", "--kv-blocks", "65536",
-                 "--online-prompt-tokens", mode],
-                url, tmp / f"{name}.log"))
+            procs.append(
+                _start(
+                    [
+                        "sidecar",
+                        "--engine",
+                        engine_url,
+                        "--http-port",
+                        str(hp),
+                        "--grpc-port",
+                        str(_free_port()),
+                        "--max-num-seqs",
+                        "512",
+                        "--max-num-batched-tokens",
+                        "8192",
+                        "--kv-blocks",
+                        "65536",
+                        "--online-prompt-tokens",
+                        mode,
+                    ],
+                    url,
+                    tmp / f"{name}.log",
+                    pythonpath,
+                )
+            )
             paths[name] = url
-        results = asyncio.run(_measure(args, paths))
+            pids[name] = procs[-1].pid
+        if args.pin:
+            os.sched_setaffinity(pids["engine"], pinned["engine"])
+            for name, _, _ in sidecars:
+                os.sched_setaffinity(pids[name], pinned["sidecars"])
+            os.sched_setaffinity(0, pinned["client"])
+        results = asyncio.run(_measure(args, paths, pids))
     finally:
+        if args.pin:
+            os.sched_setaffinity(0, cpus)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -242,22 +391,52 @@ def run(args: argparse.Namespace) -> int:
         "added_e2e_p50_ms": {c: conc[c]["sidecar"]["added_e2e_p50_ms"] for c in conc},
         "added_e2e_p99_ms": {c: conc[c]["sidecar"]["added_e2e_p99_ms"] for c in conc},
         "ratio_ttft_p99": {c: conc[c]["sidecar"]["ratio_ttft_p99"] for c in conc},
+        "baseline": {
+            "added_ttft_p50_ms": {
+                c: conc[c]["sidecar_baseline"]["added_ttft_p50_ms"] for c in conc
+            },
+            "added_ttft_p99_ms": {
+                c: conc[c]["sidecar_baseline"]["added_ttft_p99_ms"] for c in conc
+            },
+            "max_rps": results.get("baseline_max_rps"),
+        }
+        if args.baseline_sidecar is not None
+        else None,
         "max_rps": results["max_rps"],
         "direct_max_rps": results["direct_max_rps"],
         "estimate_mode": {
-            "added_ttft_p50_ms": {c: conc[c]["sidecar_estimate"]["added_ttft_p50_ms"]
-                                  for c in conc},
-            "added_ttft_p99_ms": {c: conc[c]["sidecar_estimate"]["added_ttft_p99_ms"]
-                                  for c in conc},
+            "added_ttft_p50_ms": {
+                c: conc[c]["sidecar_estimate"]["added_ttft_p50_ms"] for c in conc
+            },
+            "added_ttft_p99_ms": {
+                c: conc[c]["sidecar_estimate"]["added_ttft_p99_ms"] for c in conc
+            },
+        },
+        "cpu_ms_per_request": {
+            c: {name: v["cpu_ms_per_request"] for name, v in conc[c]["paths"].items()} for c in conc
         },
         "detail": conc,
-        "setup": {"engine": f"{MODEL} on {args.gpu} (engine model)", "cpus": os.cpu_count(),
-                  "output_tokens": args.output_tokens, "rounds": args.rounds,
-                  "repeats": args.repeats, "uvloop": _has_uvloop(),
-                  "load_average_1m_at_end": os.getloadavg()[0]},
+        "setup": {
+            "engine": f"{MODEL} on {args.gpu} (engine model)",
+            "cpus": os.cpu_count(),
+            "output_tokens": args.output_tokens,
+            "rounds": args.rounds,
+            "repeats": args.repeats,
+            "uvloop": _has_uvloop(),
+            "pinned": pinned if args.pin else None,
+            "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
+            "load_average_1m_at_end": os.getloadavg()[0],
+        },
     }
-    print(json.dumps({k: out[k] for k in ("added_ttft_p50_ms", "added_ttft_p99_ms",
-                                          "max_rps", "direct_max_rps")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: out[k]
+                for k in ("added_ttft_p50_ms", "added_ttft_p99_ms", "max_rps", "direct_max_rps")
+            },
+            indent=1,
+        )
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
@@ -266,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _has_uvloop() -> bool:
     try:
-        import uvloop  # type: ignore[import-not-found]  # noqa: F401
+        import uvloop  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
     except ImportError:
         return False
     return True
