@@ -13,7 +13,8 @@ import pytest
 
 # The cluster fixtures are a plugin module; listed only once it exists so the
 # other tiers run on a checkout without it.
-pytest_plugins = ["fixtures.cluster"] if (Path(__file__).parent / "fixtures" / "cluster.py").exists() else []
+_HAS_CLUSTER_FIXTURES = (Path(__file__).parent / "fixtures" / "cluster.py").exists()
+pytest_plugins = ["fixtures.cluster"] if _HAS_CLUSTER_FIXTURES else []
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +28,9 @@ def data_dir() -> Path:
 def shared_data() -> Path:
     path = data_dir()
     if not path.is_dir():
-        pytest.fail(f"real data folder {path} is missing: set SLIPSTREAM_DATA or check out ../shared")
+        pytest.fail(
+            f"real data folder {path} is missing: set SLIPSTREAM_DATA or check out ../shared"
+        )
     return path
 
 
