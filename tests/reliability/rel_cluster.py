@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from integration.helpers_procs import MODEL, SLIPSTREAM, Proc, engine_proc
 from kubernetes import client, config
 
+from integration.helpers_procs import MODEL, SLIPSTREAM, Proc, engine_proc
 from slipstream_cli.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]

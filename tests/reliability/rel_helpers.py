@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from integration.helpers_procs import MODEL, Proc, bearer, engine_proc, sidecar_proc
 
+from integration.helpers_procs import MODEL, Proc, bearer, engine_proc, sidecar_proc
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 
 TOKEN = "reliability-secret-token-7f3a9c"  # distinctive, so the log-hygiene test can grep for it

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration.helpers_procs import MODEL
 from rel_helpers import RelStack, assign, records, start_rel_stack, wait_done
 
+from integration.helpers_procs import MODEL
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 
 pytestmark = pytest.mark.integration

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from integration.helpers_procs import MODEL, bearer
 from rel_helpers import (
     TOKEN,
     RelStack,
@@ -40,6 +39,7 @@ from rel_helpers import (
     wait_done,
 )
 
+from integration.helpers_procs import MODEL, bearer
 from slipstream_scheduler.storage_scope import ScopeError, check_uri
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 

@@ -31,8 +31,9 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from integration.helpers_procs import MODEL, SLIPSTREAM
 from rel_helpers import assign, records, start_rel_stack, wait_done
+
+from integration.helpers_procs import MODEL, SLIPSTREAM
 
 pytestmark = pytest.mark.integration
 

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration.helpers_procs import MODEL
 from rel_cluster import World, kubectl, mmlu_job_input, start_world
 
+from integration.helpers_procs import MODEL
 from slipstream_cli.cluster import LocalCluster
 from slipstream_cli.faults import ControlPlane, Fault, FaultPlan, plan_faults
 

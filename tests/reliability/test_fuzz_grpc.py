@@ -32,7 +32,6 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from integration.helpers_procs import MODEL, bearer
 from rel_helpers import (
     TOKEN,
     RelStack,
@@ -42,6 +41,7 @@ from rel_helpers import (
     start_rel_stack,
 )
 
+from integration.helpers_procs import MODEL, bearer
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 
 pytestmark = pytest.mark.integration

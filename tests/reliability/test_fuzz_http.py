@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from integration.helpers_procs import MODEL
 from rel_helpers import (
     RawResult,
     RelStack,
@@ -42,6 +41,8 @@ from rel_helpers import (
     raw_exchange,
     start_rel_stack,
 )
+
+from integration.helpers_procs import MODEL
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import grpc
 import pytest
-from integration.helpers_procs import MODEL, SLIPSTREAM, bearer
 from rel_helpers import (
     TOKEN,
     RelStack,
@@ -39,6 +38,7 @@ from rel_helpers import (
     wait_done,
 )
 
+from integration.helpers_procs import MODEL, SLIPSTREAM, bearer
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 
 pytestmark = pytest.mark.integration
