@@ -39,7 +39,10 @@ T = TypeVar("T")
 
 
 def port_free(host: str, port: int) -> bool:
+    """Nobody listens on ``host:port`` (SO_REUSEADDR: recent connections in TIME_WAIT are fine,
+    as they are for the servers, which set it too)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -160,25 +163,30 @@ def start_world(cluster: LocalCluster, namespace: str, tmp: Path,
         raw = (secret.data or {}).get("token")
         return base64.b64decode(raw).decode() if raw else None
 
-    ips = eventually("two running pods", running)
-    (tmp / "token").write_text(eventually("the control token", token))
-    api.close()
-    for i, ip in enumerate(ips):
-        assert ip.startswith(("127.1.118.", "127.1.119.")), f"pod IP {ip}: not our nodes"
-        for port in (8000, 9000):
-            assert port_free(ip, port), f"{ip}:{port} is taken by another test's process"
-        engine = engine_proc(tmp, name=f"engine-{i}", seed=i, mean_output_tokens=16,
-                             max_num_seqs=64).start()
-        sidecar = PodProc(
-            f"sidecar-{i}",
-            [*SLIPSTREAM, "sidecar", "--engine", engine.url, "--host", ip, "--http-port", "8000",
-             "--grpc-port", "9000", "--auth-token-file", str(tmp / "token"), "--state-dir",
-             str(tmp / f"state-{i}"), "--max-num-seqs", "64", "--kv-blocks", "4096",
-             "--online-prompt-tokens", "estimate"],
-            tmp / f"sidecar-{i}.log", 8000, host=ip,
-        )
-        sidecar.start()
-        world.pods.append(Pod(ip, engine, sidecar))
+    try:
+        ips = eventually("two running pods", running)
+        (tmp / "token").write_text(eventually("the control token", token))
+        api.close()
+        for i, ip in enumerate(ips):
+            assert ip.startswith(("127.1.118.", "127.1.119.")), f"pod IP {ip}: not our nodes"
+            for port in (8000, 9000):
+                assert port_free(ip, port), f"{ip}:{port} is taken by another test's process"
+            engine = engine_proc(tmp, name=f"engine-{i}", seed=i, mean_output_tokens=16,
+                                 max_num_seqs=64).start()
+            sidecar = PodProc(
+                f"sidecar-{i}",
+                [*SLIPSTREAM, "sidecar", "--engine", engine.url, "--host", ip,
+                 "--http-port", "8000", "--grpc-port", "9000",
+                 "--auth-token-file", str(tmp / "token"), "--state-dir",
+                 str(tmp / f"state-{i}"), "--max-num-seqs", "64", "--kv-blocks", "4096",
+                 "--online-prompt-tokens", "estimate"],
+                tmp / f"sidecar-{i}.log", 8000, host=ip,
+            )
+            world.pods.append(Pod(ip, engine, sidecar))  # stopped by world.stop() from here on
+            sidecar.start()
+    except BaseException:
+        world.stop()
+        raise
     return world
 
 
