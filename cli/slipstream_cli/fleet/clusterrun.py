@@ -481,17 +481,17 @@ class FleetRun:
         try:
             yield
         finally:
+            # Newest first, each waited for: the operator stops before the fake pods vanish.
             for proc in reversed(self._procs):
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGTERM)
-            for proc in reversed(self._procs):
-                if proc.stdout is not None:
-                    proc.stdout.close()
                 try:
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
+                if proc.stdout is not None:
+                    proc.stdout.close()
             self._procs.clear()
 
     def cleanup(self) -> None:
