@@ -140,6 +140,7 @@ class FleetResult:
     operator_rss_mb: float
     operator_hwm_mb: float
     standin: dict[str, int] = field(default_factory=dict)
+    standin_cpu_cores: float = 0.0  # the stand-in's own CPU over the steady phase
     checks: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -171,6 +172,7 @@ class FleetResult:
             "ramp": asdict(self.ramp),
             "steady": asdict(self.steady),
             "standin": self.standin,
+            "standin_cpu_cores": self.standin_cpu_cores,
         }
 
 
@@ -217,6 +219,7 @@ class FleetRun:
         self.namespaces = namespace_names(plan, prefix)
         self._procs: list[subprocess.Popen[bytes]] = []
         self.standin_port = 0
+        self._standin_proc: subprocess.Popen[bytes] | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -316,6 +319,7 @@ class FleetRun:
             for ns in self.namespaces:
                 argv += ["-n", ns]
         proc = self._spawn("standin", argv)
+        self._standin_proc = proc
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()
         if not line.startswith("READY "):
@@ -444,8 +448,11 @@ class FleetRun:
             shards_s = self._wait("shards placed", self._shards_placed, started)
             ready_s = max(services_s, shards_s)
             p1, a1 = proc_sample(operator.pid), self._api_counts()
+            assert self._standin_proc is not None
+            s1 = proc_sample(self._standin_proc.pid)
             lags, timeouts = self._lags()
             p2, a2 = proc_sample(operator.pid), self._api_counts()
+            s2 = proc_sample(self._standin_proc.pid)
             checks = self._checks()
             standin = {k: int(v) for k, v in self._standin("GET", "/totals").items()}
         return FleetResult(
@@ -454,6 +461,7 @@ class FleetRun:
             status_lags_s=tuple(lags), lag_timeouts=timeouts,
             ramp=Phase.between(p0, p1, a0, a1), steady=Phase.between(p1, p2, a1, a2),
             operator_rss_mb=p2.rss_mb, operator_hwm_mb=p2.hwm_mb, standin=standin,
+            standin_cpu_cores=round((s2.cpu_s - s1.cpu_s) / max(s2.at_s - s1.at_s, 1e-9), 3),
             checks=checks,
         )
 
