@@ -481,15 +481,13 @@ class TwoPhasePlanner:
                 admitted.append(Admission(q.request_id, first))
 
         bounded = model is not None and budget < _INF
-        if (
-            bounded
-            and model is not None
-            and online_present
-            and may_preempt
-            and model.predict_features(f.minus(f_off)) <= budget
-        ):
-            # NOTE: only when online work alone fits; otherwise preempting cannot help.
-            while model.predict_features(f) > budget:
+        if bounded and model is not None and online_present and may_preempt:
+            # Offline work never takes the predicted peak over the budget: preempt
+            # offline requests until the peak fits, or until none is left when the
+            # online work alone exceeds the budget (an online prefill chunk): every
+            # offline token in that step would delay the online request further.
+            limit = max(budget, model.predict_features(f.minus(f_off)))
+            while f_off.tokens and model.predict_features(f) > limit:
                 if not preempt_one():
                     break
 

@@ -23,7 +23,7 @@ from slipstream_scheduler.latency import FeatureSet, LinearLatencyModel
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.psm import PsmParams, PsmQueue
 from slipstream_scheduler.sim.workload import unique_block_hashes
-from slipstream_scheduler.types import EngineLimits, RequestClass
+from slipstream_scheduler.types import BatchItem, EngineLimits, Phase, RequestClass
 
 pytestmark = pytest.mark.unit
 
@@ -238,3 +238,66 @@ def test_fifo_queue_reinserts_at_old_place() -> None:
     q.take("a", 0.0)
     q.push(_inc("a", OFF))
     assert q.head(3, 0.0) == ["a", "b", "c"]
+
+
+def _idle_disp(budget: float, idle: float = 0.060) -> Dispatcher:
+    # Online budget ``budget``; ``idle`` while no online request is held or in flight.
+    return _disp("budget", budget=budget, cfg=DispatcherConfig(idle_budget_s=idle))
+
+
+def test_offline_fills_the_idle_budget_while_no_online_request_is_in_flight() -> None:
+    d = _idle_disp(0.010, idle=0.030)
+    for i in range(8):
+        d.arrive(_inc(f"off{i}", OFF, prompt=500), float(i))
+    # each offline request: a 500-token chunk (10 ms) + one decode; the 10 ms
+    # budget admits none, the 30 ms idle budget admits (30 - 5) // 10.05 = 2
+    assert [s.request_id for s in d.decide(8.0).submit] == ["off0", "off1"]
+    assert not d.decide(8.0)
+    # with an online request held the online budget applies again: nothing more
+    d.arrive(_inc("on1", ON, prompt=100), 9.0)
+    dec = d.decide(9.0)
+    assert [s.request_id for s in dec.submit] == ["on1"]
+    assert all(a.reason == "preempt" for a in dec.abort)
+
+
+def test_online_arrival_preempts_offline_until_the_next_step_fits_the_budget() -> None:
+    model = _model()
+    d = _idle_disp(0.00712)
+    for i in range(4):
+        d.arrive(_inc(f"off{i}", OFF, prompt=500), float(i))
+    assert len(d.decide(4.0).submit) == 4
+    d.progress("off0", 5, 5.0)  # off0, off1 decode; off2, off3 still in prefill
+    d.progress("off1", 5, 5.0)
+    d.arrive(_inc("on1", ON, prompt=100), 6.0)
+    dec = d.decide(6.0)
+    assert [s.request_id for s in dec.submit] == ["on1"]
+    # latest arrival first, until the predicted peak fits: both prefills go,
+    # then off1's decode; off0's decode fits and stays
+    assert dec.abort == tuple(Abort(f"off{i}", "preempt") for i in (3, 2, 1))
+    kept = [BatchItem(Phase.PREFILL, 100, 0), BatchItem(Phase.DECODE, 1, 100)]
+    kept.append(BatchItem(Phase.DECODE, 1, 505))
+    assert model.predict(kept) <= 0.00712 < model.predict([*kept, BatchItem(Phase.DECODE, 1, 505)])
+    for a in dec.abort:
+        d.aborted(a.request_id, 6.0)
+    # nothing produced is lost: off1 keeps its 5 tokens and resumes from them
+    assert d.request_state("off1") == (False, 5, 1)
+    assert d.request_state("off0") == (True, 5, 0)
+    d.progress("on1", 1, 7.0)
+    d.finished("on1", 50, 8.0)
+    resumed = d.decide(8.0).submit
+    assert Submit("off1", 100, 5) in resumed
+    assert {s.request_id for s in resumed} == {"off1", "off2", "off3"}
+
+
+def test_online_prefill_over_the_budget_preempts_every_offline_request() -> None:
+    d = _idle_disp(0.00712)
+    for i in range(3):
+        d.arrive(_inc(f"off{i}", OFF, prompt=500), float(i))
+    assert len(d.decide(3.0).submit) == 3
+    for i in range(3):
+        d.progress(f"off{i}", 2, 4.0)
+    # a 1000-token online prefill alone predicts 25 ms, over the 7.12 ms budget
+    d.arrive(_inc("on1", ON, prompt=1000), 5.0)
+    dec = d.decide(5.0)
+    assert [s.request_id for s in dec.submit] == ["on1"]
+    assert {a.request_id for a in dec.abort} == {"off0", "off1", "off2"}

@@ -300,9 +300,12 @@ def test_admission_mode_preempts_offline_when_online_overruns_the_budget() -> No
     kept = 40 - len(plan.preempted)
     peak = [BatchItem(Phase.PREFILL, 500, 0), BatchItem(Phase.DECODE, 1, 500)]
     assert MODEL.predict(peak + [BatchItem(Phase.DECODE, 1, 500)] * (kept + 1)) > 0.0315
-    # When online work alone is over budget, preempting cannot help: nobody is.
+    # When online work alone is over budget (its prefill chunk), every offline
+    # request goes: each would only lengthen the online request's step.
     over = planner.plan(replace(s, budget_s=0.02))
-    assert ids(over.admitted) == ["on-1"] and over.preempted == ()
+    assert ids(over.admitted) == ["on-1"]
+    assert sorted(over.preempted) == sorted(f"off-{i}" for i in range(40))
+    assert over.predicted_step_s == pytest.approx(MODEL.predict(peak))
     # Without online work nobody is preempted either.
     idle = planner.plan(replace(s, online_queue=(), budget_s=0.001))
     assert idle.preempted == ()

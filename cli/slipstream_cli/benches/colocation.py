@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="more loads to report (busy fractions); none: only the target",
     )
     parser.add_argument("--policies", nargs="*", default=list(ORDER), help="subset to run")
+    parser.add_argument(
+        "--no-idle-search",
+        action="store_true",
+        help="budget policies: HyGen's single budget only (no idle budget searched); "
+        "the 'before' configuration of docs/benchmarks/colocation.md",
+    )
 
 
 def _online(
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             slos=slos,
             seed=args.seed,
             idle_budget_s=args.idle_budget,
+            search_idle=not args.no_idle_search,
             label=args.trace or "azure-conv-dev",
         )
         rows: list[dict[str, Any]] = []
@@ -134,17 +141,25 @@ def run(args: argparse.Namespace) -> int:
         with RichProgress(console) as bar:
             scn.progress = bar
             found: float | None = None
+            found_idle: float | None = None
             for pol in [p for p in ORDER if p in args.policies]:
                 # NOTE: budget-psm reuses the budget profiled for budget (same
                 # trace, SLOs and engine; arXiv prompts share no prefix), which
                 # halves the benchmark's test runs.
-                reuse = found if pol == "budget-psm" else None
-                pr = run_policy(scn, pol, budget_s=reuse)
+                psm = pol == "budget-psm"
+                pr = run_policy(
+                    scn,
+                    pol,
+                    budget_s=found if psm else None,
+                    idle_budget_s=found_idle if psm else None,
+                )
                 if pol == "budget":
-                    found = pr.budget_s
+                    found, found_idle = pr.budget_s, pr.idle_budget_s
                 rows.append(summary_row(pr, scn))
                 if pr.search is not None:
                     searches[pol] = search_doc(pr.search)
+                if pr.idle_search is not None:
+                    searches[f"{pol}:idle"] = search_doc(pr.idle_search)
                 if li == 0:
                     s = pr.result.metrics.samples
                     if pol != "offline-only":
@@ -183,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         "gpu": args.gpu,
         "long_prefill_tokens": args.long_prefill_tokens,
         "idle_budget_s": args.idle_budget,
+        "idle_search": not args.no_idle_search,
         "offline": args.offline,
         "slos": [str(s) for s in slos],
         "rate_scale": loads[0][1],

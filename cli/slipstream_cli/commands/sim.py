@@ -120,6 +120,7 @@ class Scenario:
     slos: tuple[Slo, ...] = ()
     seed: int = 0
     idle_budget_s: float | None = None
+    search_idle: bool = False  # budget policies: also profile the idle budget (two-knob search)
     backlog: bool = True
     label: str = ""
     profile_window_s: float = 300.0
@@ -151,8 +152,10 @@ class Scenario:
         online: tuple[SimRequest, ...] | None = None,
         horizon: float | None = None,
         tag: str = "",
+        idle_budget_s: float | None = None,
     ) -> SimResult:
-        key = (policy, budget_s, static_cap, id(online), horizon, self.idle_budget_s)
+        idle = self.idle_budget_s if idle_budget_s is None else idle_budget_s
+        key = (policy, budget_s, static_cap, id(online), horizon, idle)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -170,7 +173,7 @@ class Scenario:
             seed=self.seed,
             ttft_target_s=ttft,
             tbt_target_s=tbt,
-            dispatcher=DispatcherConfig(idle_budget_s=self.idle_budget_s),
+            dispatcher=DispatcherConfig(idle_budget_s=idle),
         )
         wl = self.workload(online, horizon)
         span = wl.horizon_s or (wl.end_of_arrivals_s or 1.0)
@@ -203,6 +206,8 @@ class PolicyRun:
     static_cap: int | None
     search: SearchResult | None
     wall_s: float
+    idle_budget_s: float | None = None
+    idle_search: SearchResult | None = None
 
     def checks(self, scenario: Scenario) -> list[dict[str, Any]]:
         base = (
@@ -244,13 +249,45 @@ def search_static_cap(scn: Scenario, hi: int = 64) -> SearchResult:
     )
 
 
-def search_policy_budget(scn: Scenario, policy: str) -> SearchResult:
-    """HyGen's profiler: the largest per-iteration budget meeting every SLO on the scenario."""
+def search_policy_budget(
+    scn: Scenario, policy: str, *, idle_budget_s: float | None = None
+) -> SearchResult:
+    """HyGen's profiler: the largest per-iteration budget meeting every SLO on the scenario.
+
+    ``idle_budget_s`` (when given) is held fixed for every trial.
+    """
     model = scn.model()
     lo, hi = online_only_step_s(scn.engine, model), full_step_s(scn.engine, model)
     base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
     return search_budget(
-        lambda b: scn.run(policy, budget_s=b, tag=f" budget={b * 1000:.1f}ms").observed(),
+        lambda b: scn.run(
+            policy, budget_s=b, idle_budget_s=idle_budget_s, tag=f" budget={b * 1000:.1f}ms"
+        ).observed(),
+        scn.slos,
+        lo,
+        hi,
+        baseline=base,
+        iterations=7,
+    )
+
+
+def search_idle_budget(scn: Scenario, policy: str) -> SearchResult:
+    """The largest idle budget meeting every SLO, the online budget held at its safe end.
+
+    First knob of the two-knob search (``docs/benchmarks/colocation.md``): the
+    online budget is fixed at the low end of the budget range (a small
+    decode-only step, so almost no offline work shares a step with online
+    work) and the idle budget, which bounds the step an arriving online
+    request may find in progress, is bisected between that and a full
+    token-cap prefill step. The TTFT SLO usually governs it.
+    """
+    model = scn.model()
+    lo, hi = online_only_step_s(scn.engine, model), full_step_s(scn.engine, model)
+    base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
+    return search_budget(
+        lambda b: scn.run(
+            policy, budget_s=lo, idle_budget_s=b, tag=f" idle={b * 1000:.1f}ms"
+        ).observed(),
         scn.slos,
         lo,
         hi,
@@ -265,31 +302,50 @@ def run_policy(
     *,
     budget_s: float | None = None,
     static_cap: int | None = None,
+    idle_budget_s: float | None = None,
 ) -> PolicyRun:
-    """Run one policy, searching its knob against the SLOs when not given."""
+    """Run one policy, searching its knob(s) against the SLOs when not given.
+
+    With ``scn.search_idle`` a budget policy's idle budget is searched first
+    (:func:`search_idle_budget`), then its online budget with that idle budget
+    (:func:`search_policy_budget`); ``idle_budget_s`` given skips the first.
+    """
     t0 = time.perf_counter()
     search: SearchResult | None = None
+    idle_search: SearchResult | None = None
     spec = POLICIES[policy]
+    idle = idle_budget_s if idle_budget_s is not None else scn.idle_budget_s
+    if spec.admission == "budget" and scn.search_idle and idle is None:
+        if not scn.slos:
+            raise WorkloadError("the idle budget search needs at least one --slo")
+        idle_search = search_idle_budget(scn, policy)
+        idle = idle_search.value  # None: no idle budget meets the SLOs; HyGen's rule only
     if spec.admission == "budget" and budget_s is None:
         if not scn.slos:
             raise WorkloadError("a budget policy needs --budget or at least one --slo")
-        search = search_policy_budget(scn, policy)
+        search = search_policy_budget(scn, policy, idle_budget_s=idle)
         budget_s = search.value if search.value is not None else search.lo
     if policy == "static-cap" and static_cap is None:
         if not scn.slos:
             raise WorkloadError("static-cap needs --static-cap or at least one --slo")
         search = search_static_cap(scn)
         static_cap = int(search.value) if search.value is not None else 0
+    is_budget = spec.admission == "budget"
     res = scn.run(
-        policy, budget_s=budget_s, static_cap=static_cap if static_cap is not None else 16
+        policy,
+        budget_s=budget_s,
+        static_cap=static_cap if static_cap is not None else 16,
+        idle_budget_s=idle if is_budget else None,
     )
     return PolicyRun(
         policy,
         res,
-        budget_s if spec.admission == "budget" else None,
+        budget_s if is_budget else None,
         static_cap if policy == "static-cap" else None,
         search,
         time.perf_counter() - t0,
+        idle if is_budget else None,
+        idle_search,
     )
 
 
@@ -318,6 +374,7 @@ def summary_row(run: PolicyRun, scn: Scenario) -> dict[str, Any]:
         "preemptions_engine": m.engine_preemptions,
         "preemptions_dispatcher": m.dispatcher_preemptions,
         "budget_s": run.budget_s,
+        "idle_budget_s": run.idle_budget_s,
         "static_cap": run.static_cap,
         "wall_s": run.wall_s,
     }
@@ -372,6 +429,7 @@ def rows_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     for r in rows:
         knob = (
             f"budget {r['budget_s'] * 1000:.1f} ms"
+            + (f", idle {r['idle_budget_s'] * 1000:.0f} ms" if r.get("idle_budget_s") else "")
             if r.get("budget_s")
             else (f"cap {r['static_cap']}" if r.get("static_cap") is not None else "")
         )

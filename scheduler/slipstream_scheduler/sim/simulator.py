@@ -56,6 +56,9 @@ from slipstream_scheduler.types import BatchItem, Phase, RequestClass
 
 logger = logging.getLogger(__name__)
 
+_MAX_DECIDE_ROUNDS = 64
+"""Dispatcher decisions carried out between two engine steps, at most (a safety bound)."""
+
 
 class SimError(Exception):
     """A simulation cannot be set up or run; ``policy`` names the policy when relevant."""
@@ -381,8 +384,12 @@ class Simulator:
                 i_off += 1
             if backlog:
                 self._top_up_backlog(now)
-            dec = disp.decide(now)
-            if dec:
+            # The sidecar plans again in its next loop turn while a decision was
+            # carried out (well within one engine step): decide until quiet.
+            for _ in range(_MAX_DECIDE_ROUNDS):
+                dec = disp.decide(now)
+                if not dec:
+                    break
                 for ab in dec.abort:
                     lv = live_map[ab.request_id]
                     eng.abort(lv.engine_id)
