@@ -71,6 +71,17 @@ def eventually(what: str, probe: Callable[[], T | None], timeout: float = 120.0)
         time.sleep(0.5)
 
 
+def cleanup_namespace(cluster: LocalCluster, namespace: str) -> None:
+    """Delete ``namespace`` even when no operator is left to remove its objects' finalizers."""
+    kinds = "offlinejobs.slipstream.dev,inferenceservices.slipstream.dev"
+    kubectl(cluster, "delete", "-n", namespace, kinds, "--all", "--wait=false", check=False)
+    names = kubectl(cluster, "get", "-n", namespace, kinds, "-o", "name", check=False)
+    for obj in names.stdout.split():
+        kubectl(cluster, "patch", "-n", namespace, obj, "--type=merge",
+                "-p", '{"metadata":{"finalizers":[]}}', check=False)
+    kubectl(cluster, "delete", "namespace", namespace, "--wait=false", check=False)
+
+
 # -- processes ----------------------------------------------------------------------------------
 
 
@@ -134,14 +145,15 @@ class World:
 
 
 def start_world(cluster: LocalCluster, namespace: str, tmp: Path,
-                operator_kubeconfig: Path | None = None, create_namespace: bool = True) -> World:
+                operator_kubeconfig: Path | None = None, create_namespace: bool = True,
+                operator_args: tuple[str, ...] = ()) -> World:
     if create_namespace:
         kubectl(cluster, "create", "namespace", namespace)
     kubeconfig = operator_kubeconfig or cluster.admin_kubeconfig
     operator = Launched(
         [*SLIPSTREAM, "-v", "operator", "--kubeconfig", str(kubeconfig),
          "-n", namespace, "--loopback-only", "--interval", "1", "--window", "30",
-         "--stall-timeout", "20"],
+         "--stall-timeout", "20", *operator_args],
         tmp / "operator.log",
     ).start()
     world = World(cluster, namespace, tmp, operator)

@@ -38,7 +38,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rel_cluster import Launched, eventually, kubectl, mmlu_job_input, start_world
+from rel_cluster import (
+    Launched,
+    cleanup_namespace,
+    eventually,
+    kubectl,
+    mmlu_job_input,
+    start_world,
+)
 
 from integration.helpers_procs import MODEL, SLIPSTREAM
 from slipstream_cli.cluster import LocalCluster
@@ -188,7 +195,7 @@ def test_operator_rbac_is_exactly_what_its_code_calls(
               f"{len(forbidden) - len(scanning)} other forbidden calls")
         assert forbidden == scanning, [ln[:300] for ln in forbidden if ln not in scanning][:3]
     finally:
-        kubectl(cluster, "delete", "namespace", ns, "--wait=false", check=False)
+        cleanup_namespace(cluster, ns)
 
 
 @pytest.mark.xfail(
@@ -240,7 +247,7 @@ def test_a_job_cannot_read_another_namespaces_file(
     finally:
         operator.stop()
         for ns in (a, b):
-            kubectl(cluster, "delete", "namespace", ns, "--wait=false", check=False)
+            cleanup_namespace(cluster, ns)
     assert result == "refused", (
         f"team-a's job planned team-b's file (staged copy: {staged.exists()})")
 
@@ -288,7 +295,7 @@ def test_invalid_specs_are_rejected_naming_the_field(
                 failures.append((kind, spec, field, out.returncode, out.stderr.strip()[:300]))
         assert not failures, failures
     finally:
-        kubectl(private_cluster, "delete", "namespace", ns, "--wait=false", check=False)
+        cleanup_namespace(private_cluster, ns)
 
 
 def test_chart_ships_a_network_policy_for_the_control_port(
@@ -313,5 +320,5 @@ def test_chart_ships_a_network_policy_for_the_control_port(
         (tmp_path / "np.yaml").write_text(yaml.safe_dump(pol))
         kubectl(private_cluster, "apply", "-n", ns, "-f", str(tmp_path / "np.yaml"))
     finally:
-        kubectl(private_cluster, "delete", "namespace", ns, "--wait=false", check=False)
+        cleanup_namespace(private_cluster, ns)
     time.sleep(0)
