@@ -15,6 +15,7 @@ from slipstream_scheduler.ordering import make_ordering
 from slipstream_scheduler.sim.simulator import (
     SimConfig,
     SimResult,
+    online_only_step_s,
     profile_latency_model,
     simulate,
 )
@@ -160,3 +161,40 @@ def test_in_engine_mode_sizes_offline_chunks_to_the_budget() -> None:
     assert m.online.tbt.p99 < _run("naive").metrics.online.tbt.p99
     with pytest.raises(SimError):
         Simulator(_workload(), cfg.model_copy(update={"policy": "naive"}), latency_model=_model())
+
+
+@cache
+def _run_idle(budget: float, idle: float | None) -> SimResult:
+    cfg = SimConfig(
+        engine=ENGINE,
+        policy="budget",
+        budget_s=budget,
+        dispatcher=DispatcherConfig(idle_budget_s=idle),
+    )
+    return simulate(_workload(), cfg, latency_model=_model())
+
+
+def test_idle_budget_runs_offline_between_online_requests_and_keeps_tbt() -> None:
+    # An online budget of a small decode step admits no offline work next to
+    # online work; the idle budget lets offline run while no online request is
+    # in flight, and an arriving one preempts it before the next step.
+    base = _run("online-only").metrics.online
+    budget = online_only_step_s(ENGINE, _model())
+    hygen = _run_idle(budget, None)
+    idle = _run_idle(budget, 0.120)
+    assert idle.metrics.offline.tokens_per_s > 5 * max(hygen.metrics.offline.tokens_per_s, 1.0)
+    assert idle.metrics.dispatcher_preemptions > 0
+    # TBT samples come from steps with online work: the idle budget must not show there.
+    assert idle.metrics.online.tbt.p99 <= 1.05 * base.tbt.p99
+    # An arrival waits at most for the step in progress (<= ~120 ms), on top of queueing.
+    assert idle.metrics.online.ttft.mean <= base.ttft.mean + 0.120
+    assert idle.metrics.online.finished == base.finished
+
+
+def test_idle_budget_preemptions_lose_no_output() -> None:
+    res = _run_idle(online_only_step_s(ENGINE, _model()), 0.120)
+    lengths = {r.request_id: r.output_tokens for r in _offline()}
+    done = res.offline_output_by_request
+    assert done and res.dispatcher.resumed > 0
+    for rid, produced in done.items():
+        assert produced == lengths[rid.split("~")[0]], rid

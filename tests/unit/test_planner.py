@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from slipstream_scheduler.admission import (
     ADMISSION_POLICIES,
     BudgetParams,
