@@ -110,8 +110,9 @@ class DispatcherConfig(BaseModel):
         gt=0,
         description="Per-iteration budget while no online request is held or in flight, "
         "seconds; None (default): the budget applies always, as in HyGen. A larger value (inf: "
-        "unbounded) lets offline work run at full batch in online idle periods; it is preempted "
-        "when online work arrives.",
+        "unbounded) lets offline work run larger steps in online idle periods and bounds the "
+        "step an arriving online request may find in progress; on arrival the online budget "
+        "applies and offline work is preempted until the predicted step fits it.",
     )
     kv_headroom_blocks: int = Field(
         default=0, ge=0, description="KV blocks (16 tokens) kept free in the estimate; default 0."
@@ -553,8 +554,8 @@ class Dispatcher:
             and n_on == 0
             and self._n_inflight[RequestClass.ONLINE] == 0
         ):
-            # NOTE: policy bent (see DispatcherConfig.idle_budget_s): no online
-            # work to protect, so offline fills up to the idle budget.
+            # No online work to protect: offline fills up to the idle budget, which
+            # bounds the step an arriving online request may wait for (its TTFT).
             budget = None if math.isinf(cfg.idle_budget_s) else cfg.idle_budget_s
         snap = Snapshot(
             now_s=now_s,

@@ -41,10 +41,12 @@ It walks the work in a fixed order and keeps a
     conservative by one decode token per prefilling request. Online requests
     are admitted without a budget check (holding them in the sidecar would only
     add queueing; the engine serves them first by priority); when slots or KV
-    are then short, or the peak exceeds the budget while the online part alone
-    would fit it, in-flight offline requests are preempted (the sidecar aborts
-    and later resumes them). When online work alone exceeds the budget nothing
-    is preempted for the budget: it could not help. ``StepPlan.scheduled`` is
+    are then short, or online work is present and the peak exceeds the
+    budget, in-flight offline requests are preempted (the sidecar aborts and
+    later resumes them) until the peak fits; when the online part alone
+    exceeds the budget (an online prefill chunk) every offline request goes,
+    since offline work may never take the step over the budget. Offline
+    decodes that fit next to online decodes stay. ``StepPlan.scheduled`` is
     empty.
 
 Both modes look at no more than ``queue_window`` entries of each queue, stop at

@@ -9,8 +9,10 @@ when the engine is idle the clock jumps to the next arrival.
 
 Loop, per event::
 
-    deliver arrivals up to now -> dispatcher.decide(now) -> abort / submit on the engine
-    -> engine.step() -> now += duration -> tokens, finishes to the recorder and the dispatcher
+    deliver arrivals up to now -> dispatcher.decide(now) -> abort / submit on the engine,
+    repeated until a decide returns nothing (the sidecar's loop plans again in its next
+    turn, well within an engine step) -> engine.step() -> now += duration
+    -> tokens, finishes to the recorder and the dispatcher
 
 Named policies (:data:`POLICIES`) bind an admission policy of the planner
 (``slipstream_scheduler.admission``) to an offline order (FCFS or PSM).
