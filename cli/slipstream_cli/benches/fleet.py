@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated node counts, smallest first")
     parser.add_argument("--interval", type=float, default=5.0,
                         help="operator reconcile interval, s (default 5, the operator's)")
+    parser.add_argument("--operator-threads", type=int, default=0,
+                        help="experiment: the operator's default thread pool size "
+                        "(0: unchanged, min(32, CPUs + 4))")
     parser.add_argument("--bumps", type=int, default=3, help="status-lag probes per scale")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds a scale may take to become ready")
@@ -106,8 +109,10 @@ def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]
             cluster.up(build=False, timeout=600.0)
             row["cluster_up_s"] = round(time.monotonic() - began, 1)
             run = FleetRun(cluster, plan, workdir, data_dir=_data_dir(args),
-                           interval_s=args.interval, bumps=args.bumps, timeout_s=args.timeout)
+                           interval_s=args.interval, bumps=args.bumps, timeout_s=args.timeout,
+                           operator_threads=args.operator_threads)
             row.update(run.run().to_dict())
+            row["operator_threads"] = args.operator_threads or None
             row["ok"] = True
         except (ClusterError, FleetRunError, OSError) as exc:
             logger.warning("scale %d nodes failed: %s", nodes, exc)

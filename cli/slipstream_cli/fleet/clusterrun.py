@@ -203,7 +203,8 @@ class FleetRun:
     def __init__(self, cluster: LocalCluster, plan: FleetPlan, workdir: Path, *,
                  data_dir: Path, prefix: str = "fleet", interval_s: float = 5.0,
                  bumps: int = 3, bump_gap_s: float | None = None, clusterwide: bool = True,
-                 timeout_s: float = 1800.0, lag_timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 1800.0, lag_timeout_s: float = 120.0,
+                 operator_threads: int = 0) -> None:
         self.cluster = cluster
         self.plan = plan
         self.workdir = workdir
@@ -215,6 +216,7 @@ class FleetRun:
         self.clusterwide = clusterwide
         self.timeout_s = timeout_s
         self.lag_timeout_s = lag_timeout_s
+        self.operator_threads = operator_threads  # >0: default executor size (opwrap)
         self.rest = cluster.admin_rest()
         self.namespaces = namespace_names(plan, prefix)
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -327,8 +329,11 @@ class FleetRun:
         self.standin_port = int(line.split()[1])
 
     def _start_operator(self, kubeconfig: Path) -> subprocess.Popen[bytes]:
-        slipstream = Path(sys.executable).parent / "slipstream"
-        argv = [str(slipstream), "operator", "--kubeconfig", str(kubeconfig), "--loopback-only",
+        launcher = [str(Path(sys.executable).parent / "slipstream")]
+        if self.operator_threads > 0:
+            launcher = [sys.executable, "-m", "slipstream_cli.fleet.opwrap", "--threads",
+                        str(self.operator_threads)]
+        argv = [*launcher, "operator", "--kubeconfig", str(kubeconfig), "--loopback-only",
                 "--interval", str(self.interval_s), "--window", "3600",
                 "--stall-timeout", "3600", "--max-shards-per-pod",
                 str(shards_per_pod_needed(self.plan, self.prefix) + 1)]
