@@ -56,8 +56,16 @@ class Ticket:
     """One request's place in the dispatcher, as seen by the task that serves it."""
 
     __slots__ = (
-        "_fut", "_on_abort", "abort_reason", "arrival_s", "cls", "generated", "label",
-        "prompt_tokens", "request_id", "state",
+        "_fut",
+        "_on_abort",
+        "abort_reason",
+        "arrival_s",
+        "cls",
+        "generated",
+        "label",
+        "prompt_tokens",
+        "request_id",
+        "state",
     )
 
     def __init__(
@@ -274,7 +282,10 @@ class Controller:
         if dec.submit or dec.abort:
             log.debug(
                 "dispatch: submit=%d abort=%d held=%s in_flight=%s",
-                len(dec.submit), len(dec.abort), self.held, self.in_flight,
+                len(dec.submit),
+                len(dec.abort),
+                self.held,
+                self.in_flight,
             )
 
     def stats(self) -> DispatcherStats:

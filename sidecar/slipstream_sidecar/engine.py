@@ -171,8 +171,13 @@ class EngineClient:
                 "messages": request["messages"],
                 "add_generation_prompt": True,
             }
-            for key in ("model", "continue_final_message", "add_generation_prompt",
-                        "chat_template", "chat_template_kwargs"):
+            for key in (
+                "model",
+                "continue_final_message",
+                "add_generation_prompt",
+                "chat_template",
+                "chat_template_kwargs",
+            ):
                 if key in request:
                     payload[key] = request[key]
             if payload.get("continue_final_message"):

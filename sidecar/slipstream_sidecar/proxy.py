@@ -188,8 +188,9 @@ class Proxy:
             max_tokens = self._max_tokens(asked, prompt_tokens)
         rid = f"on-{_PREFIX}-{next(_ids)}"
         ticket = self.controller.register(
-            Incoming(rid, RequestClass.ONLINE, prompt_tokens, max_tokens, arrival,
-                     block_hashes=hashes)
+            Incoming(
+                rid, RequestClass.ONLINE, prompt_tokens, max_tokens, arrival, block_hashes=hashes
+            )
         )
         outcome = "cancelled"
         try:
