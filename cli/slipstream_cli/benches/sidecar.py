@@ -11,8 +11,9 @@ all as subprocesses on loopback, and drives them with an aiohttp client:
   TTFT and end-to-end p50/p99 of each path, the added milliseconds
   (sidecar − direct, per percentile) and the ratio sidecar/direct;
 * **max_rps**: non-streaming one-token requests from 64 closed-loop clients
-  for a fixed time, direct and through the default sidecar; the sidecar's rate
-  is ``max_rps``, the direct rate its baseline.
+  for a fixed time, direct and through the default sidecar, in alternating
+  slices (``--rps-slices``); the sidecar's mean rate is ``max_rps``, the direct
+  rate its baseline.
 
 The client, the engine model and the sidecar share the machine's CPUs, so the
 added latency includes CPU contention; the direct path is the baseline measured
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--rps-seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--rps-slices", type=int, default=5, help="alternating slices of the rate test"
+    )
     parser.add_argument("--gpu", default="a100")
     parser.add_argument(
         "--pin",
@@ -283,12 +287,19 @@ async def _measure(
                 ),
                 flush=True,
             )
-        results["direct_max_rps"] = await _rps(paths["direct"], args.rps_seconds, 64, s)
-        results["max_rps"] = await _rps(paths["sidecar"], args.rps_seconds, 64, s)
-        if "sidecar_baseline" in paths:
-            results["baseline_max_rps"] = await _rps(
-                paths["sidecar_baseline"], args.rps_seconds, 64, s
-            )
+        # Rates in alternating slices (order rotating), averaged: one path measured
+        # after the other would follow the host's load of that moment.
+        rps_paths = [n for n in ("direct", "sidecar", "sidecar_baseline") if n in paths]
+        rates: dict[str, list[float]] = {n: [] for n in rps_paths}
+        slices = max(1, args.rps_slices)
+        for k in range(slices):
+            j = k % len(rps_paths)
+            for name in rps_paths[j:] + rps_paths[:j]:
+                rates[name].append(await _rps(paths[name], args.rps_seconds / slices, 64, s))
+        results["direct_max_rps"] = statistics.fmean(rates["direct"])
+        results["max_rps"] = statistics.fmean(rates["sidecar"])
+        if "sidecar_baseline" in rates:
+            results["baseline_max_rps"] = statistics.fmean(rates["sidecar_baseline"])
         print(
             f"max rps: sidecar {results['max_rps']:.0f}, direct {results['direct_max_rps']:.0f}",
             flush=True,
