@@ -116,7 +116,8 @@ def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]
             row["ok"] = True
         except (ClusterError, FleetRunError, OSError) as exc:
             logger.warning("scale %d nodes failed: %s", nodes, exc)
-            row.update({"ok": False, "error": str(exc)[:500]})
+            row.update({"ok": False, "error": str(exc)[:500],
+                        "partial": getattr(exc, "partial", {})})
         finally:
             try:
                 cluster.down()

@@ -70,6 +70,7 @@ class FleetRunError(RuntimeError):
     def __init__(self, message: str, stage: str) -> None:
         super().__init__(f"{stage}: {message}")
         self.stage = stage
+        self.partial: dict[str, Any] = {}  # what was measured before the failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,10 +448,19 @@ class FleetRun:
             p0, a0 = proc_sample(operator.pid), self._api_counts()
             started = time.monotonic()
             self._apply_workload()
-            running_s = self._wait("pods running",
-                                   lambda: self._running_pods() >= self.plan.pods, started)
-            services_s = self._wait("services ready", self._services_ready, started)
-            shards_s = self._wait("shards placed", self._shards_placed, started)
+            try:
+                running_s = self._wait("pods running",
+                                       lambda: self._running_pods() >= self.plan.pods, started)
+                services_s = self._wait("services ready", self._services_ready, started)
+                shards_s = self._wait("shards placed", self._shards_placed, started)
+            except FleetRunError as exc:
+                now, api = proc_sample(operator.pid), self._api_counts()
+                exc.partial = {"elapsed_s": round(now.at_s - p0.at_s, 1),
+                               "ramp": asdict(Phase.between(p0, now, a0, api)),
+                               "operator_rss_mb": round(now.rss_mb, 1),
+                               "checks": self._checks(),
+                               "standin": self._standin("GET", "/totals")}
+                raise
             ready_s = max(services_s, shards_s)
             p1, a1 = proc_sample(operator.pid), self._api_counts()
             assert self._standin_proc is not None
