@@ -4,9 +4,11 @@ The operator runs with ``--prometheus-url`` pointing at a loopback port where
 nothing listens (refused at once) or at a listener that accepts connections and
 never answers (every query runs into its timeout). With online load and an
 OfflineJob of real MMLU questions on a real two-pod InferenceService, the job
-still reaches ``Succeeded`` with every ``custom_id`` once, the service stays
-``Ready``, and its ``SLOMet`` condition says it has no samples rather than
-reporting numbers it does not have; the operator logs why.
+still reaches ``Succeeded`` with every ``custom_id`` once, the ``SLOMet``
+condition says it has no samples rather than reporting numbers it does not
+have, and the operator logs why. The service's ``Ready`` (polled during the
+job) must turn True as it does without Prometheus (the ``none`` baseline); it
+does not today (strict xfail).
 
 Deliberately left out: a Prometheus that answers with wrong data (the
 observability owner's tests).
@@ -70,19 +72,34 @@ def black_hole() -> Iterator[str]:
     sock.close()
 
 
-@pytest.mark.parametrize("kind", ["refused", "black-hole"])
+STALE_XFAIL = pytest.mark.xfail(
+    strict=True,
+    reason="with --prometheus-url unreachable each service tick waits on the Prometheus client "
+    "(retries, a 5 s timeout per query, one query after another) before it reads the pods, so "
+    "Ready stays at its first value ('0/2' or '1/2 pods ready') for the whole job; without "
+    "Prometheus it turns True within seconds (reported to the operator owner: query in "
+    "parallel with a short total deadline, or off the tick)",
+)
+
+
+@pytest.mark.parametrize("kind", [
+    "none", pytest.param("refused", marks=STALE_XFAIL),
+    pytest.param("black-hole", marks=STALE_XFAIL),
+])
 def test_offline_job_and_status_without_prometheus(
     private_cluster: LocalCluster, tmp_path: Path, shared_data: Path, kind: str,
     request: pytest.FixtureRequest,
 ) -> None:
+    args: tuple[str, ...] = ()
     if kind == "refused":
         port = free_port()
         assert port_free("127.0.0.1", port)
         url = f"http://127.0.0.1:{port}"
-    else:
-        url = request.getfixturevalue("black_hole")
+        args = ("--prometheus-url", url)
+    elif kind == "black-hole":
+        args = ("--prometheus-url", request.getfixturevalue("black_hole"))
     ns = f"rel-prom-{kind}-{os.getpid() % 10000}"
-    world = start_world(private_cluster, ns, tmp_path, operator_args=("--prometheus-url", url))
+    world = start_world(private_cluster, ns, tmp_path, operator_args=args)
     stop = threading.Event()
     outcomes: Counter[str] = Counter()
     try:
@@ -99,7 +116,15 @@ def test_offline_job_and_status_without_prometheus(
             outcomes))
         load.start()
 
+        ready_seen: list[str] = []
+
         def done() -> dict[str, object] | None:
+            svc_now = json.loads(kubectl(private_cluster, "get", "-n", ns,
+                                         "inferenceservices.slipstream.dev", "chat", "-o",
+                                         "json").stdout).get("status", {})
+            for c in svc_now.get("conditions", []):
+                if c["type"] == "Ready":
+                    ready_seen.append(c["status"])
             st = json.loads(kubectl(private_cluster, "get", "-n", ns, "offlinejob", "noprom",
                                     "-o", "json").stdout).get("status", {})
             assert st.get("phase") != "Failed", st
@@ -120,8 +145,12 @@ def test_offline_job_and_status_without_prometheus(
     conds = {c["type"]: c for c in svc.get("conditions", [])}
     print(f"\n{kind}: SLOMet {conds.get('SLOMet')}; observed {svc.get('observed')}; "
           f"online {dict(outcomes)}")
-    assert conds["Ready"]["status"] == "True"
-    assert conds["SLOMet"]["status"] == "Unknown", conds["SLOMet"]
+    print(f"Ready during the job: {Counter(ready_seen)}; at the end: {conds['Ready']}")
     assert outcomes["ok"] > 0
+    if kind == "none":  # the baseline: sidecar scraping
+        assert "True" in ready_seen, conds["Ready"]
+        return
+    assert conds["SLOMet"]["status"] == "Unknown", conds["SLOMet"]
     log = world.operator.log_path.read_text()
     assert "Prometheus query" in log and "failed" in log
+    assert "True" in ready_seen, f"Ready never True while Prometheus was {kind}"
