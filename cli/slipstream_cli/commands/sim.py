@@ -50,6 +50,7 @@ from slipstream_scheduler.sim.simulator import (
     POLICIES,
     SimConfig,
     SimResult,
+    floor_step_s,
     full_step_s,
     online_only_step_s,
     profile_latency_model,
@@ -254,10 +255,15 @@ def search_policy_budget(
 ) -> SearchResult:
     """HyGen's profiler: the largest per-iteration budget meeting every SLO on the scenario.
 
-    ``idle_budget_s`` (when given) is held fixed for every trial.
+    ``idle_budget_s`` (when given) is held fixed for every trial, and the range
+    starts at the cheapest step (:func:`floor_step_s`, no offline work next to
+    online work) rather than at a small decode step, which may already exceed a
+    tight TBT limit when offline decodes fill it.
     """
     model = scn.model()
     lo, hi = online_only_step_s(scn.engine, model), full_step_s(scn.engine, model)
+    if idle_budget_s is not None:
+        lo = floor_step_s(scn.engine, model)
     base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
     return search_budget(
         lambda b: scn.run(
@@ -275,18 +281,19 @@ def search_idle_budget(scn: Scenario, policy: str) -> SearchResult:
     """The largest idle budget meeting every SLO, the online budget held at its safe end.
 
     First knob of the two-knob search (``docs/benchmarks/colocation.md``): the
-    online budget is fixed at the low end of the budget range (a small
-    decode-only step, so almost no offline work shares a step with online
-    work) and the idle budget, which bounds the step an arriving online
-    request may find in progress, is bisected between that and a full
-    token-cap prefill step. The TTFT SLO usually governs it.
+    online budget is fixed at the cheapest step (:func:`floor_step_s`: no
+    offline work shares a step with online work) and the idle budget, which
+    bounds the step an arriving online request may find in progress, is
+    bisected between a small decode step and a full token-cap prefill step.
+    The TTFT SLO usually governs it.
     """
     model = scn.model()
     lo, hi = online_only_step_s(scn.engine, model), full_step_s(scn.engine, model)
+    floor = floor_step_s(scn.engine, model)
     base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
     return search_budget(
         lambda b: scn.run(
-            policy, budget_s=lo, idle_budget_s=b, tag=f" idle={b * 1000:.1f}ms"
+            policy, budget_s=floor, idle_budget_s=b, tag=f" idle={b * 1000:.1f}ms"
         ).observed(),
         scn.slos,
         lo,

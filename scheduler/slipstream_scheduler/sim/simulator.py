@@ -210,6 +210,16 @@ def online_only_step_s(engine: EngineConfig, model: LinearLatencyModel) -> float
     return model.predict([BatchItem(Phase.DECODE, 1, 1024)] * 8)
 
 
+def floor_step_s(engine: EngineConfig, model: LinearLatencyModel) -> float:
+    """Predicted time of the cheapest step (one decode, tiny context).
+
+    As an online budget it leaves offline work no room next to any online work
+    (every step with online work predicts longer), so offline work runs only
+    while no online request is in flight: the safe end of the two-knob search.
+    """
+    return model.predict([BatchItem(Phase.DECODE, 1, 1)])
+
+
 def full_step_s(engine: EngineConfig, model: LinearLatencyModel) -> float:
     """Predicted time of a full token-cap prefill step: the high end of a budget search."""
     return model.predict([BatchItem(Phase.PREFILL, engine.max_num_batched_tokens, 0)])
