@@ -271,8 +271,10 @@ def _configure_call(
 ) -> ConfigureCall:
     coefficients: dict[str, float] = {}
     kind = ""
+    knee = 0
     if model is not None:
         kind = model.feature_set.value
+        knee = model.knee_tokens
         coefficients = {
             n: c for n, c in zip(FEATURE_NAMES, model.coefficients, strict=True) if c != 0.0
         }
@@ -286,6 +288,7 @@ def _configure_call(
         ordering=spec.scheduling.ordering.value,
         latency_kind=kind,
         latency_coefficients=coefficients,
+        latency_knee_tokens=knee,
     )
 
 
@@ -296,6 +299,7 @@ def _fingerprint(call: ConfigureCall) -> str:
         "ordering": call.ordering,
         "kind": call.latency_kind,
         "coefficients": sorted(call.latency_coefficients.items()),
+        "knee": call.latency_knee_tokens,
     }
     return hashlib.blake2b(json.dumps(doc).encode(), digest_size=8).hexdigest()
 

@@ -69,6 +69,7 @@ class ConfigureCall:
     ordering: str = ""
     latency_kind: str = ""
     latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
+    latency_knee_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +202,9 @@ class GrpcSidecarControl:
             slo=slo,
             ordering=call.ordering,
             latency_model=pb.LatencyModelSpec(
-                kind=call.latency_kind, coefficients=call.latency_coefficients
+                kind=call.latency_kind,
+                coefficients=call.latency_coefficients,
+                knee_tokens=call.latency_knee_tokens,
             ),
         )
         if call.budget_s is not None:

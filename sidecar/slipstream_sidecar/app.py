@@ -46,6 +46,7 @@ class ConfigUpdate:
     ordering: str = ""
     latency_kind: str = ""
     latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
+    latency_knee_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,7 @@ class Sidecar:
                 ordering=doc.get("ordering", ""),
                 latency_kind=doc.get("latency_kind", ""),
                 latency_coefficients=doc.get("latency_coefficients", {}),
+                latency_knee_tokens=int(doc.get("latency_knee_tokens", 0)),
             ), live=False)
         except (KeyError, TypeError, ValueError) as exc:
             log.error("ignoring unreadable saved configuration: %s", exc)
@@ -168,7 +170,9 @@ class Sidecar:
     def _apply_update(self, update: ConfigUpdate, *, live: bool) -> None:
         model = self.brain.latency_model
         if update.latency_coefficients:
-            model = latency_model_from_spec(update.latency_kind, update.latency_coefficients)
+            model = latency_model_from_spec(
+                update.latency_kind, update.latency_coefficients, update.latency_knee_tokens
+            )
         new = BrainConfig(update.budget_s, update.ordering or self.brain.ordering, model)
         if live:
             apply(self.dispatcher, self.brain, new)

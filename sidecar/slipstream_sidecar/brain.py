@@ -47,14 +47,18 @@ class BrainConfig:
     latency_model: LinearLatencyModel | None
 
 
-def latency_model_from_spec(kind: str, coefficients: Mapping[str, float]) -> LinearLatencyModel:
-    """A linear model from a feature-set name and ``{feature name: seconds per unit}``."""
+def latency_model_from_spec(
+    kind: str, coefficients: Mapping[str, float], knee_tokens: int = 0
+) -> LinearLatencyModel:
+    """A linear model from a feature-set name, ``{feature name: seconds per unit}`` and the
+    hinge's knee (tokens per step; 0 for sets without a hinge)."""
     unknown = set(coefficients) - set(FEATURE_NAMES)
     if unknown:
         raise ValueError(f"unknown latency-model features: {sorted(unknown)}")
     return LinearLatencyModel(
         FeatureSet(kind or FeatureSet.CONTEXT.value),
         tuple(float(coefficients.get(name, 0.0)) for name in FEATURE_NAMES),
+        knee_tokens=knee_tokens,
     )
 
 

@@ -110,6 +110,7 @@ class SidecarServicer(pb_grpc.SidecarServicer):
             ordering=request.ordering,
             latency_kind=request.latency_model.kind,
             latency_coefficients=dict(request.latency_model.coefficients),
+            latency_knee_tokens=request.latency_model.knee_tokens,
         )
         try:
             generation, applied = self.sidecar.configure(update)

@@ -188,3 +188,18 @@ def test_co_location_off_pushes_a_zero_budget() -> None:
               s=spec(scheduling={"ordering": "fcfs", "coLocation": False}))
     call = out.pushes[0][1]
     assert call.budget_s == 0.0 and call.ordering == "fcfs"
+
+
+def test_the_pushed_latency_model_carries_its_hinge_knee() -> None:
+    # The shipped profiles use the hinge feature set; without its knee the sidecar
+    # would rebuild a different (more conservative) model than the operator fitted.
+    hinged = LinearLatencyModel(
+        FeatureSet.CONTEXT_CHUNK_HINGE,
+        (0.008, 3e-05, 1e-09, 0.0, 0.0003, 0.0, 2e-07, 1e-10, 2e-05),
+        knee_tokens=192,
+    )
+    out = run(observed((pod("a"),), window(), model=hinged))
+    call = out.pushes[0][1]
+    assert call.latency_kind == "context+chunk+hinge"
+    assert call.latency_knee_tokens == 192
+    assert call.latency_coefficients["tokens_over_knee"] == pytest.approx(2e-05)

@@ -123,8 +123,11 @@ class LatencyModelSpec(_message.Message):
 
     KIND_FIELD_NUMBER: _builtins.int
     COEFFICIENTS_FIELD_NUMBER: _builtins.int
+    KNEE_TOKENS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """Registry name of the model family in the scheduling core (e.g. "linear")."""
+    knee_tokens: _builtins.int
+    """Knee of the hinge feature max(0, tokens - knee), in tokens (0: no hinge)."""
     @_builtins.property
     def coefficients(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
@@ -132,10 +135,11 @@ class LatencyModelSpec(_message.Message):
         *,
         kind: _builtins.str = ...,
         coefficients: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        knee_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficients", b"coefficients", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficients", b"coefficients", "kind", b"kind", "knee_tokens", b"knee_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
