@@ -260,6 +260,8 @@ class TrailOrdering:
 
     def __init__(self, params: TrailParams | None = None) -> None:
         self.params = params if params is not None else TrailParams()
+        # A cap of 0 makes the ordering non-preemptive: keys only, no displacement.
+        self.preemptive = self.params.max_preemptions > 0
 
     def key(self, view: RequestView) -> float:
         return float(view.remaining_costs().mean())
@@ -305,6 +307,8 @@ class GittinsOrdering:
 
     def __init__(self, params: GittinsParams | None = None) -> None:
         self.params = params if params is not None else GittinsParams()
+        # A cap of 0 makes the ordering non-preemptive: ranks only, no displacement.
+        self.preemptive = self.params.max_preemptions > 0
 
     def key(self, view: RequestView) -> float:
         return gittins_rank_sorted(view.remaining_costs())

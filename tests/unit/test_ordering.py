@@ -171,3 +171,9 @@ def test_keyed_queue_compacts_stale_entries() -> None:
         q.push("same", float(k))
     assert len(q) == 1 and q.key_of("same") == 9999.0
     assert len(q._heap) <= 2 * len(q) + 65
+
+
+@pytest.mark.parametrize("name", ["trail", "gittins"])
+def test_a_zero_preemption_cap_makes_an_ordering_non_preemptive(name: str) -> None:
+    assert make_ordering(name).preemptive is True
+    assert make_ordering(name, {"max_preemptions": 0}).preemptive is False
