@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds without progress before a shard moves (default 120)")
     parser.add_argument("--max-shards-per-pod", type=int,
                         help="offline shards one pod runs at once (default 2)")
+    parser.add_argument("--storage-root", action="append", dest="storage_roots",
+                        help="storage root URI (repeatable); a job of namespace ns may only use "
+                        "URIs under <root>/<ns>/ (default: none = no scoping, unsafe for "
+                        "multi-tenant clusters)")
+    parser.add_argument("--prometheus-timeout", type=float, dest="prometheus_timeout_s",
+                        help="overall deadline of one tick's Prometheus queries (default 2)")
     parser.add_argument("--liveness", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/h")
 
 
@@ -46,7 +52,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     overrides = {
         key: getattr(args, key, None)
         for key in ("namespaces", "loopback_only", "reconcile_interval_s", "window_s",
-                    "prometheus_url", "profiles_dir", "stall_timeout_s", "max_shards_per_pod")
+                    "prometheus_url", "profiles_dir", "stall_timeout_s", "max_shards_per_pod",
+                    "storage_roots", "prometheus_timeout_s")
     }
     return OperatorSettings(**{k: v for k, v in overrides.items() if v is not None})
 
@@ -73,8 +80,9 @@ async def _main(args: argparse.Namespace) -> int:
         handlers = Handlers(settings, api, control, http)
         registry = build_registry(handlers)
         namespaces = settings.namespaces
-        logger.info("slipstream operator starting (namespaces: %s, loopback-only: %s)",
-                    namespaces or "all", settings.loopback_only)
+        logger.info("slipstream operator starting (namespaces: %s, loopback-only: %s, "
+                    "storage roots: %s)", namespaces or "all", settings.loopback_only,
+                    settings.storage_roots or "none (no namespace scoping)")
         try:
             await kopf.operator(
                 registry=registry,

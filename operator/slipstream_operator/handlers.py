@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -64,9 +65,11 @@ from slipstream_operator.reconcile_job import (
     CandidatePod,
     JobMemory,
     JobObserved,
+    JobOutcome,
     JobSettings,
     job_prefix,
     reconcile_job,
+    storage_scope_error,
 )
 from slipstream_operator.reconcile_service import (
     SERVICE_LABEL,
@@ -113,8 +116,17 @@ class OperatorState:
     addresses: dict[str, dict[str, PodAddress]] = field(default_factory=dict)
 
 
-def configure_kopf(settings: kopf.OperatorSettings) -> None:
-    """The kopf settings this operator relies on (finalizer, storages, posting)."""
+HANDLER_BACKOFF_S = 5.0
+"""Seconds kopf waits before retrying a failed handler (its default, 60 s, would leave every
+object unreconciled for a minute after an API-server restart)."""
+
+
+def configure_kopf(settings: kopf.OperatorSettings, *, clusterwide: bool = True) -> None:
+    """The kopf settings this operator relies on (finalizer, storages, posting, scanning).
+
+    Namespaced (``clusterwide=False``): kopf's scans of CRDs and namespaces are switched off,
+    since the chart's namespaced Role forbids them (kopf would log each refusal at ERROR).
+    """
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -123,6 +135,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 60
     settings.execution.max_workers = 8
+    if not clusterwide:
+        settings.scanning.disabled = True
 
 
 def _now() -> tuple[datetime, float]:
@@ -228,13 +242,23 @@ class Handlers:
         history = self.state.histories.setdefault(uid, {})
         for gone in set(history) - {p.name for p in pods}:
             del history[gone]
+        # Prometheus runs alongside the pod reads under its own short deadline, so the pods'
+        # readiness never waits on it; when it fails the sidecars' /metrics stand in.
+        prometheus = (asyncio.ensure_future(self._prometheus_window(namespace, name))
+                      if self.settings.prometheus_url else None)
         views = await asyncio.gather(
             *(self._pod_view(p, token, spec, history, now_s) for p in pods)
         )
-        window = None
-        if self.settings.prometheus_url:
-            window = await self._prometheus_window(namespace, name)
-        elif history:
+        window: WindowStats | None = None
+        source = "sidecar"
+        if prometheus is not None:
+            window, cause = await prometheus
+            if window is not None:
+                source = "prometheus"
+            else:
+                logger.warning("Prometheus unavailable for %s/%s (%s); using the sidecars' "
+                               "/metrics", namespace, name, cause)
+        if window is None and history:
             window = combine(history.values(), self.settings.default_prompt_tokens,
                              self.settings.default_output_tokens)
         observed = ServiceObserved(
@@ -244,7 +268,8 @@ class Handlers:
             latency_model=profile.model if profile else None,
             profile=profile.name if profile else "",
             window_label=f"{int(self.settings.window_s)}s",
-            window_source="prometheus" if self.settings.prometheus_url else "sidecar",
+            window_source=source,
+            storage_roots=tuple(self.settings.storage_roots),
         )
         outcome = reconcile_service(
             ref, spec, observed, self.state.services.get(uid, ServiceMemory()),
@@ -273,31 +298,46 @@ class Handlers:
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
 
-    async def _prometheus_window(self, namespace: str, name: str) -> WindowStats | None:
-        """The window from Prometheus (``observe.promql_queries``), or None when unreachable."""
+    async def _prometheus_window(
+        self, namespace: str, name: str
+    ) -> tuple[WindowStats | None, str]:
+        """The window from Prometheus (``observe.promql_queries``) and, when None, why.
+
+        The queries run concurrently (one worker thread each, no client retries) under one
+        overall deadline of ``prometheus_timeout_s``; a refused, silent or failing Prometheus
+        costs the tick at most that long.
+        """
         from prometheus_api_client import PrometheusConnect
         from prometheus_api_client.exceptions import PrometheusApiClientException
+        from urllib3.util.retry import Retry
 
         url = self.settings.prometheus_url
         assert url is not None
+        deadline = self.settings.prometheus_timeout_s
         queries = promql_queries(namespace, name, f"{int(self.settings.window_s)}s")
+        # The client's timeout is an int of seconds; the overall deadline below is the bound.
+        prom = PrometheusConnect(url=url, timeout=max(1, math.ceil(deadline)),
+                                 retry=Retry(total=0, raise_on_status=False))
 
-        def query_all() -> dict[str, float | None]:
-            prom = PrometheusConnect(url=url, timeout=int(self.settings.sidecar_timeout_s))
-            out: dict[str, float | None] = {}
-            for key, promql in queries.items():
-                result = prom.custom_query(promql)
-                out[key] = float(result[0]["value"][1]) if result else None
-            return out
+        def query(promql: str) -> float | None:
+            result = prom.custom_query(promql)
+            return float(result[0]["value"][1]) if result else None
 
+        keys = list(queries)
         try:
-            values = await asyncio.to_thread(query_all)
-        except (PrometheusApiClientException, OSError, ValueError, KeyError) as exc:
-            logger.warning("Prometheus query for %s/%s failed: %s", namespace, name, exc)
-            return None
+            results = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.to_thread(query, queries[k]) for k in keys)),
+                timeout=deadline,
+            )
+        except TimeoutError:
+            return None, f"no answer within {deadline:g} s"
+        except (PrometheusApiClientException, OSError, ValueError, KeyError,
+                IndexError) as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        values = dict(zip(keys, results, strict=True))
         return stats_from_prometheus(values, self.settings.window_s,
                                      self.settings.default_prompt_tokens,
-                                     self.settings.default_output_tokens)
+                                     self.settings.default_output_tokens), ""
 
     def _invalid(self, patch: kopf.Patch, previous: dict[str, Any], type_: str, *,
                  generation: int, message: str, now: datetime) -> None:
@@ -339,6 +379,21 @@ class Handlers:
                           message="; ".join(problems), now=now)
             return
         if previous.get("phase") in ("Succeeded", "Failed"):
+            return
+        roots = tuple(self.settings.storage_roots)
+        settings = JobSettings(max_shards_per_pod=self.settings.max_shards_per_pod,
+                               stall_timeout_s=self.settings.stall_timeout_s,
+                               storage_roots=roots)
+        if storage_scope_error(spec, namespace, roots):
+            # Refused before planning: nothing is read or staged for this job.
+            refused = reconcile_job(namespace, name, generation, spec,
+                                    observed=JobObserved(plan=None, pods=(), done={}),
+                                    memory=self.state.jobs.get(uid, JobMemory()),
+                                    previous_status=previous, now=now, now_s=now_s,
+                                    settings=settings)
+            await self._apply_job_outcome(body, patch, refused, uid=uid, namespace=namespace,
+                                          name=name, spec=spec, plan=None,
+                                          addresses=self.state.addresses.get(uid, {}))
             return
         plan: Plan | None = None
         plan_error = ""
@@ -398,8 +453,6 @@ class Handlers:
         observed = JobObserved(plan=plan, pods=tuple(candidates), done=dict(done),
                                merged=self.state.merged.get(uid), plan_error=plan_error,
                                services_selected=len(selected))
-        settings = JobSettings(max_shards_per_pod=self.settings.max_shards_per_pod,
-                               stall_timeout_s=self.settings.stall_timeout_s)
 
         def run(obs: JobObserved, mem: JobMemory) -> Any:
             return reconcile_job(namespace, name, generation, spec, observed=obs, memory=mem,
@@ -416,6 +469,15 @@ class Handlers:
             else:
                 self.state.merged[uid] = merged
                 outcome = run(replace(observed, merged=merged), memory)
+        await self._apply_job_outcome(body, patch, outcome, uid=uid, namespace=namespace,
+                                      name=name, spec=spec, plan=plan, addresses=addresses)
+
+    async def _apply_job_outcome(
+        self, body: kopf.Body, patch: kopf.Patch, outcome: JobOutcome, *, uid: str,
+        namespace: str, name: str, spec: OfflineJobSpec, plan: Plan | None,
+        addresses: dict[str, PodAddress],
+    ) -> None:
+        """Revoke, assign, remember, write the status and emit the events of one reconcile."""
         memory = outcome.memory
         for pod_name, shard_id in outcome.revoke:
             if pod_name in addresses:
@@ -488,7 +550,7 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
     interval = handlers.settings.reconcile_interval_s
 
     @kopf.timer(GROUP, VERSION, "inferenceservices", interval=interval, idle=0,
-                registry=registry, id="reconcile")
+                backoff=HANDLER_BACKOFF_S, registry=registry, id="reconcile")
     async def service_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
                             namespace: str | None, uid: str, meta: kopf.Meta,
                             **_: Any) -> None:
@@ -500,7 +562,7 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
             logger.warning("reconcile of InferenceService %s/%s failed: %s", namespace, name, exc)
 
     @kopf.timer(GROUP, VERSION, "offlinejobs", interval=interval, idle=0,
-                registry=registry, id="reconcile")
+                backoff=HANDLER_BACKOFF_S, registry=registry, id="reconcile")
     async def job_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
                         namespace: str | None, uid: str, meta: kopf.Meta, **_: Any) -> None:
         namespace = namespace or "default"
@@ -510,13 +572,14 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
         except (OperatorError, client.ApiException) as exc:
             logger.warning("reconcile of OfflineJob %s/%s failed: %s", namespace, name, exc)
 
-    @kopf.on.delete(GROUP, VERSION, "offlinejobs", registry=registry, id="cleanup")
+    @kopf.on.delete(GROUP, VERSION, "offlinejobs", registry=registry, id="cleanup",
+                    backoff=HANDLER_BACKOFF_S)
     async def job_delete(*, name: str, namespace: str | None, uid: str, **_: Any) -> None:
         await handlers.job_deleted(name, namespace or "default", uid)
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings)
+        configure_kopf(settings, clusterwide=not handlers.settings.namespaces)
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

@@ -15,6 +15,13 @@ output logs, and passes all of it in; this module decides
   for ``stall_timeout_s``, is revoked (when the pod still answers) and
   placed again; its output URIs stay the same, so it continues where it stopped;
 * **suspend / resume**: suspend revokes every placed shard; resume places again;
+* **storage scope**: with storage roots configured, ``spec.input.uri``,
+  ``spec.output.uri`` and ``spec.output.errorUri`` must lie under
+  ``<root>/<namespace>/`` (:func:`storage_scope_error`); otherwise the job is
+  not admitted (``Admitted=False``, reason ``StorageOutOfScope``, a Warning
+  event once) and stays **Pending**, not Failed, so that correcting the spec
+  admits it without recreating it. The handler asks the same function before
+  planning, so nothing is staged for such a job;
 * **completion**: when every shard's log is complete the handler merges
   (``merge=True``); once the merge reports exact counts the job Succeeded. A
   job past its completion window Failed (``DeadlineExceeded``).
@@ -34,6 +41,7 @@ from slipstream_operator.api import OfflineJobSpec, Phase, format_duration, pars
 from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.shards import MergeResult, Plan, ShardPlan
 from slipstream_operator.sidecar_client import ShardReport
+from slipstream_scheduler.storage_scope import ScopeError, check_uri
 
 ACTIVE_STATES = ("pending", "running")
 
@@ -81,6 +89,7 @@ class JobSettings:
     max_shards_per_pod: int = 2
     stall_timeout_s: float = 120.0
     rate_window_s: float = 60.0
+    storage_roots: tuple[str, ...] = ()  # empty: no namespace scoping of the URIs
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,24 @@ class JobOutcome:
 def job_prefix(namespace: str, name: str) -> str:
     """Shard ids of a job start with this (``<ns>.<name>``), so a pod's report maps back."""
     return f"{namespace}.{name}"
+
+
+def storage_scope_error(
+    spec: OfflineJobSpec, namespace: str, roots: tuple[str, ...]
+) -> str:
+    """Why the job's URIs are outside ``namespace``'s storage ("" when they are inside).
+
+    Checks ``spec.input.uri``, ``spec.output.uri`` and the error file (``spec.output.errorUri``
+    or its default) against ``roots``; the message names the first field out of scope.
+    """
+    fields = (("spec.input.uri", spec.input.uri), ("spec.output.uri", spec.output.uri),
+              ("spec.output.errorUri", spec.output.errors))
+    for field_name, uri in fields:
+        try:
+            check_uri(uri, namespace=namespace, roots=roots, field=field_name)
+        except ScopeError as exc:
+            return str(exc)
+    return ""
 
 
 def _parse_time(value: Any) -> datetime | None:
@@ -152,6 +179,16 @@ def reconcile_job(
             if key in previous_status:
                 status[key] = previous_status[key]
         return finish(Phase(prev_phase))
+
+    scope_error = storage_scope_error(spec, ref_namespace, settings.storage_roots)
+    if scope_error:
+        was = next((c for c in conditions if c.get("type") == "Admitted"), {})
+        if was.get("reason") != "StorageOutOfScope" or was.get("message") != scope_error:
+            events.append(("Warning", "StorageOutOfScope", scope_error))
+        cond("Admitted", False, "StorageOutOfScope", scope_error)
+        # Roots configured after the job started: take back what it placed.
+        held = tuple((p.pod, sid) for sid, p in memory.placements.items())
+        return finish(Phase.PENDING, revoke=held, mem=replace(memory, placements={}))
 
     plan = observed.plan
     if plan is None:

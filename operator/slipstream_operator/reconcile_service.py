@@ -110,6 +110,7 @@ class ServiceObserved:
     profile: str  # where the model came from, e.g. shipped:latency_x_h100.json
     window_label: str = "5m"
     window_source: str = "sidecar"  # or "prometheus"
+    storage_roots: tuple[str, ...] = ()  # passed to the sidecars; empty: no scoping
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +152,8 @@ def _meta(ref: ObjectRef, name: str) -> dict[str, Any]:
 
 
 def children(
-    ref: ObjectRef, spec: InferenceServiceSpec, token: str, model: LinearLatencyModel | None
+    ref: ObjectRef, spec: InferenceServiceSpec, token: str, model: LinearLatencyModel | None,
+    *, storage_roots: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], ...]:
     """Secret, ConfigMap, Deployment and Service for the spec."""
     n = names(ref)
@@ -193,6 +195,10 @@ def children(
         {"name": "SLIPSTREAM_SIDECAR_ORDERING", "value": spec.scheduling.ordering.value},
         {"name": "SLIPSTREAM_SIDECAR_AUTH_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_KEY}"},
     ]
+    if storage_roots:
+        # pydantic-settings reads a list setting from the environment as JSON.
+        sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_STORAGE_ROOTS",
+                            "value": json.dumps(list(storage_roots))})
     if model is not None:
         path = f"{CONFIG_MOUNT}/latency.json"
         sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_LATENCY_MODEL_FILE", "value": path})
@@ -451,7 +457,8 @@ def reconcile_service(
         computed_at=computed_at,
     )
     return ServiceOutcome(
-        children=children(ref, spec, observed.token, model),
+        children=children(ref, spec, observed.token, model,
+                          storage_roots=observed.storage_roots),
         status=status,
         pushes=pushes,
         memory=new_memory,

@@ -79,6 +79,21 @@ class OperatorSettings(BaseSettings):
         default=None,
         description="Extra folder of latency_<model>_<gpu>.json profiles (searched first).",
     )
+    storage_roots: list[str] = Field(
+        default_factory=list,
+        description="Storage roots (URIs, e.g. file:///var/lib/slipstream, s3://batch): an "
+        "OfflineJob of namespace ns may only name input/output/error URIs under "
+        "<root>/<ns>/ (slipstream_scheduler.storage_scope); passed on to the sidecars as "
+        "SLIPSTREAM_SIDECAR_STORAGE_ROOTS. Default: empty = no scoping, which is unsafe on a "
+        "multi-tenant cluster (any job can read and overwrite any file the operator and "
+        "sidecars can reach).",
+    )
+    prometheus_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Overall deadline of one tick's Prometheus queries (s); past it the tick "
+        "uses the sidecars' /metrics instead. Default: 2.",
+    )
     budget: BudgetParams = Field(
         default_factory=lambda: BudgetParams.model_validate({}),
         description="Budget adaptation knobs.",

@@ -15,9 +15,9 @@
   in namespaced mode (the set is sufficient).
 * **Namespace isolation.** An OfflineJob in ``team-a`` whose input is a file of
   ``team-b`` must be refused naming ``spec.input.uri`` (the namespace-root
-  rule of ``slipstream_scheduler.storage_scope``); the operator does not apply
-  it yet, which the strict xfail records (today it stages b's file into a's
-  output folder).
+  rule of ``slipstream_scheduler.storage_scope``); the operator applies it
+  with ``--storage-root`` (before that it staged b's file into a's output
+  folder).
 * **Invalid CR specs** are rejected by the API server with a message naming
   the field.
 * **The chart ships a NetworkPolicy** that admits only the operator's pods to
@@ -198,12 +198,6 @@ def test_operator_rbac_is_exactly_what_its_code_calls(
         cleanup_namespace(cluster, ns)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the operator has no storage roots and plans any file:// input (hook: "
-    "slipstream_scheduler.storage_scope.check_uri on spec.input.uri, spec.output.uri and "
-    "spec.output.errorUri before planning; Admitted=False with its message)",
-)
 def test_a_job_cannot_read_another_namespaces_file(
     private_cluster: LocalCluster, tmp_path: Path
 ) -> None:
@@ -221,7 +215,7 @@ def test_a_job_cannot_read_another_namespaces_file(
         kubectl(cluster, "create", "namespace", ns)
     operator = Launched(
         [*SLIPSTREAM, "-v", "operator", "--kubeconfig", str(cluster.admin_kubeconfig), "-n", a,
-         "-n", b, "--loopback-only", "--interval", "1"],
+         "-n", b, "--loopback-only", "--interval", "1", "--storage-root", f"file://{root}"],
         tmp_path / "operator.log",
     ).start()
     staged = root / a / "out.jsonl.slipstream" / "input.psm.jsonl"

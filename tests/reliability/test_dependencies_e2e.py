@@ -7,8 +7,8 @@ OfflineJob of real MMLU questions on a real two-pod InferenceService, the job
 still reaches ``Succeeded`` with every ``custom_id`` once, the ``SLOMet``
 condition says it has no samples rather than reporting numbers it does not
 have, and the operator logs why. The service's ``Ready`` (polled during the
-job) must turn True as it does without Prometheus (the ``none`` baseline); it
-does not today (strict xfail).
+job) must turn True as it does without Prometheus (the ``none`` baseline): the
+operator bounds the queries with one short deadline and falls back to the sidecars.
 
 Deliberately left out: a Prometheus that answers with wrong data (the
 observability owner's tests).
@@ -72,20 +72,7 @@ def black_hole() -> Iterator[str]:
     sock.close()
 
 
-STALE_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="with --prometheus-url unreachable each service tick waits on the Prometheus client "
-    "(retries, a 5 s timeout per query, one query after another) before it reads the pods, so "
-    "Ready stays at its first value ('0/2' or '1/2 pods ready') for the whole job; without "
-    "Prometheus it turns True within seconds (reported to the operator owner: query in "
-    "parallel with a short total deadline, or off the tick)",
-)
-
-
-@pytest.mark.parametrize("kind", [
-    "none", pytest.param("refused", marks=STALE_XFAIL),
-    pytest.param("black-hole", marks=STALE_XFAIL),
-])
+@pytest.mark.parametrize("kind", ["none", "refused", "black-hole"])
 def test_offline_job_and_status_without_prometheus(
     private_cluster: LocalCluster, tmp_path: Path, shared_data: Path, kind: str,
     request: pytest.FixtureRequest,

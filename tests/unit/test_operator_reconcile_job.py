@@ -14,7 +14,9 @@ from slipstream_operator.reconcile_job import (
     JobObserved,
     JobOutcome,
     JobSettings,
+    Placement,
     reconcile_job,
+    storage_scope_error,
 )
 from slipstream_operator.shards import MergeResult, Plan, ShardPlan
 from slipstream_operator.sidecar_client import ShardReport
@@ -191,3 +193,67 @@ def test_no_service_means_waiting_with_a_reason() -> None:
                         previous_status={}, now=T0, now_s=0.0, settings=SETTINGS)
     conds = {c["type"]: c for c in out.status["conditions"]}
     assert out.status["phase"] == "Pending" and conds["Running"]["reason"] == "NoMatchingService"
+
+
+ROOTS = ("file:///store", "s3://batch")
+
+
+def scoped_tick(s: OfflineJobSpec, previous: dict[str, Any] | None = None,
+                memory: JobMemory | None = None) -> JobOutcome:
+    observed = JobObserved(plan=plan([10]), pods=(pod("p0"),), done={}, services_selected=1)
+    return reconcile_job("ns", "job", 1, s, observed=observed, memory=memory or JobMemory(),
+                         previous_status=previous or {}, now=T0, now_s=0.0,
+                         settings=JobSettings(storage_roots=ROOTS))
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"input": {"uri": "file:///store/other/in.jsonl"},
+          "output": {"uri": "file:///store/ns/out.jsonl"}}, "spec.input.uri"),
+        ({"input": {"uri": "file:///store/ns/../other/in.jsonl"},
+          "output": {"uri": "file:///store/ns/out.jsonl"}}, "spec.input.uri"),
+        ({"input": {"uri": "s3://batch/ns/in.jsonl"},
+          "output": {"uri": "file:///elsewhere/out.jsonl"}}, "spec.output.uri"),
+        ({"input": {"uri": "s3://batch/ns/in.jsonl"},
+          "output": {"uri": "file:///store/ns/out.jsonl",
+                     "errorUri": "file:///store/other/err.jsonl"}}, "spec.output.errorUri"),
+    ],
+)
+def test_a_uri_outside_the_namespace_root_is_not_admitted_and_nothing_is_placed(
+    doc: dict[str, Any], field: str
+) -> None:
+    s = spec(**doc)
+    assert field in storage_scope_error(s, "ns", ROOTS)
+    out = scoped_tick(s)
+    admitted = next(c for c in out.status["conditions"] if c["type"] == "Admitted")
+    assert admitted["status"] == "False" and admitted["reason"] == "StorageOutOfScope"
+    assert field in admitted["message"]
+    assert out.status["phase"] == "Pending"
+    assert out.assign == () and "requests" not in out.status
+    assert [e[1] for e in out.events] == ["StorageOutOfScope"]
+    assert out.events[0][0] == "Warning"
+    # The next tick says the same thing without a second event.
+    again = scoped_tick(s, previous=out.status)
+    assert again.events == () and again.status["phase"] == "Pending"
+
+
+def test_uris_inside_the_namespace_root_are_planned_and_no_roots_means_no_rule() -> None:
+    inside = spec(input={"uri": "s3://batch/ns/in.jsonl"},
+                  output={"uri": "file:///store/ns/sub/out.jsonl"})
+    assert storage_scope_error(inside, "ns", ROOTS) == ""
+    out = scoped_tick(inside)
+    assert out.status["phase"] == "Running" and len(out.assign) == 1
+    outside = spec(input={"uri": "file:///anywhere/in.jsonl"},
+                   output={"uri": "file:///anywhere/out.jsonl"})
+    assert storage_scope_error(outside, "ns", ()) == ""
+    assert tick(plan([10]), (pod("p0"),), s=outside).status["phase"] == "Running"
+
+
+def test_roots_configured_after_placement_take_the_shards_back() -> None:
+    outside = spec(input={"uri": "file:///store/other/in.jsonl"},
+                   output={"uri": "file:///store/ns/out.jsonl"})
+    memory = JobMemory(placements={f"{PREFIX}-00000": Placement("p0", 0.0, 0.0, 0)})
+    out = scoped_tick(outside, previous={"phase": "Running"}, memory=memory)
+    assert out.revoke == (("p0", f"{PREFIX}-00000"),)
+    assert out.memory.placements == {}

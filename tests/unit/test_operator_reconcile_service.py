@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -203,3 +205,15 @@ def test_the_pushed_latency_model_carries_its_hinge_knee() -> None:
     assert call.latency_kind == "context+chunk+hinge"
     assert call.latency_knee_tokens == 192
     assert call.latency_coefficients["tokens_over_knee"] == pytest.approx(2e-05)
+
+
+def test_storage_roots_reach_the_sidecar_only_when_configured() -> None:
+    def sidecar_env(obs: ServiceObserved) -> dict[str, str]:
+        deployment = run(obs).children[2]
+        containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+        return {e["name"]: e["value"] for e in containers["sidecar"]["env"]}
+
+    assert "SLIPSTREAM_SIDECAR_STORAGE_ROOTS" not in sidecar_env(observed(()))
+    roots = ("file:///store", "s3://batch")
+    env = sidecar_env(replace(observed(()), storage_roots=roots))
+    assert json.loads(env["SLIPSTREAM_SIDECAR_STORAGE_ROOTS"]) == list(roots)

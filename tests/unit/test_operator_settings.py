@@ -59,3 +59,23 @@ def test_kopf_uses_our_finalizer_and_annotation_prefix() -> None:
     progress = settings.persistence.progress_storage
     assert isinstance(progress, kopf.AnnotationsProgressStorage)
     assert progress.prefix == "slipstream.dev"
+
+
+def test_storage_roots_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_from_args(parser.parse_args([])).storage_roots == []
+    monkeypatch.setenv("SLIPSTREAM_OPERATOR_STORAGE_ROOTS", '["s3://batch"]')
+    assert settings_from_args(parser.parse_args([])).storage_roots == ["s3://batch"]
+    args = parser.parse_args(["--storage-root", "file:///a", "--storage-root", "s3://b",
+                              "--prometheus-timeout", "1.5"])
+    settings = settings_from_args(args)
+    assert settings.storage_roots == ["file:///a", "s3://b"]
+    assert settings.prometheus_timeout_s == 1.5
+
+
+@pytest.mark.parametrize("clusterwide", [True, False])
+def test_kopf_scanning_is_off_only_in_namespaced_mode(clusterwide: bool) -> None:
+    settings = kopf.OperatorSettings()
+    configure_kopf(settings, clusterwide=clusterwide)
+    assert settings.scanning.disabled is (not clusterwide)
