@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,15 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"slipstream sidecar: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    run_loop: Callable[[Coroutine[Any, Any, int]], int] = asyncio.run
     try:
-        import uvloop  # type: ignore[import-not-found]
+        import uvloop  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
-        return asyncio.run(_serve(settings))
-    return int(uvloop.run(_serve(settings)))
+        pass  # the stock event loop; the run itself stays outside this block
+    else:
+        run_loop = uvloop.run
+    # Outside the except block, so no server traceback chains a ModuleNotFoundError for uvloop.
+    return int(run_loop(_serve(settings)))
 
 
 async def _serve(settings: Any) -> int:

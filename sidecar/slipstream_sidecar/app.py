@@ -208,6 +208,7 @@ class Sidecar:
             max_retries=self.settings.offline_max_retries,
             block_size=self.settings.block_size,
             staging_dir=self.settings.state_dir,
+            storage_roots=self.settings.storage_roots,
         )
         self.shards[spec.shard_id] = runner
         if persist:

@@ -59,6 +59,16 @@ def record_id(shard_id: str, line_no: int) -> str:
     return f"batch_req_{shard_id}_L{line_no}"
 
 
+def custom_id_of(raw: bytes) -> str | None:
+    """The line's ``custom_id`` if it is a JSON object with a non-empty string one, else None."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    cid = doc.get("custom_id") if isinstance(doc, dict) else None
+    return cid if isinstance(cid, str) and cid else None
+
+
 def parse_line(
     raw: bytes, line_no: int, *, model: str, defaults: dict[str, Any] | None = None
 ) -> BatchRequest:
@@ -66,15 +76,17 @@ def parse_line(
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BatchLineError(line_no, "invalid_json", f"line {line_no}: not JSON: {exc}") from exc
+        raise BatchLineError(line_no, "invalid_json", f"not JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise BatchLineError(line_no, "invalid_json", "not JSON: nested too deeply") from exc
     if not isinstance(doc, dict):
-        raise BatchLineError(line_no, "invalid_json", f"line {line_no}: not a JSON object")
+        raise BatchLineError(line_no, "invalid_json", "not a JSON object")
     custom_id = doc.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise BatchLineError(line_no, "invalid_request", f"line {line_no}: missing custom_id")
+        raise BatchLineError(line_no, "invalid_request", "missing custom_id")
 
     def fail(code: str, message: str) -> BatchLineError:
-        return BatchLineError(line_no, code, f"line {line_no}: {message}", custom_id)
+        return BatchLineError(line_no, code, message, custom_id)
 
     if doc.get("method", "POST") != "POST":
         raise fail("invalid_request", f"method {doc.get('method')!r} is not POST")

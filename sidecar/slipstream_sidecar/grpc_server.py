@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 
 import grpc
 
+from slipstream_scheduler.storage_scope import ScopeError, check_uri
 from slipstream_sidecar.app import ConfigUpdate, Sidecar, SidecarStatus, Slo
 from slipstream_sidecar.auth import BearerAuthInterceptor, TokenFile
 from slipstream_sidecar.proto import sidecar_pb2 as pb
@@ -83,6 +85,30 @@ def shard_spec(shard: pb.Shard) -> ShardSpec:
     )
 
 
+def configure_problem(request: pb.ConfigureRequest) -> str | None:
+    """Why a ``Configure`` request must be refused (naming the field), or None.
+
+    NaN and infinities parse fine from protobuf but would be applied and persisted; a
+    budget or SLO must be finite and positive, a latency coefficient finite and, except the
+    intercept ``const`` (a least-squares fit may leave it below zero), non-negative: the
+    same rule as ``slipstream_scheduler.latency``, which keeps the model monotone.
+    """
+    if request.HasField("budget_s") and not (
+        math.isfinite(request.budget_s) and request.budget_s > 0
+    ):
+        return f"budget_s must be finite and positive, got {request.budget_s!r}"
+    for name in ("ttft_p99_s", "ttft_mean_s", "tbt_p99_s", "tbt_mean_s"):
+        value = _opt(request.slo, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"slo.{name} must be finite and positive, got {value!r}"
+    for key, value in sorted(request.latency_model.coefficients.items()):
+        if not math.isfinite(value):
+            return f"latency_model.coefficients[{key!r}] must be finite, got {value!r}"
+        if key != "const" and value < 0:
+            return f"latency_model.coefficients[{key!r}] must be non-negative, got {value!r}"
+    return None
+
+
 def _opt(msg: pb.Slo, name: str) -> float | None:
     return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[arg-type]
 
@@ -96,8 +122,9 @@ class SidecarServicer(pb_grpc.SidecarServicer):
     async def Configure(  # noqa: N802
         self, request: pb.ConfigureRequest, context: grpc.aio.ServicerContext
     ) -> pb.ConfigureResponse:
-        if request.HasField("budget_s") and request.budget_s <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "budget_s must be positive")
+        problem = configure_problem(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         update = ConfigUpdate(
             generation=request.generation,
             budget_s=request.budget_s if request.HasField("budget_s") else None,
@@ -128,10 +155,19 @@ class SidecarServicer(pb_grpc.SidecarServicer):
             )
         try:
             spec = shard_spec(shard)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not spec.error_uri:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "error_uri is required")
+        roots = self.sidecar.settings.storage_roots
+        try:
+            for field_name in ("input_uri", "output_uri", "error_uri"):
+                check_uri(
+                    getattr(spec, field_name), namespace=spec.job_namespace, roots=roots,
+                    field=field_name,
+                )
+        except ScopeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         accepted, progress = self.sidecar.assign(spec)
         return pb.AssignShardResponse(accepted=accepted, progress=progress_pb(progress))
 

@@ -55,6 +55,7 @@ from slipstream_scheduler.types import RequestClass
 from slipstream_sidecar.controller import Controller, Ticket
 from slipstream_sidecar.engine import EngineClient, TokenRatio, prompt_chars
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
+from slipstream_sidecar.logging_filters import install_payload_filter
 from slipstream_sidecar.metrics import SidecarMetrics
 from slipstream_sidecar.sse import EventScanner
 
@@ -162,6 +163,8 @@ class Proxy:
         raw = await request.read()
         try:
             body = json.loads(raw)
+        except RecursionError:
+            return error_response(400, "request body is nested too deeply")
         except ValueError:
             return error_response(400, "request body is not JSON")
         if not isinstance(body, dict):
@@ -349,6 +352,7 @@ def _passthrough(status: int, body: bytes, content_type: str | None) -> web.Resp
 
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start ``app`` on ``host:port`` (0: any free port); returns the runner and the port."""
+    install_payload_filter()  # aiohttp would log the bytes of a malformed request (a prompt)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)

@@ -88,6 +88,13 @@ class SidecarSettings(BaseSettings):
         ge=1,
         description="Offline requests of one shard registered with the dispatcher at once.",
     )
+    storage_roots: list[str] = Field(
+        default_factory=list,
+        description="Storage roots of the namespace rule (slipstream_scheduler.storage_scope), "
+        "e.g. ['file:///var/lib/slipstream', 's3://batch']: a shard of namespace ns may use "
+        "only URIs under <root>/<ns>/. Env SLIPSTREAM_SIDECAR_STORAGE_ROOTS as a JSON list. "
+        "Empty: no scoping (single tenant); the operator's Deployment sets it.",
+    )
     offline_max_retries: int = Field(
         default=3, ge=0, description="Engine failures tolerated per offline line before an error."
     )

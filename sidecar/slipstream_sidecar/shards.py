@@ -34,8 +34,9 @@ import asyncio
 import enum
 import json
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,14 @@ import aiohttp
 import fsspec
 
 from slipstream_scheduler.dispatcher import Incoming
+from slipstream_scheduler.storage_scope import ScopeError, check_resolved_path
 from slipstream_scheduler.textgen import block_hashes
 from slipstream_scheduler.types import RequestClass
 from slipstream_sidecar.assemble import Assembly
 from slipstream_sidecar.batch_io import (
     BatchRequest,
     DurableLog,
+    custom_id_of,
     error_record,
     local_path,
     parse_line,
@@ -133,6 +136,25 @@ class EngineWatch:
         await self.ready.wait()
 
 
+def duplicate_lines(lines: Sequence[tuple[int, bytes]]) -> dict[int, tuple[int, str]]:
+    """Map each line that repeats an earlier line's custom_id to (that first line, the id).
+
+    Derived from the shard's input alone (lines in input order), so a restarted runner makes
+    the same decision: the first line is served, every later line with the id becomes a
+    ``duplicate_custom_id`` error record.
+    """
+    first: dict[str, int] = {}
+    dups: dict[int, tuple[int, str]] = {}
+    for line_no, raw in lines:
+        cid = custom_id_of(raw)
+        if cid is None:
+            continue
+        seen = first.setdefault(cid, line_no)
+        if seen != line_no:
+            dups[line_no] = (seen, cid)
+    return dups
+
+
 class ShardRunner:
     """Runs one shard to completion (or revocation)."""
 
@@ -148,6 +170,7 @@ class ShardRunner:
         max_retries: int,
         block_size: int,
         staging_dir: Path | None,
+        storage_roots: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec = spec
@@ -159,6 +182,7 @@ class ShardRunner:
         self._max_retries = max_retries
         self._bs = block_size
         self._staging = staging_dir
+        self._roots = tuple(storage_roots)
         self._clock = clock
         self.progress = ShardProgress(spec.shard_id, ShardState.PENDING)
         self._task: asyncio.Task[None] | None = None
@@ -200,9 +224,22 @@ class ShardRunner:
 
     # -- the shard ----------------------------------------------------------------------------
 
+    def _in_scope(self, path: Path, field_name: str) -> None:
+        """Refuse a local file whose resolved path (links followed) leaves the job's storage."""
+        if not self._roots:
+            return
+        try:
+            check_resolved_path(
+                os.path.realpath(path), namespace=self.spec.job_namespace, roots=self._roots,
+                field=field_name,
+            )
+        except ScopeError as exc:
+            raise ShardIOError(self.spec.shard_id, str(path), str(exc)) from exc
+
     def _log_path(self, uri: str, kind: str) -> Path:
         path = local_path(uri)
         if path is not None:
+            self._in_scope(path, "output_uri" if kind == "output" else "error_uri")
             return path
         if self._staging is None:
             raise ShardIOError(self.spec.shard_id, uri, "non-local output needs --state-dir")
@@ -228,7 +265,11 @@ class ShardRunner:
         p.state = ShardState.RUNNING
         self._started_s = self._clock()
         done_lines = self._out.index.lines | self._err.index.lines
-        done_ids = self._out.index.custom_ids | self._err.index.custom_ids
+        # A custom_id already in the *output* (a success of a line we cannot place) is not served
+        # again; ids in the error log do not count, as a later line's duplicate_custom_id record
+        # may be there before its first line was served.
+        done_ids = set(self._out.index.custom_ids)
+        dups = duplicate_lines(lines)
         p.completed = sum(1 for n, _ in lines if n in self._out.index.lines)
         p.failed = sum(1 for n, _ in lines if n in self._err.index.lines)
         todo = [(n, raw) for n, raw in lines if n not in done_lines]
@@ -242,7 +283,8 @@ class ShardRunner:
             for line_no, raw in todo:
                 await sem.acquire()
                 t = asyncio.get_running_loop().create_task(
-                    self._line(line_no, raw, done_ids), name=f"line-{spec.shard_id}-{line_no}"
+                    self._line(line_no, raw, done_ids, dups.get(line_no)),
+                    name=f"line-{spec.shard_id}-{line_no}",
                 )
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -275,6 +317,9 @@ class ShardRunner:
     def _read_lines(self) -> list[tuple[int, bytes]]:
         spec = self.spec
         out: list[tuple[int, bytes]] = []
+        local = local_path(spec.input_uri)
+        if local is not None:
+            self._in_scope(local, "input_uri")
         try:
             with fsspec.open(spec.input_uri, "rb") as f:
                 for n, raw in enumerate(f):
@@ -312,9 +357,17 @@ class ShardRunner:
 
     # -- one line -----------------------------------------------------------------------------
 
-    async def _line(self, line_no: int, raw: bytes, done_ids: set[str]) -> None:
+    async def _line(
+        self, line_no: int, raw: bytes, done_ids: set[str], dup: tuple[int, str] | None
+    ) -> None:
         spec = self.spec
         try:
+            if dup is not None:
+                first, cid = dup
+                raise BatchLineError(
+                    line_no, "duplicate_custom_id",
+                    f"custom_id repeats line {first}; custom_ids must be unique", cid,
+                )
             req = parse_line(raw, line_no, model=spec.model, defaults=spec.request_defaults)
             if req.custom_id in done_ids:
                 log.info("shard %s line %d: custom_id already written", spec.shard_id, line_no)
@@ -334,7 +387,7 @@ class ShardRunner:
             except EngineError as exc:
                 raise BatchLineError(
                     req.line_no, "invalid_request",
-                    f"line {req.line_no}: the engine cannot tokenize it ({exc.status}): "
+                    f"the engine cannot tokenize it ({exc.status}): "
                     f"{exc.body[:200].decode(errors='replace')}",
                     req.custom_id,
                 ) from exc
@@ -347,7 +400,7 @@ class ShardRunner:
             if n_prompt + (max_tokens or 1) > max_model_len:
                 raise BatchLineError(
                     req.line_no, "context_length_exceeded",
-                    f"line {req.line_no}: prompt of {n_prompt} tokens plus max_tokens "
+                    f"prompt of {n_prompt} tokens plus max_tokens "
                     f"{max_tokens or 1} exceeds the model's context of {max_model_len}",
                     req.custom_id,
                 )
@@ -387,7 +440,7 @@ class ShardRunner:
             if 400 <= status < 500 or retries > self._max_retries:
                 raise BatchLineError(
                     req.line_no, "engine_error",
-                    f"line {req.line_no}: the engine answered {status}: "
+                    f"the engine answered {status}: "
                     f"{body[:300].decode(errors='replace')}",
                     req.custom_id,
                 )

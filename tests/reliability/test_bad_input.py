@@ -149,12 +149,6 @@ def test_bad_corpus_every_line_once_errors_name_line_and_field(
     assert progress.completed == len(out) and progress.failed == len(err)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sidecar serves every line of a shard whose custom_id repeats an earlier line's "
-    "(ShardRunner only skips ids already in the logs at start), so one id reaches the output "
-    "twice; the rule wanted is a duplicate_custom_id error record (reported to the sidecar owner)",
-)
 def test_duplicate_custom_id_is_an_error_naming_the_first_line(
     stack: RelStack, shared_data: Path
 ) -> None:

@@ -54,12 +54,6 @@ PROTOCOL_EXCEPTIONS = (
     "ContentLengthError", "TransferEncodingError", "ConnectionResetError", "ModuleNotFoundError",
 )
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Message)):", re.M)
-DEEP_JSON_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="json.loads raises RecursionError (not ValueError) on deep nesting; the sidecar proxy "
-    "(proxy.py _generate) and the engine server (app.py _json) catch only ValueError/"
-    "JSONDecodeError, so the answer is a 500 (reported to their owners)",
-)
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +262,7 @@ def test_pathological_bodies(stack: RelStack, target: str) -> None:
 
 
 @pytest.mark.parametrize("target", [
-    pytest.param("sidecar", marks=DEEP_JSON_XFAIL), pytest.param("engine", marks=DEEP_JSON_XFAIL),
+    "sidecar", "engine",
 ])
 def test_deeply_nested_json_is_a_400(tmp_path: Path, target: str) -> None:
     """JSON nested 100,000 deep, on its own stack (its failure must not taint the shared logs)."""

@@ -33,6 +33,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 from slipstream_scheduler.engine.model import EngineConfig, EngineModel
 from slipstream_scheduler.textgen import TextGenConfig, TokenGenerator, Tokenizer
+from slipstream_sidecar.logging_filters import install_payload_filter
 
 from slipstream_cli.engine_server.app import ServerConfig, build_app
 from slipstream_cli.engine_server.driver import Driver
@@ -202,6 +203,7 @@ async def serve(opts: ServeOptions, engine: EngineModel | None = None) -> Runnin
         default_seed=opts.seed,
     )
     app = build_app(cfg, driver, tokenizer, metrics)
+    install_payload_filter()  # aiohttp would log the bytes of a malformed request (a prompt)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.port, backlog=1024)

@@ -370,6 +370,8 @@ async def _json(request: web.Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"Invalid JSON body: {exc}", err_type="Bad Request") from exc
+    except RecursionError as exc:
+        raise RequestError("Invalid JSON body: nested too deeply", err_type="Bad Request") from exc
 
 
 # -- response rendering ---------------------------------------------------------------------
