@@ -111,14 +111,20 @@ def test_online_priority_in_the_body_is_replaced(stack: RelStack, shared_data: P
     assert complete(stack.sidecar.url)["choices"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sidecar has no storage roots and does not check a shard's URIs against its "
-    "job_namespace (hook: slipstream_scheduler.storage_scope.check_uri in "
-    "grpc_server.AssignShard, check_resolved_path when ShardRunner opens files)",
-)
-def test_a_shard_cannot_read_another_namespaces_file(stack: RelStack) -> None:
-    root = stack.tmp / "storage"
+def test_a_shard_cannot_read_another_namespaces_file(tmp_path: Path) -> None:
+    root = tmp_path / "storage"
+    # This sidecar is scoped to the storage root, as the operator configures it.
+    stack = start_rel_stack(
+        tmp_path, sidecar_seqs=4, mean_output_tokens=64,
+        env={"SLIPSTREAM_SIDECAR_STORAGE_ROOTS": json.dumps([f"file://{root}"])},
+    )
+    try:
+        _assert_shard_refused(stack, root)
+    finally:
+        stack.stop()
+
+
+def _assert_shard_refused(stack: RelStack, root: Path) -> None:
     (root / "team-b").mkdir(parents=True)
     (root / "team-a").mkdir()
     secret = root / "team-b" / "private.jsonl"
