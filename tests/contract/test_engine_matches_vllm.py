@@ -21,6 +21,7 @@ from shapes import (
     load_fixture,
     parse_sse,
 )
+
 from slipstream_cli.engine_server import RunningServer, ServeOptions, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

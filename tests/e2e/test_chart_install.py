@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from unit.test_chart import NEEDED_CLUSTER_ONLY, NEEDED_NAMESPACED
 
 from slipstream_cli.cluster import LocalCluster
+from unit.test_chart import NEEDED_CLUSTER_ONLY, NEEDED_NAMESPACED
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from integration.helpers_procs import SLIPSTREAM, Proc, engine_proc
 from kubernetes import client
 
+from integration.helpers_procs import SLIPSTREAM, Proc, engine_proc
 from slipstream_cli.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]

@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+
 from slipstream_cli.engine_server import RunningServer, ServeOptions, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from slipstream_scheduler.gittins import gittins_rank, request_cost
 from slipstream_scheduler.ordering import (
     ORDERINGS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from slipstream_scheduler.textgen import (
     BOS_ID,
     EOS_ID,

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from slipstream_cli.workloads import data_root
 from slipstream_scheduler.admission import build_planner
 from slipstream_scheduler.latency import (
     FEATURE_NAMES,
@@ -59,8 +61,6 @@ from slipstream_scheduler.types import (
     RunningRequest,
     Snapshot,
 )
-
-from slipstream_cli.workloads import data_root
 
 logger = logging.getLogger(__name__)
 
@@ -369,9 +369,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # -- length prediction, embedding, Gittins (another engineer's modules)
     pairs = alpaca_prompts(root)
     try:
-        from slipstream_scheduler.lengths import HashingEmbedder, SemanticHistoryPredictor
-
         from slipstream_cli.workloads.tokenize import count_tokens
+        from slipstream_scheduler.lengths import HashingEmbedder, SemanticHistoryPredictor
 
         embedder = HashingEmbedder()
         order = rng.permutation(len(pairs))
@@ -415,9 +414,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     # -- PSM trie
     try:
-        from slipstream_scheduler.psm import PsmQueue
-
         from slipstream_cli.workloads.tokenize import tokenize
+        from slipstream_scheduler.psm import PsmQueue
 
         prompts = mmlu_prompts(root, subjects=20, per_subject=50)
         token_ids = [tokenize(p) for p in prompts]

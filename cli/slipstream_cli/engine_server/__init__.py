@@ -31,13 +31,13 @@ from typing import Literal
 import prometheus_client
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
-from slipstream_scheduler.engine.model import EngineConfig, EngineModel
-from slipstream_scheduler.textgen import TextGenConfig, TokenGenerator, Tokenizer
-from slipstream_sidecar.logging_filters import install_payload_filter
 
 from slipstream_cli.engine_server.app import ServerConfig, build_app
 from slipstream_cli.engine_server.driver import Driver
 from slipstream_cli.engine_server.metrics import EngineMetrics
+from slipstream_scheduler.engine.model import EngineConfig, EngineModel
+from slipstream_scheduler.textgen import TextGenConfig, TokenGenerator, Tokenizer
+from slipstream_sidecar.logging_filters import install_payload_filter
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,6 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
-from slipstream_scheduler.engine.errors import RequestError as EngineRequestError
-from slipstream_scheduler.textgen import ChatMessage, Tokenizer, UnknownTokenError, render_chat
 
 from slipstream_cli.engine_server.driver import Delta, Driver, GenerationParams, Stream
 from slipstream_cli.engine_server.errors import RequestError, error_body
@@ -54,6 +52,8 @@ from slipstream_cli.engine_server.protocol import (
     TokenizeCompletionRequest,
     parse_body,
 )
+from slipstream_scheduler.engine.errors import RequestError as EngineRequestError
+from slipstream_scheduler.textgen import ChatMessage, Tokenizer, UnknownTokenError, render_chat
 
 logger = logging.getLogger(__name__)
 
