@@ -366,6 +366,18 @@ class OrderingQueue:
             fresh = self._view(self._held[request_id], generated_total, generated_total)
             self._running[request_id] = (fresh, self.ordering.key(fresh))
 
+    def set_ordering(self, ordering: Ordering) -> None:
+        """Switch orderings at run time: held and in-flight requests are re-keyed."""
+        self.ordering = ordering
+        for rid, req in self._held.items():
+            if rid in self._q:
+                self._q.push(rid, ordering.key(self._view(req, self._generated.get(rid, 0))))
+        if not ordering.preemptive:
+            self._running.clear()
+            return
+        for rid, (view, _) in list(self._running.items()):
+            self._running[rid] = (view, ordering.key(view))
+
     def reorder_victim(self) -> str | None:
         """An in-flight request the best waiting one may displace, if the ordering allows."""
         if not self.ordering.preemptive or not self._running or not len(self._q):

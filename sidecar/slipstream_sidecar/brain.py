@@ -20,19 +20,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from slipstream_scheduler.admission import build_planner
-from slipstream_scheduler.dispatcher import Dispatcher, DispatcherConfig, FifoQueue, Incoming
+from slipstream_scheduler.dispatcher import (
+    Dispatcher,
+    DispatcherConfig,
+    OrderingQueue,
+    PsmOfflineQueue,
+)
 from slipstream_scheduler.latency import FEATURE_NAMES, FeatureSet, LinearLatencyModel
 from slipstream_scheduler.lengths import InputLengthHistoryPredictor
 from slipstream_scheduler.ordering import (
     ORDERINGS,
-    KeyedQueue,
     Ordering,
-    RequestView,
     UnknownOrderingError,
     make_ordering,
 )
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.protocols import LengthPredictor
+from slipstream_scheduler.psm import PsmParams, PsmQueue
 from slipstream_scheduler.types import EngineLimits
 from slipstream_sidecar.settings import SidecarSettings
 
@@ -66,57 +70,35 @@ def _length_predictor() -> LengthPredictor:
     return InputLengthHistoryPredictor()
 
 
-class OrderingQueue:
-    """The dispatcher's online ``RequestQueue`` in a core ``Ordering``'s order.
+def sidecar_ordering(name: str) -> Ordering:
+    """The named ordering as the sidecar runs it: keys only, never displacement.
 
-    NOTE: glue only, until the core ships its own adapter: the key is the
-    ordering's, computed once at arrival from the length predictor's sample
-    (online requests are never preempted by the dispatcher, so the bucket
-    refresh of running requests does not arise here). ``set_ordering`` re-keys
-    the held requests when ``Configure`` changes the ordering.
+    NOTE: policy is bent here on purpose. TRAIL-like and Gittins may displace an
+    in-flight online request (abort and resume); the proxy cannot stitch a
+    client's stream across an abort, so the sidecar runs them with a preemption
+    cap of 0. The simulator reports both variants (see docs/benchmarks/ordering.md).
     """
-
-    def __init__(self, ordering: Ordering, predictor: LengthPredictor) -> None:
-        self.ordering = ordering
-        self._predictor = predictor
-        self._q = KeyedQueue()
-        self._held: dict[str, Incoming] = {}
-
-    def _key(self, req: Incoming) -> float:
-        sample = self._predictor.predict(req.vector, req.prompt_tokens)
-        view = RequestView.create(req.request_id, req.arrival_s, req.prompt_tokens, sample)
-        return self.ordering.key(view)
-
-    def push(self, request: Incoming) -> None:
-        self._held[request.request_id] = request
-        self._q.push(request.request_id, self._key(request))
-
-    def head(self, n: int, now_s: float) -> list[str]:
-        return [rid for rid, _ in self._q.smallest(n)]
-
-    def take(self, request_id: str, now_s: float) -> None:
-        self.remove(request_id)
-
-    def remove(self, request_id: str) -> None:
-        if request_id in self._q:
-            self._q.remove(request_id)
-        self._held.pop(request_id, None)
-
-    def set_ordering(self, ordering: Ordering) -> None:
-        self.ordering = ordering
-        for req in list(self._held.values()):
-            self._q.push(req.request_id, self._key(req))
-
-    def __len__(self) -> int:
-        return len(self._q)
+    try:
+        params_model, _ = ORDERINGS[name]
+    except KeyError:
+        raise ValueError(f"unknown ordering {name!r}; known: {', '.join(ORDERINGS)}") from None
+    params: dict[str, object] = (
+        {"max_preemptions": 0} if "max_preemptions" in params_model.model_fields else {}
+    )
+    try:
+        return make_ordering(name, params)
+    except UnknownOrderingError:
+        raise ValueError(f"unknown ordering {name!r}; known: {', '.join(ORDERINGS)}") from None
 
 
 def build_online_queue(name: str, predictor: LengthPredictor) -> OrderingQueue:
-    try:
-        ordering = make_ordering(name)
-    except UnknownOrderingError:
-        raise ValueError(f"unknown ordering {name!r}; known: {', '.join(ORDERINGS)}") from None
-    return OrderingQueue(ordering, predictor)
+    """The core's online queue (the simulator's too) in the sidecar's ordering."""
+    return OrderingQueue(sidecar_ordering(name), predictor)
+
+
+def build_offline_queue() -> PsmOfflineQueue:
+    """PSM order over the prompts' 16-token block hashes, as the simulator's ``budget-psm``."""
+    return PsmOfflineQueue(PsmQueue(PsmParams(block_size=1)))
 
 
 def build_dispatcher(settings: SidecarSettings, cfg: BrainConfig) -> Dispatcher:
@@ -127,14 +109,16 @@ def build_dispatcher(settings: SidecarSettings, cfg: BrainConfig) -> Dispatcher:
         block_size=settings.block_size,
     )
     return Dispatcher(
-        DispatcherConfig.model_validate({"offline_priority": settings.offline_priority}),
+        DispatcherConfig(
+            offline_priority=settings.offline_priority, idle_budget_s=settings.idle_budget_s
+        ),
         build_planner(
             "budget" if cfg.latency_model is not None else "naive",
             latency_model=cfg.latency_model,
             mode=PlannerMode.ADMISSION,
         ),
         online_queue=build_online_queue(cfg.ordering, predictor),
-        offline_queue=FifoQueue(),
+        offline_queue=build_offline_queue(),
         length_predictor=predictor,
         limits=limits,
         kv_blocks=settings.kv_blocks,
@@ -155,7 +139,7 @@ def apply(dispatcher: Dispatcher, old: BrainConfig, new: BrainConfig) -> None:
         if not isinstance(queue, OrderingQueue):
             raise ValueError("the online queue cannot change its ordering")
         try:
-            queue.set_ordering(make_ordering(new.ordering))
+            queue.set_ordering(sidecar_ordering(new.ordering))
         except UnknownOrderingError:
             raise ValueError(f"unknown ordering {new.ordering!r}") from None
     dispatcher.set_budget(new.budget_s)

@@ -52,6 +52,12 @@ class SidecarSettings(BaseSettings):
         default=8192, ge=1, description="KV blocks the engine has (vLLM logs '# GPU blocks')."
     )
     ordering: str = Field(default="gittins", description="Initial online ordering policy name.")
+    idle_budget_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Step limit in seconds for offline work while no online request is held or "
+        "in flight (the simulator's profiled idle budget); None: the budget applies always.",
+    )
     offline_priority: int = Field(
         default=100, description="vLLM priority of offline requests (online requests get 0)."
     )
