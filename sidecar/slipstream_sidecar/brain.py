@@ -76,7 +76,7 @@ def sidecar_ordering(name: str) -> Ordering:
     NOTE: policy is bent here on purpose. TRAIL-like and Gittins may displace an
     in-flight online request (abort and resume); the proxy cannot stitch a
     client's stream across an abort, so the sidecar runs them with a preemption
-    cap of 0. The simulator reports both variants (see docs/benchmarks/ordering.md).
+    cap of 0. (The ordering benchmark so far measures only the preemptive variants.)
     """
     try:
         params_model, _ = ORDERINGS[name]
