@@ -15,6 +15,7 @@ Modules, in the order a request meets them:
 * ``dispatcher`` the sidecar's admission layer (also driven by the simulator)
 * ``engine``     the vLLM engine model; ``sim`` the discrete-event simulator
 * ``budget``     the SLO-aware budget search; ``profiler`` the latency-model fit
+* ``storage_scope`` which storage URIs an OfflineJob of a namespace may name
 * ``textgen``    the engine model's deterministic tokenizer and text
 
 The MiniLM embedder (``embedders_semantic``) is deliberately not imported
@@ -34,6 +35,25 @@ from slipstream_scheduler.admission import (
     StaticCapParams,
     UnknownPolicyError,
     build_planner,
+)
+from slipstream_scheduler.budget import (
+    SearchResult,
+    Slo,
+    bisect_largest,
+    parse_slo,
+    search_budget,
+)
+from slipstream_scheduler.dispatcher import (
+    Abort,
+    Decisions,
+    Dispatcher,
+    DispatcherConfig,
+    DispatcherStats,
+    FifoQueue,
+    Incoming,
+    OrderingQueue,
+    PsmOfflineQueue,
+    Submit,
 )
 from slipstream_scheduler.gittins import GittinsTracker, gittins_rank, request_cost
 from slipstream_scheduler.latency import (
@@ -69,6 +89,7 @@ from slipstream_scheduler.ordering import (
 from slipstream_scheduler.planner import FillRules, PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.protocols import Embedder, LatencyModel, LengthPredictor, Planner
 from slipstream_scheduler.psm import PsmParams, PsmPick, PsmQueue
+from slipstream_scheduler.storage_scope import ScopeError, check_resolved_path, check_uri
 from slipstream_scheduler.textgen import (
     TextGenConfig,
     TokenGenerator,
@@ -91,15 +112,21 @@ from slipstream_scheduler.types import (
 __all__ = [
     "ADMISSION_POLICIES",
     "ORDERINGS",
+    "Abort",
     "Admission",
     "AdmissionError",
     "AdmissionPolicy",
     "BatchFeatures",
     "BatchItem",
     "BudgetParams",
+    "Decisions",
+    "Dispatcher",
+    "DispatcherConfig",
+    "DispatcherStats",
     "Embedder",
     "EngineLimits",
     "FeatureSet",
+    "FifoQueue",
     "FillRules",
     "FitError",
     "FitResult",
@@ -108,6 +135,7 @@ __all__ = [
     "GlobalDistributionPredictor",
     "HashingEmbedder",
     "HistoryParams",
+    "Incoming",
     "InputLengthHistoryPredictor",
     "InputLengthParams",
     "KeyedQueue",
@@ -121,11 +149,13 @@ __all__ = [
     "OfflineOnlyParams",
     "OnlineOnlyParams",
     "Ordering",
+    "OrderingQueue",
     "Phase",
     "Planner",
     "PlannerMode",
     "PolicyConfigError",
     "PolicyParams",
+    "PsmOfflineQueue",
     "PsmParams",
     "PsmPick",
     "PsmQueue",
@@ -134,22 +164,31 @@ __all__ = [
     "RequestView",
     "RunningRequest",
     "SchemaVersionError",
+    "ScopeError",
+    "SearchResult",
     "SemanticHistoryParams",
     "SemanticHistoryPredictor",
+    "Slo",
     "Snapshot",
     "StaticCapParams",
     "StepPlan",
+    "Submit",
     "TextGenConfig",
     "TokenGenerator",
     "Tokenizer",
     "TwoPhasePlanner",
     "UnknownPolicyError",
+    "bisect_largest",
     "block_hashes",
     "build_planner",
+    "check_resolved_path",
+    "check_uri",
     "fit",
     "gittins_rank",
     "kfold_mape",
     "make_ordering",
+    "parse_slo",
     "render_chat",
     "request_cost",
+    "search_budget",
 ]
