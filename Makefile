@@ -19,6 +19,7 @@ help:
 	@echo "make demo        run the main job (builds what it needs)"
 	@echo "make test        every test tier, as CI runs it"
 	@echo "make test-fast   unit + simulation tiers only (no cluster, no subprocesses)"
+	@echo "make demo-sim    the simulator alone on the shipped trace slice (no cluster)"
 	@echo "make lint        ruff, mypy --strict, import-linter"
 	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
 	@echo "make bench       rerun every benchmark into docs/benchmarks/"
@@ -66,8 +67,11 @@ test-fast: venv
 demo: venv system-deps cluster-build
 	@$(BIN)/slipstream demo
 
+# The simulator alone, on the shipped data slices (no cluster needed).
 demo-sim: venv
-	@$(BIN)/slipstream sim --trace examples/data/azure_conv_10min.csv --policy budget --json out/demo-sim/report.json
+	@$(BIN)/slipstream sim --trace examples/data/azure_conv_10min.csv --offline arxiv \
+	  --offline-path examples/data/arxiv_summarization_lengths_2000.csv --rate-scale 0.1 \
+	  --duration-s 600 --policy budget --budget 0.05 --json out/demo-sim/report.json --plots out/demo-sim
 
 crds: venv
 	@$(BIN)/python -m slipstream_operator.crdgen
