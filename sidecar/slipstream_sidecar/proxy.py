@@ -38,6 +38,7 @@ beyond ``priority``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -330,6 +331,10 @@ class Proxy:
                     self.controller.progress(ticket, exact if exact is not None else counted)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
                 log.warning("engine stream of %s broke after %d events", ticket.request_id, counted)
+                # Tell the client in-band, in vLLM's error shape, rather than ending the stream
+                # cleanly: without [DONE] or an error a cut answer looks like a short one.
+                with contextlib.suppress(ConnectionError):
+                    await write(_STREAM_BROKE)
                 return resp, "engine_error"
             complete = True
             await resp.write_eof()
@@ -342,6 +347,12 @@ class Proxy:
                 upstream.release()
             else:
                 upstream.close()  # the engine aborts the request when its connection drops
+
+
+_STREAM_BROKE = (
+    b'data: {"error": {"message": "the inference engine stopped while streaming this answer; '
+    b'it is incomplete", "type": "EngineStreamError", "param": null, "code": 502}}\n\n'
+)
 
 
 def _passthrough(status: int, body: bytes, content_type: str | None) -> web.Response:
