@@ -94,6 +94,26 @@ class OperatorSettings(BaseSettings):
         description="Overall deadline of one tick's Prometheus queries (s); past it the tick "
         "uses the sidecars' /metrics instead. Default: 2.",
     )
+    apply_resync_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds after which an InferenceService's children (Secret, ConfigMap, "
+        "Deployment, Service) are re-applied and its control token re-read even when the "
+        "rendered objects did not change; this bounds how long a deleted or edited child, or "
+        "a rotated token, goes unnoticed. Default: 60.",
+    )
+    kube_threads: int = Field(
+        default=32,
+        ge=1,
+        description="Threads of the operator's own executor for blocking Kubernetes client "
+        "calls (server-side applies, Secret reads). Default: 32.",
+    )
+    sidecar_concurrency: int = Field(
+        default=64,
+        ge=1,
+        description="Sidecar control calls (Status, Configure, AssignShard, RevokeShard) in "
+        "flight at once, across all objects. Default: 64.",
+    )
     budget: BudgetParams = Field(
         default_factory=lambda: BudgetParams.model_validate({}),
         description="Budget adaptation knobs.",
