@@ -6,6 +6,11 @@ in-cluster service account), the gRPC sidecar control and an HTTP session for
 scraping sidecars, then runs kopf on an explicit registry with
 ``standalone=True`` (no peering; ship one replica with ``strategy: Recreate``).
 
+The registry also carries the read-only watch handlers of
+:mod:`slipstream_operator.metrics`, whose ``/metrics`` is served on
+``--metrics-address:--metrics-port`` (default ``0.0.0.0:8080``; the port may also come
+from ``$SLIPSTREAM_OPERATOR_METRICS_PORT``; ``--metrics-port -1`` turns it off).
+
 Deliberately left out: leader election, webhooks, health endpoints beyond
 kopf's ``--liveness``.
 """
@@ -19,6 +24,17 @@ import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 8080
+METRICS_PORT_ENV = "SLIPSTREAM_OPERATOR_METRICS_PORT"
+
+
+def metrics_port(args: argparse.Namespace) -> int:
+    """The /metrics port: the flag, else the environment, else 8080 (-1: none)."""
+    flag = getattr(args, "metrics_port", None)
+    if flag is not None:
+        return int(flag)
+    return int(os.environ.get(METRICS_PORT_ENV, DEFAULT_METRICS_PORT))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "multi-tenant clusters)")
     parser.add_argument("--prometheus-timeout", type=float, dest="prometheus_timeout_s",
                         help="overall deadline of one tick's Prometheus queries (default 2)")
-    parser.add_argument("--liveness", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/h")
+    parser.add_argument("--liveness", help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/h")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="port of the operator's Prometheus /metrics (default: "
+                        f"${METRICS_PORT_ENV} or {DEFAULT_METRICS_PORT}; 0: any free port; "
+                        "-1: off)")
+    parser.add_argument("--metrics-address", default="0.0.0.0",
+                        help="address /metrics listens on (default 0.0.0.0)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -63,6 +85,7 @@ async def _main(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes import config
 
+    from slipstream_operator import metrics
     from slipstream_operator.handlers import Handlers, build_registry
     from slipstream_operator.sidecar_client import GrpcSidecarControl
 
@@ -79,6 +102,11 @@ async def _main(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession() as http:
         handlers = Handlers(settings, api, control, http)
         registry = build_registry(handlers)
+        operator_metrics = metrics.OperatorMetrics()
+        metrics.register(registry, operator_metrics)
+        port = metrics_port(args)
+        address = getattr(args, "metrics_address", "0.0.0.0")
+        server = metrics.serve(operator_metrics, address, port) if port >= 0 else None
         namespaces = settings.namespaces
         logger.info("slipstream operator starting (namespaces: %s, loopback-only: %s, "
                     "storage roots: %s)", namespaces or "all", settings.loopback_only,
@@ -92,6 +120,8 @@ async def _main(args: argparse.Namespace) -> int:
                 liveness_endpoint=args.liveness,
             )
         finally:
+            if server is not None:
+                server.close()
             await control.close()
     return 0
 

@@ -1,0 +1,301 @@
+"""The operator's own metrics: samples from real API objects, scraped over a loopback socket.
+
+Objects are built through the API models (``InferenceService``/``OfflineJob`` with a status
+as the operator writes it, dumped with ``wire()``), so a renamed status field breaks these
+tests rather than silently emptying a gauge. The HTTP test serves the real
+prometheus-client server on 127.0.0.1 and parses what a scrape returns.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from slipstream_operator.api import InferenceService, OfflineJob
+from slipstream_operator.metrics import (
+    FAMILIES,
+    PREFIX,
+    OperatorMetrics,
+    job_sample,
+    register,
+    serve,
+    service_sample,
+)
+
+NOW = datetime(2026, 11, 30, 6, 0, tzinfo=UTC)
+
+
+def service(
+    name: str = "chat", *, ready: int = 2, slo_met: str = "True", status: bool = True
+) -> dict[str, Any]:
+    body = InferenceService.model_validate(
+        {
+            "metadata": {"name": name, "namespace": "team-a", "generation": 3},
+            "spec": {
+                "model": "m",
+                "engine": {"image": "vllm"},
+                "replicas": 2,
+                "slo": {"ttft": {"p99": "2s", "mean": "600ms"}, "tbt": {"p99": "150ms"}},
+            },
+            "status": {
+                "observedGeneration": 3,
+                "replicas": 2,
+                "readyReplicas": ready,
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "PodsReady",
+                        "message": "",
+                        "lastTransitionTime": NOW,
+                        "observedGeneration": 3,
+                    },
+                    {
+                        "type": "SLOMet",
+                        "status": slo_met,
+                        "reason": "WithinTarget",
+                        "message": "ttft-p99 1.2s/2s",
+                        "lastTransitionTime": NOW,
+                        "observedGeneration": 3,
+                    },
+                ],
+                "observed": {
+                    "ttftP99": "1200ms",
+                    "ttftMean": "400ms",
+                    "tbtP99": "90ms",
+                    "samples": 812,
+                    "window": "5m",
+                    "source": "sidecar",
+                },
+                "budget": {"iteration": "45ms", "computedAt": NOW, "reason": "Searched"},
+                "offline": {"tokensPerSecond": 1234.5, "activeShards": 3},
+            }
+            if status
+            else None,
+        }
+    ).wire()
+    body["metadata"]["managedFields"] = [
+        {
+            "manager": "kopf",
+            "operation": "Update",
+            "subresource": "status",
+            "time": "2026-11-30T05:59:00Z",
+        },
+        {"manager": "kubectl", "operation": "Apply", "time": "2026-11-30T05:00:00Z"},
+    ]
+    return body
+
+
+def job(phase: str = "Running", completed: int = 120) -> dict[str, Any]:
+    return OfflineJob.model_validate(
+        {
+            "metadata": {"name": "mmlu", "namespace": "team-a", "generation": 1},
+            "spec": {
+                "model": "m",
+                "input": {"uri": "file:///d/in.jsonl"},
+                "output": {"uri": "file:///d/out.jsonl"},
+            },
+            "status": {
+                "observedGeneration": 1,
+                "phase": phase,
+                "requests": {"total": 1000, "completed": completed, "failed": 4},
+                "shards": {"total": 8, "assigned": 2, "done": 1, "reassigned": 1},
+                "tokensPerSecond": 88.5,
+                "eta": "5m30s",
+                "startTime": NOW,
+            },
+        }
+    ).wire()
+
+
+def values(sample_values: Any, metric: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return dict(sample_values.get(metric, {}))
+
+
+@pytest.mark.unit
+def test_service_sample_reads_every_status_field_the_operator_writes() -> None:
+    s = service_sample(service())
+    assert (s.kind, s.namespace, s.name) == ("InferenceService", "team-a", "chat")
+    v = s.values
+    assert values(v, "ready_replicas") == {(): 2.0}
+    assert values(v, "spec_replicas") == {(): 2.0}
+    assert values(v, "slo_met") == {(): 1.0}
+    assert values(v, "budget_seconds") == {(): pytest.approx(0.045)}
+    assert values(v, "offline_tokens_per_second") == {(): 1234.5}
+    assert values(v, "observed_latency_seconds") == {
+        (("metric", "ttft"), ("stat", "p99")): pytest.approx(1.2),
+        (("metric", "ttft"), ("stat", "mean")): pytest.approx(0.4),
+        (("metric", "tbt"), ("stat", "p99")): pytest.approx(0.09),
+    }
+    assert values(v, "slo_target_seconds") == {
+        (("metric", "ttft"), ("stat", "p99")): 2.0,
+        (("metric", "ttft"), ("stat", "mean")): pytest.approx(0.6),
+        (("metric", "tbt"), ("stat", "p99")): pytest.approx(0.15),
+    }
+    assert values(v, "condition")[(("condition", "SLOMet"), ("status", "True"))] == 1.0
+    assert values(v, "condition")[(("condition", "SLOMet"), ("status", "False"))] == 0.0
+    assert s.status_time == datetime(2026, 11, 30, 5, 59, tzinfo=UTC).timestamp()
+    # Every family the sample fills is documented (FAMILIES feeds the help text and docs).
+    assert set(v) <= set(FAMILIES["InferenceService"])
+
+
+@pytest.mark.unit
+def test_unknown_slo_and_missing_status_leave_gauges_out_rather_than_guess() -> None:
+    unknown = service_sample(service(slo_met="Unknown")).values
+    assert "slo_met" not in unknown
+    assert unknown["condition"][(("condition", "SLOMet"), ("status", "Unknown"))] == 1.0
+    bare = service_sample(service(status=False))
+    assert set(bare.values) == {"metadata_generation", "spec_replicas", "slo_target_seconds"}
+    broken = service()
+    broken["status"]["budget"]["iteration"] = "soon"
+    broken["status"]["readyReplicas"] = "two"
+    assert not {"budget_seconds", "ready_replicas"} & set(service_sample(broken).values)
+
+
+@pytest.mark.unit
+def test_job_sample_has_progress_phase_rate_and_eta() -> None:
+    s = job_sample(job())
+    v = s.values
+    assert values(v, "input_requests") == {(): 1000.0}
+    assert values(v, "finished_requests") == {
+        (("outcome", "completed"),): 120.0,
+        (("outcome", "failed"),): 4.0,
+    }
+    assert values(v, "phase") == {
+        (("phase", p),): float(p == "Running")
+        for p in ("Pending", "Running", "Suspended", "Succeeded", "Failed")
+    }
+    assert values(v, "eta_seconds") == {(): 330.0}
+    assert values(v, "tokens_per_second") == {(): 88.5}
+    assert values(v, "shards")[(("state", "planned"),)] == 8.0
+    assert set(v) <= set(FAMILIES["OfflineJob"])
+
+
+@pytest.mark.unit
+def test_status_change_time_falls_back_to_the_clock_only_when_the_status_changes() -> None:
+    clock = iter([10.0, 20.0, 30.0, 40.0]).__next__
+    m = OperatorMetrics(clock=clock)  # 10: start
+    body = job()
+    m.observe(None, body)  # no managedFields: first seen at 20
+    m.observe("MODIFIED", body)  # same status: stays 20
+    assert _scrape(m.render())["slipstream_offlinejob_status_change_timestamp_seconds"] == {
+        (("name", "mmlu"), ("namespace", "team-a")): 20.0
+    }
+    m.observe("MODIFIED", job(completed=130))  # changed: 30
+    assert _scrape(m.render())["slipstream_offlinejob_status_change_timestamp_seconds"] == {
+        (("name", "mmlu"), ("namespace", "team-a")): 30.0
+    }
+    m.observe("MODIFIED", service())  # the API server's time wins when the body has it
+    got = _scrape(m.render())["slipstream_inferenceservice_status_change_timestamp_seconds"]
+    assert got == {
+        (("name", "chat"), ("namespace", "team-a")): datetime(
+            2026, 11, 30, 5, 59, tzinfo=UTC
+        ).timestamp()
+    }
+
+
+def _scrape(text: bytes | str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    raw = text.decode() if isinstance(text, bytes) else text
+    for family in text_string_to_metric_families(raw):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def _get(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        return _scrape(resp.read())
+
+
+@pytest.mark.integration
+def test_scrape_over_loopback_follows_changes_and_deletions() -> None:
+    m = OperatorMetrics()
+    server = serve(m, "127.0.0.1", 0)
+    assert server is not None
+    try:
+        ns_chat = (("name", "chat"), ("namespace", "team-a"))
+        m.observe(None, service(ready=1, slo_met="False"))
+        m.observe("ADDED", job(phase="Pending", completed=0))
+        m.observe("ADDED", service("search"))
+        got = _get(server.port)
+        assert got["slipstream_inferenceservice_ready_replicas"][ns_chat] == 1.0
+        assert got["slipstream_inferenceservice_slo_met"][ns_chat] == 0.0
+        assert got["slipstream_operator_watched_objects"] == {
+            (("kind", "InferenceService"),): 2.0,
+            (("kind", "OfflineJob"),): 1.0,
+        }
+        assert (
+            got["slipstream_operator_watch_events_total"][
+                (("kind", "InferenceService"), ("type", "LISTED"))
+            ]
+            == 1.0
+        )
+        (build,) = got["slipstream_operator_build_info"]
+        assert dict(build)["version"]
+
+        m.observe("MODIFIED", service(ready=2, slo_met="True"))
+        m.observe("MODIFIED", job(phase="Succeeded", completed=996))
+        got = _get(server.port)
+        assert got["slipstream_inferenceservice_ready_replicas"][ns_chat] == 2.0
+        assert got["slipstream_inferenceservice_slo_met"][ns_chat] == 1.0
+        job_labels = (("name", "mmlu"), ("namespace", "team-a"))
+        assert (
+            got["slipstream_offlinejob_finished_requests"][(*job_labels, ("outcome", "completed"))]
+            == 996.0
+        )
+        assert got["slipstream_offlinejob_phase"][(*job_labels, ("phase", "Succeeded"))] == 1.0
+
+        m.observe("DELETED", service())
+        m.observe("DELETED", job())
+        got = _get(server.port)
+        for name, series in got.items():
+            if name.startswith(("slipstream_inferenceservice_", "slipstream_offlinejob_")):
+                assert not any(dict(k).get("name") in ("chat", "mmlu") for k in series), name
+        assert got["slipstream_inferenceservice_ready_replicas"] == {
+            (("name", "search"), ("namespace", "team-a")): 2.0
+        }
+        assert got["slipstream_operator_watched_objects"][(("kind", "OfflineJob"),)] == 0.0
+    finally:
+        server.close()
+
+
+@pytest.mark.integration
+def test_a_taken_port_is_reported_not_fatal() -> None:
+    m = OperatorMetrics()
+    first = serve(m, "127.0.0.1", 0)
+    assert first is not None
+    try:
+        assert serve(OperatorMetrics(), "127.0.0.1", first.port) is None
+    finally:
+        first.close()
+
+
+@pytest.mark.unit
+def test_every_family_name_is_prefixed_and_in_base_units() -> None:
+    for kind, families in FAMILIES.items():
+        for suffix in families:
+            name = PREFIX[kind] + suffix
+            assert name.startswith(("slipstream_inferenceservice_", "slipstream_offlinejob_"))
+            assert not name.endswith(("_ms", "_milliseconds", "_total")), name
+
+
+@pytest.mark.unit
+def test_register_adds_one_read_only_event_handler_per_kind() -> None:
+    import kopf
+
+    registry = kopf.OperatorRegistry()
+    register(registry, OperatorMetrics())
+    watching = registry._watching.get_all_handlers()
+    assert sorted(str(h.selector.any_name) for h in watching if h.selector) == [
+        "inferenceservices",
+        "offlinejobs",
+    ]
+    # No change or timer handlers: nothing that patches, and no finalizer to add.
+    assert not registry._changing.get_all_handlers()
+    assert not registry._spawning.get_all_handlers()
