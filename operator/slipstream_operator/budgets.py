@@ -7,10 +7,13 @@ planner). It is set in two steps:
 1. **Search** (HyGen's SLO-aware profiler): for the SLO targets, the latency
    model of (model, GPU) and the recent online arrival statistics, find the
    largest budget that still meets every target. The search is injected
-   (:class:`BudgetSearch`); :class:`AnalyticSearch` is the closed-form fallback
-   used when no simulator-backed search is wired in. It is re-run when the SLOs
-   or the latency model change, or when the arrival rate moved by more than
-   ``research_load_change`` since the last search.
+   (:class:`BudgetSearch`): the operator wires in the simulator-backed search
+   of ``simsearch`` (run in a worker by ``searchpool``); :class:`AnalyticSearch`
+   is the closed-form fallback, also answered as a *provisional* result while
+   the simulated search runs. It is re-run when the SLOs or the latency model
+   (profile or calibration scale) change, when the arrival rate moved by more
+   than ``research_load_change`` since the last search, and on every decision
+   while the result in force is provisional (the worker may have finished).
 2. **Adapt** (AIMD on observed attainment, between searches): when any observed
    statistic exceeds its target, the budget is multiplied by
    ``decrease_factor`` at once (at most once per ``tighten_interval_s``, so one
@@ -143,13 +146,53 @@ class ObservedSLO:
 
 
 @dataclass(frozen=True, slots=True)
+class TrialRecord:
+    """One test run of a simulated search: the candidate budget and its verdict.
+
+    ``worst`` names the SLO closest to (or furthest past) its limit, e.g.
+    ``tbt-p99 168ms/170ms``.
+    """
+
+    budget_s: float
+    met: bool
+    worst: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class SearchResult:
-    """What a budget search found: the budget and the range it searched."""
+    """What a budget search found: the budget, the range it searched and its evidence.
+
+    ``feasible`` is False when even ``floor_s`` (the online-only budget) misses
+    an SLO; the budget is then the floor. ``provisional`` marks a stand-in
+    answer (the analytic one) while the real search still runs. ``note`` is a
+    one-line summary for events and conditions.
+    """
 
     budget_s: float
     floor_s: float
     ceiling_s: float
     source: str
+    feasible: bool = True
+    provisional: bool = False
+    trials: tuple[TrialRecord, ...] = ()
+    note: str = ""
+
+    def summary(self, limit: int = 8) -> str:
+        """One line: source, verdict and up to ``limit`` trials (for events and conditions)."""
+        head = f"{self.source} search"
+        if self.note:
+            head += f" ({self.note})"
+        if not self.feasible:
+            head += ": no budget meets the SLOs, online-only budget"
+        if not self.trials:
+            return head
+        shown = ", ".join(
+            f"{t.budget_s * 1000:.1f}ms {'met' if t.met else 'missed'}"
+            + (f" [{t.worst}]" if t.worst else "")
+            for t in self.trials[:limit]
+        )
+        more = f", +{len(self.trials) - limit} more" if len(self.trials) > limit else ""
+        return f"{head}; {len(self.trials)} trials: {shown}{more}"
 
 
 BudgetSearch = Callable[[SLOTargets, LoadStats], SearchResult]
@@ -197,8 +240,14 @@ def decide(
     model_key: str = "",
 ) -> BudgetState:
     """The next budget state (see the module docstring for the rules)."""
+    found: SearchResult | None = None
     if state is None or _needs_search(state, targets, load, params, model_key):
         found = search(targets, load)
+    elif state.searched.provisional:
+        fresh = search(targets, load)  # the worker may have finished since the last call
+        found = None if fresh.provisional else fresh
+    if found is not None or state is None:
+        assert found is not None  # state is None always searches
         return BudgetState(
             budget_s=found.budget_s,
             searched=found,

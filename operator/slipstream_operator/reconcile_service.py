@@ -12,6 +12,17 @@ previous budget memory, it returns
 * the Configure calls to push (ready pods whose configuration generation is
   behind), and the next budget memory.
 
+Latency model: the profile's model times the calibration scale refitted from
+the pods' predicted/observed step times (``calibration``); the scaled
+coefficients are what the ConfigMap and the Configure calls carry, and a
+refit makes a new search (the budget's ``model_key`` includes the scale).
+The budget search is asked for through ``search_for`` with a
+:class:`~slipstream_operator.searchpool.SearchSubject`; its evidence (the
+simulator trials) goes into the ``BudgetSearched`` event and the
+``BudgetReady`` condition's message, and an unattainable SLO (even the
+online-only budget misses it in simulation) makes ``BudgetReady`` say
+``SLOUnattainable`` while the online-only budget is pushed.
+
 Pod shape: vLLM listens on 127.0.0.1:8001 inside the pod (only the sidecar
 reaches it) and runs ``--scheduling-policy priority``; the sidecar serves the
 OpenAI API on ``httpPort`` (the Service's target) and control gRPC on
@@ -29,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -48,9 +59,18 @@ from slipstream_operator.budgets import (
     decide,
     worst_metric,
 )
+from slipstream_operator.calibration import (
+    Calibration,
+    CalibrationParams,
+    StepSample,
+    observe,
+    scaled,
+)
 from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.observe import WindowStats
+from slipstream_operator.searchpool import SearchSubject
 from slipstream_operator.sidecar_client import ConfigureCall, SidecarStatus
+from slipstream_operator.simsearch import engine_limits
 from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 
 SERVICE_LABEL = "slipstream.dev/service"
@@ -121,6 +141,7 @@ class ServiceMemory:
     config_generation: int = 0
     config_fingerprint: str = ""
     computed_at: str = ""
+    calibration: Calibration = field(default_factory=Calibration)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +151,8 @@ class ServiceOutcome:
     pushes: tuple[tuple[str, ConfigureCall], ...]  # (pod name, call)
     memory: ServiceMemory
     events: tuple[tuple[str, str, str], ...] = field(default=())  # (type, reason, message)
+    # BudgetReady's reason and message once every push was acknowledged (for the handler).
+    on_pushed: tuple[str, str] = ("Pushed", "")
 
 
 def names(ref: ObjectRef) -> dict[str, str]:
@@ -320,7 +343,8 @@ def reconcile_service(
     now: datetime,
     now_s: float,
     params: BudgetParams,
-    search_for: Callable[[LinearLatencyModel], BudgetSearch],
+    search_for: Callable[[SearchSubject], BudgetSearch],
+    calibration: CalibrationParams | None = None,
 ) -> ServiceOutcome:
     """One reconcile of an InferenceService (see the module docstring)."""
     targets = SLOTargets.from_spec(spec.slo)
@@ -330,21 +354,52 @@ def reconcile_service(
     conditions: list[dict[str, Any]] = [dict(c) for c in previous_status.get("conditions", [])]
     gen = ref.generation
 
+    # -- latency model calibration --------------------------------------------------------
+    base_model = observed.latency_model
+    cal = memory.calibration
+    refit: float | None = None
+    if base_model is not None:
+        samples = [StepSample(p.sidecar.predicted_step_s, p.sidecar.observed_step_s,
+                              p.sidecar.generation)
+                   for p in observed.pods if p.ready and p.sidecar is not None]
+        before = cal.scale
+        cal, refit = observe(cal, samples, calibration or CalibrationParams())
+        if refit is not None:
+            events.append(("Normal", "LatencyModelRefit",
+                           f"observed/predicted step time median {refit:.3g} over the last "
+                           f"{(calibration or CalibrationParams()).window} samples; latency "
+                           f"coefficients x{cal.scale:.3g} of {observed.profile} "
+                           f"(was x{before:.3g})"))
+    model = scaled(base_model, cal.scale) if base_model is not None else None
+    model_key = observed.profile + (f" x{cal.scale:.3g} (refit)" if cal.scale != 1.0 else "")
+
     # -- budget ---------------------------------------------------------------------------
     budget = memory.budget
-    model = observed.latency_model
-    if model is not None and window is not None:
+    if base_model is not None and window is not None:
+        subject = SearchSubject(model_name=spec.model, gpu=spec.engine.gpu_type,
+                                profile=observed.profile, model=base_model, scale=cal.scale,
+                                limits=engine_limits(spec.engine.args))
         budget = decide(
             memory.budget,
             targets=targets,
             load=window.load,
             observed=slo_obs,
-            search=search_for(model),
+            search=search_for(subject),
             now_s=now_s,
             params=params,
-            model_key=observed.profile,
+            model_key=model_key,
         )
-        if memory.budget is None or budget.budget_s != memory.budget.budget_s:
+        new_search = memory.budget is None or budget.searched is not memory.budget.searched
+        if new_search and not budget.searched.provisional and budget.searched.trials:
+            events.append(("Normal", "BudgetSearched",
+                           f"iteration budget {format_duration(budget.budget_s)}; "
+                           f"{budget.searched.summary()}"[:1000]))
+            if not budget.searched.feasible:
+                events.append(("Warning", "SLOUnattainable",
+                               "no budget meets the SLOs in simulation, not even online-only "
+                               f"serving; pushing the online-only budget "
+                               f"{format_duration(budget.budget_s)}"))
+        elif memory.budget is None or budget.budget_s != memory.budget.budget_s:
             events.append(("Normal", f"Budget{budget.reason}",
                            f"iteration budget {format_duration(budget.budget_s)}"))
     budget_s = budget.budget_s if budget is not None else None
@@ -367,6 +422,8 @@ def reconcile_service(
         call = _configure_call(generation, budget_s, targets, spec, model)
     pushes = tuple((p.name, call) for p in ready
                    if p.sidecar is not None and p.sidecar.generation < generation)
+    if refit is not None:
+        cal = replace(cal, since_generation=generation)
 
     # -- conditions -------------------------------------------------------------------------
     if spec.replicas == 0:
@@ -400,6 +457,13 @@ def reconcile_service(
             set_condition(conditions, "SLOMet", True, reason="WithinTarget",
                           message=slo_summary, now=now, observed_generation=gen)
 
+    evidence = ""
+    pushed_reason = "Pushed"
+    if budget is not None:
+        evidence = "; " + budget.searched.summary(limit=4)
+        if not budget.searched.feasible:
+            pushed_reason = "SLOUnattainable"
+    on_pushed = (pushed_reason, f"configuration generation {generation}{evidence}")
     if model is None:
         set_condition(conditions, "BudgetReady", False, reason="NoLatencyModel",
                       message=f"no latency profile for {spec.model} on {spec.engine.gpu_type}",
@@ -410,11 +474,11 @@ def reconcile_service(
     elif pushes or not ready:
         set_condition(conditions, "BudgetReady", False, reason="Pushing",
                       message=f"{len(ready) - len(pushes)}/{len(ready)} ready pods at "
-                      f"generation {generation}", now=now, observed_generation=gen)
+                      f"generation {generation}{evidence}", now=now, observed_generation=gen)
     else:
-        set_condition(conditions, "BudgetReady", True, reason="Pushed",
-                      message=f"{len(ready)} pods at generation {generation}", now=now,
-                      observed_generation=gen)
+        set_condition(conditions, "BudgetReady", True, reason=pushed_reason,
+                      message=f"{len(ready)} pods at generation {generation}{evidence}",
+                      now=now, observed_generation=gen)
 
     # -- status -----------------------------------------------------------------------------
     offline_tps = 0.0
@@ -448,13 +512,14 @@ def reconcile_service(
             "computedAt": computed_at,
             "reason": budget.reason,
             "configGeneration": generation,
-            "profile": observed.profile,
+            "profile": model_key,
         }
     new_memory = ServiceMemory(
         budget=budget,
         config_generation=generation,
         config_fingerprint=fingerprint,
         computed_at=computed_at,
+        calibration=cal,
     )
     return ServiceOutcome(
         children=children(ref, spec, observed.token, model,
@@ -463,4 +528,5 @@ def reconcile_service(
         pushes=pushes,
         memory=new_memory,
         events=tuple(events),
+        on_pushed=on_pushed,
     )

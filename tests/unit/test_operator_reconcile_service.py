@@ -25,6 +25,7 @@ from slipstream_operator.reconcile_service import (
     ServiceObserved,
     reconcile_service,
 )
+from slipstream_operator.searchpool import SearchSubject
 from slipstream_operator.sidecar_client import SidecarStatus
 from slipstream_scheduler.latency import FeatureSet, LinearLatencyModel
 
@@ -65,8 +66,8 @@ def window(samples: int = 100, tbt_p99: float = 0.05, ttft_p99: float = 0.8) -> 
     )
 
 
-def search_for(model: LinearLatencyModel) -> BudgetSearch:
-    return AnalyticSearch(model)
+def search_for(subject: SearchSubject) -> BudgetSearch:
+    return AnalyticSearch(subject.calibrated)
 
 
 def run(observed: ServiceObserved, memory: ServiceMemory | None = None,

@@ -1,0 +1,181 @@
+"""Budget searches off the event loop, cached by (model, GPU, SLOs, load bucket).
+
+:class:`BudgetSearches` hands the reconciler a :data:`BudgetSearch` per
+:class:`SearchSubject` (a service's profile, (model, GPU), engine limits and
+calibration scale). Called with (targets, load) it
+
+* answers from its LRU cache when this (model, GPU, profile, scale, limits,
+  SLO targets, load bucket) was searched before: a steady service never
+  searches twice;
+* otherwise starts a :class:`~slipstream_operator.simsearch.SimulatedSearch` on
+  its executor (one worker thread by default, so searches run one at a time
+  and never on the kopf event loop) and answers the analytic search's result
+  marked *provisional*, which the budget policy replaces with the simulated
+  result on a later reconcile once the worker has finished;
+* answers the analytic search (not provisional) where simulation is not
+  possible: disabled, no SLO target, or no engine model of the (model, GPU);
+  and caches it with a note when the simulated search failed.
+
+The worker's wall time is bounded by ``SimSearchParams.max_wall_s`` inside the
+search (between trials); a thread cannot be killed, so a trial in progress
+finishes (each is bounded by the sample's virtual horizon and ``max_steps``).
+
+Deliberately left out: persistence across operator restarts (a restarted
+operator searches again, answering analytically meanwhile) and searching the
+idle budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+
+from slipstream_operator.budgets import (
+    AnalyticSearch,
+    BudgetSearch,
+    LoadStats,
+    SearchResult,
+    SLOTargets,
+)
+from slipstream_operator.calibration import scaled
+from slipstream_operator.simsearch import (
+    SimSearchParams,
+    SimulatedSearch,
+    bucket_load,
+    engine_model_name,
+)
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.types import EngineLimits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSubject:
+    """What a budget is searched for: one service's profile, engine and calibration."""
+
+    model_name: str  # spec.model, e.g. meta-llama/Llama-2-7b-hf
+    gpu: str  # spec.engine.gpuType, e.g. h100
+    profile: str  # where the latency model came from, e.g. shipped:latency_x_h100.json
+    model: LinearLatencyModel = field(compare=False)  # the profile's model, uncalibrated
+    scale: float = 1.0  # calibration factor in force
+    limits: EngineLimits = field(default_factory=EngineLimits)
+
+    @property
+    def calibrated(self) -> LinearLatencyModel:
+        return scaled(self.model, self.scale)
+
+    @property
+    def key(self) -> tuple[Hashable, ...]:
+        return (self.model_name, self.gpu.lower(), self.profile, round(self.scale, 6), self.limits)
+
+
+class BudgetSearches:
+    """The operator's budget searches: simulated in the background, analytic meanwhile."""
+
+    def __init__(self, params: SimSearchParams, executor: Executor | None = None) -> None:
+        self.params = params
+        self._executor = executor
+        self._own_executor = executor is None
+        self._cache: OrderedDict[tuple[Hashable, ...], SearchResult] = OrderedDict()
+        self._running: dict[tuple[Hashable, ...], Future[SearchResult]] = {}
+        self.searches_started = 0
+
+    def search_for(self, subject: SearchSubject) -> BudgetSearch:
+        """The search the reconciler calls for ``subject``."""
+
+        def search(targets: SLOTargets, load: LoadStats) -> SearchResult:
+            return self._search(subject, targets, load)
+
+        return search
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the searches in progress; True when none is left."""
+        pending = list(self._running.values())
+        if not pending:
+            return True
+        _, not_done = wait(pending, timeout=timeout_s)
+        return not not_done
+
+    def close(self) -> None:
+        """Stop the worker (a search in progress finishes first)."""
+        if self._executor is not None and self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _search(self, subject: SearchSubject, targets: SLOTargets, load: LoadStats) -> SearchResult:
+        analytic = AnalyticSearch(subject.calibrated, subject.limits)
+        engine_name = engine_model_name(subject.model_name, subject.gpu)
+        if not self.params.enabled or not targets.items():
+            return analytic(targets, load)
+        if engine_name is None:
+            found = analytic(targets, load)
+            return replace(
+                found, note=f"no engine model of {subject.model_name} on {subject.gpu} to simulate"
+            )
+        sample = bucket_load(load, self.params.bucket_ratio, self.params.min_rate_rps)
+        key = (*subject.key, targets, sample)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        running = self._running.get(key)
+        if running is None:
+            engine = EngineConfig(
+                model=engine_name,
+                gpu=subject.gpu.lower(),
+                max_num_seqs=subject.limits.max_num_seqs,
+                max_num_batched_tokens=subject.limits.max_num_batched_tokens,
+                block_size=subject.limits.block_size,
+            )
+            job = SimulatedSearch(subject.model, engine, self.params, subject.scale)
+            running = self._submit(job, targets, sample)
+            self._running[key] = running
+            self.searches_started += 1
+            logger.info(
+                "simulated budget search started for %s on %s at %.3g rps",
+                subject.model_name,
+                subject.gpu,
+                sample.arrival_rate_rps,
+            )
+        if running.done():
+            del self._running[key]
+            try:
+                result = running.result()
+            except Exception as exc:  # any failure: the analytic answer stands
+                logger.warning(
+                    "simulated budget search for %s on %s failed: %s",
+                    subject.model_name,
+                    subject.gpu,
+                    exc,
+                )
+                result = replace(
+                    analytic(targets, load),
+                    note=f"simulation failed: {type(exc).__name__}: {exc}"[:200],
+                )
+            self._store(key, result)
+            return result
+        return replace(analytic(targets, load), provisional=True, note="simulated search running")
+
+    def _submit(
+        self, job: SimulatedSearch, targets: SLOTargets, load: LoadStats
+    ) -> Future[SearchResult]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="budget-search")
+        return self._executor.submit(job, targets, load)
+
+    def _store(self, key: tuple[Hashable, ...], result: SearchResult) -> None:
+        self._cache[key] = result
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.params.cache_entries:
+            self._cache.popitem(last=False)
+
+
+SearchFactory = Callable[[SearchSubject], BudgetSearch]
+"""What the reconciler gets: a search per subject."""

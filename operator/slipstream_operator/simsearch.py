@@ -1,0 +1,295 @@
+"""The simulator-backed budget search (HyGen's SLO-aware profiler) for one service.
+
+:class:`SimulatedSearch` is a :data:`~slipstream_operator.budgets.BudgetSearch`:
+given the SLO targets and the recent online load it
+
+1. synthesises a workload sample: Poisson online arrivals at the observed rate
+   for ``horizon_s`` seconds, prompt and output lengths log-normal around the
+   observed means (``length_sigma``), and a saturating offline backlog of
+   fixed-shape requests, all from one seeded generator;
+2. bisects the budget with ``slipstream_scheduler.budget.search_budget``,
+   each trial a replay of that sample by the core simulator in sidecar mode
+   (the sidecar's dispatcher and ADMISSION planner in front of the engine
+   model of the service's (model, GPU) profile), judging the online TTFT/TBT
+   mean and P99 against the targets;
+3. returns the largest passing budget, or the online-only budget (the floor)
+   with ``feasible=False`` when even that misses, plus every trial's verdict.
+
+The range is the analytic search's [floor, ceiling] (``budgets.AnalyticSearch``
+with the calibrated model), so both searches bound the AIMD loop alike.
+
+Calibration as time dilation: with a refit scale ``s`` (real steps are ``s``
+times what the profile predicts) the simulated engine, which runs the
+profile's own timing, is a GPU ``s`` times faster than the real one. Replaying
+the real system in profile time means arrivals ``s`` times as fast and targets
+divided by ``s``; the budget found is then multiplied by ``s`` to be read by
+the calibrated model the sidecars run.
+
+Deterministic for equal inputs (seeded); bounded by ``max_wall_s`` between
+trials (a running trial finishes; each is bounded by ``horizon_s`` of virtual
+time and ``max_steps``). Deliberately left out: caching and running in the
+background (``searchpool``), and searching the idle budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from slipstream_operator.budgets import (
+    AnalyticSearch,
+    LoadStats,
+    SearchResult,
+    SLOTargets,
+    TrialRecord,
+)
+from slipstream_operator.calibration import scaled
+from slipstream_operator.profiles import slugs
+from slipstream_scheduler.budget import Observed, Slo, search_budget
+from slipstream_scheduler.engine.gpu import available_profiles
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.sim.simulator import SimConfig, simulate
+from slipstream_scheduler.sim.workload import SimRequest, Workload
+from slipstream_scheduler.types import EngineLimits, RequestClass
+
+logger = logging.getLogger(__name__)
+
+
+class SimSearchParams(BaseModel):
+    """Knobs of the simulated budget search and of its cache."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        default=True,
+        description="Search by simulation where the engine model has the (model, GPU); "
+        "false: the analytic search only. Default: true.",
+    )
+    horizon_s: float = Field(
+        default=60.0, gt=0, le=3600, description="Virtual seconds one trial replays. Default: 60."
+    )
+    iterations: int = Field(
+        default=6, ge=1, le=12, description="Bisection steps after the two end trials. Default: 6."
+    )
+    seed: int = Field(default=0, description="Seed of the workload sample and engine noise.")
+    length_sigma: float = Field(
+        default=0.6,
+        ge=0,
+        le=2,
+        description="Log-normal sigma of online prompt and output lengths (unitless). "
+        "Default: 0.6.",
+    )
+    min_rate_rps: float = Field(
+        default=0.1,
+        gt=0,
+        description="Arrival rate assumed below this (requests/s), so a trial has online "
+        "requests to judge. Default: 0.1.",
+    )
+    offline_prompt_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Prompt length of the offline backlog (tokens). Default: 512.",
+    )
+    offline_output_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Output length of the offline backlog (tokens). Default: 256.",
+    )
+    offline_requests: int = Field(
+        default=64, ge=1, description="Distinct offline requests in the backlog. Default: 64."
+    )
+    max_steps: int = Field(
+        default=50_000,
+        ge=100,
+        description="Engine steps one trial may take at most. Default: 50000.",
+    )
+    max_wall_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Wall seconds one search may take; checked between trials, past it the "
+        "analytic answer stands. Default: 60.",
+    )
+    bucket_ratio: float = Field(
+        default=1.25,
+        gt=1,
+        description="Loads are rounded to powers of this ratio (rate, prompt and output means) "
+        "before searching, so a steady service hits the cache. Default: 1.25.",
+    )
+    cache_entries: int = Field(
+        default=256, ge=1, description="Searched results kept (LRU). Default: 256."
+    )
+
+
+class SearchTimeoutError(Exception):
+    """The search ran past ``max_wall_s``."""
+
+
+def engine_model_name(model: str, gpu: str) -> str | None:
+    """The engine model's profile name for a served model on ``gpu``, or None if not shipped."""
+    shipped = {m for m, g in available_profiles() if g == gpu.lower()}
+    return next((s for s in slugs(model) if s in shipped), None)
+
+
+def engine_limits(args: Sequence[str]) -> EngineLimits:
+    """vLLM's batching limits from the engine's command line (defaults where absent)."""
+    values: dict[str, int] = {}
+    flags = {
+        "--max-num-seqs": "max_num_seqs",
+        "--max-num-batched-tokens": "max_num_batched_tokens",
+        "--block-size": "block_size",
+    }
+    items = list(args)
+    for i, arg in enumerate(items):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            raw = value if eq else (items[i + 1] if i + 1 < len(items) else "")
+            if raw.isdigit() and int(raw) > 0:
+                values[flags[name]] = int(raw)
+    return EngineLimits(**values)
+
+
+def bucket(value: float, ratio: float) -> float:
+    """``value`` rounded to the nearest power of ``ratio`` (in log space)."""
+    return float(ratio ** round(math.log(value) / math.log(ratio)))
+
+
+def bucket_load(load: LoadStats, ratio: float, min_rate_rps: float) -> LoadStats:
+    """The representative load of ``load``'s cache bucket."""
+    return LoadStats(
+        arrival_rate_rps=bucket(max(load.arrival_rate_rps, min_rate_rps), ratio),
+        mean_prompt_tokens=bucket(max(load.mean_prompt_tokens, 1.0), ratio),
+        mean_output_tokens=bucket(max(load.mean_output_tokens, 1.0), ratio),
+    )
+
+
+def slos_for(targets: SLOTargets, scale: float = 1.0) -> list[Slo]:
+    """The core profiler's SLOs for the targets, limits divided by ``scale``."""
+    out = []
+    for metric, value in targets.items():
+        kind, stat = metric.split("-")
+        out.append(
+            Slo.model_validate(
+                {"metric": kind, "stat": stat, "limit_s": value / scale, "tolerance": None}
+            )
+        )
+    return out
+
+
+def synthesize(load: LoadStats, params: SimSearchParams, rate_scale: float = 1.0) -> Workload:
+    """A seeded workload sample for ``load`` (see the module docstring)."""
+    rng = np.random.default_rng(params.seed)
+    rate = max(load.arrival_rate_rps, params.min_rate_rps) * rate_scale
+    horizon = params.horizon_s
+    gaps = rng.exponential(1.0 / rate, size=int(rate * horizon * 1.5) + 16)
+    arrivals = np.cumsum(gaps)
+    arrivals = arrivals[arrivals < horizon]
+    sigma = params.length_sigma
+
+    def lengths(mean: float, n: int) -> list[int]:
+        mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
+        return [max(1, int(x)) for x in rng.lognormal(mu, sigma, size=n)]
+
+    n = len(arrivals)
+    prompts = lengths(load.mean_prompt_tokens, n)
+    outputs = lengths(load.mean_output_tokens, n)
+    online = tuple(
+        SimRequest(f"on-{i}", RequestClass.ONLINE, float(t), prompts[i], outputs[i])
+        for i, t in enumerate(arrivals)
+    )
+    offline = tuple(
+        SimRequest(
+            f"off-{i}",
+            RequestClass.OFFLINE,
+            0.0,
+            params.offline_prompt_tokens,
+            params.offline_output_tokens,
+        )
+        for i in range(params.offline_requests)
+    )
+    return Workload(online, offline, offline_backlog=True, horizon_s=horizon, name="budget-sample")
+
+
+def _worst(observed: Observed, slos: Sequence[Slo], scale: float) -> str:
+    rows = [(observed.get(s.key, math.nan) / (s.limit_s or 1.0), s) for s in slos]
+    _, slo = max(rows, key=lambda r: -1.0 if math.isnan(r[0]) else r[0])
+    value = observed.get(slo.key, math.nan) * scale
+    limit = (slo.limit_s or 0.0) * scale
+    name = f"{slo.metric}-{slo.stat}"
+    if math.isnan(value):
+        return f"{name} unobserved"
+    return f"{name} {value * 1000:.0f}ms/{limit * 1000:.0f}ms"
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedSearch:
+    """Budget search by simulator trials for one (model, GPU) profile and calibration scale.
+
+    ``model`` is the profile's latency model as shipped (fitted on the engine
+    model); ``scale`` the calibration factor in force (see the module docstring).
+    """
+
+    model: LinearLatencyModel
+    engine: EngineConfig
+    params: SimSearchParams = field(default_factory=SimSearchParams)
+    scale: float = 1.0
+
+    def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
+        calibrated = scaled(self.model, self.scale)
+        analytic = AnalyticSearch(calibrated, self.engine.limits())(targets, load)
+        slos = slos_for(targets, self.scale)
+        if not slos:
+            return analytic
+        s = self.scale
+        lo, hi = analytic.floor_s / s, analytic.ceiling_s / s
+        workload = synthesize(load, self.params, rate_scale=s)
+        deadline = time.monotonic() + self.params.max_wall_s
+        records: list[TrialRecord] = []
+
+        def trial(budget_s: float) -> Observed:
+            if time.monotonic() > deadline:
+                raise SearchTimeoutError(f"past {self.params.max_wall_s:g} s")
+            config = SimConfig(
+                engine=self.engine,
+                policy="budget",
+                budget_s=budget_s,
+                seed=self.params.seed,
+                max_steps=self.params.max_steps,
+                backlog_depth=self.params.offline_requests,
+            )
+            observed = simulate(workload, config, latency_model=self.model).observed()
+            met = all(observed.get(x.key, math.nan) <= (x.limit_s or 0.0) for x in slos)
+            records.append(TrialRecord(budget_s * s, met, _worst(observed, slos, s)))
+            return observed
+
+        try:
+            found = search_budget(trial, slos, lo, hi, iterations=self.params.iterations)
+        except SearchTimeoutError as exc:
+            logger.warning("simulated budget search stopped after %d trials: %s", len(records), exc)
+            return SearchResult(
+                analytic.budget_s,
+                analytic.floor_s,
+                analytic.ceiling_s,
+                source="analytic",
+                trials=tuple(records),
+                note=f"simulation stopped after {len(records)} trials, {exc}",
+            )
+        feasible = found.value is not None
+        budget = (found.value if found.value is not None else lo) * s
+        rate = max(load.arrival_rate_rps, self.params.min_rate_rps)
+        return SearchResult(
+            budget_s=budget,
+            floor_s=analytic.floor_s,
+            ceiling_s=analytic.ceiling_s,
+            source="simulated",
+            feasible=feasible,
+            trials=tuple(records),
+            note=f"{rate:.3g} rps, prompt {load.mean_prompt_tokens:.0f}, "
+            f"output {load.mean_output_tokens:.0f} tokens, {self.params.horizon_s:g} s sample",
+        )

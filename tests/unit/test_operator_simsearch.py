@@ -1,0 +1,129 @@
+"""Simulated budget search: it follows the SLO, says when none is attainable, and caches.
+
+Small seeded samples (20 virtual seconds of Llama-2-7B on an A100 at 2 requests/s,
+1000-token prompts): each search takes well under a second.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import slipstream_scheduler
+from slipstream_operator.budgets import AnalyticSearch, LoadStats, SLOTargets
+from slipstream_operator.searchpool import BudgetSearches, SearchSubject
+from slipstream_operator.simsearch import (
+    SimSearchParams,
+    SimulatedSearch,
+    bucket_load,
+    engine_limits,
+    engine_model_name,
+    synthesize,
+)
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.types import EngineLimits
+
+pytestmark = pytest.mark.unit
+
+PROFILE = (
+    Path(slipstream_scheduler.__file__).parent / "engine" / "profiles"
+    / "latency_llama-2-7b_a100.json"
+)
+MODEL = LinearLatencyModel.from_json(PROFILE.read_text())
+ENGINE = EngineConfig(model="llama-2-7b", gpu="a100")
+PARAMS = SimSearchParams(horizon_s=20.0, iterations=3)
+LOAD = LoadStats(arrival_rate_rps=2.0, mean_prompt_tokens=1000.0, mean_output_tokens=200.0)
+
+
+def test_a_tighter_tbt_slo_yields_a_smaller_budget_backed_by_trials() -> None:
+    loose = SimulatedSearch(MODEL, ENGINE, PARAMS)(SLOTargets(tbt_mean_s=0.05), LOAD)
+    tight = SimulatedSearch(MODEL, ENGINE, PARAMS)(SLOTargets(tbt_mean_s=0.04), LOAD)
+    assert loose.source == tight.source == "simulated"
+    assert loose.feasible and tight.feasible
+    assert tight.budget_s < loose.budget_s
+    for result in (loose, tight):
+        assert result.floor_s <= result.budget_s <= result.ceiling_s
+        # The budget is a passing trial and every larger candidate tried missed.
+        met = {t.budget_s for t in result.trials if t.met}
+        assert any(abs(b - result.budget_s) < 1e-12 for b in met)
+        assert all(not t.met for t in result.trials if t.budget_s > result.budget_s + 1e-12)
+        assert "tbt-mean" in result.summary()
+    # Not the closed form in disguise: the analytic cap (target x 0.9) differs.
+    analytic = AnalyticSearch(MODEL, ENGINE.limits())(SLOTargets(tbt_mean_s=0.05), LOAD)
+    assert abs(analytic.budget_s - loose.budget_s) > 0.005
+
+
+def test_an_unattainable_slo_yields_the_online_only_budget() -> None:
+    result = SimulatedSearch(MODEL, ENGINE, PARAMS)(SLOTargets(tbt_p99_s=0.05), LOAD)
+    assert not result.feasible
+    assert result.budget_s == pytest.approx(result.floor_s)
+    assert result.trials and not any(t.met for t in result.trials)
+    assert "no budget meets the SLOs" in result.summary()
+
+
+def test_the_search_is_deterministic_for_equal_inputs() -> None:
+    a = SimulatedSearch(MODEL, ENGINE, PARAMS)(SLOTargets(tbt_mean_s=0.05), LOAD)
+    b = SimulatedSearch(MODEL, ENGINE, PARAMS)(SLOTargets(tbt_mean_s=0.05), LOAD)
+    assert a == b
+
+
+def test_a_search_past_its_wall_time_keeps_the_analytic_answer() -> None:
+    params = PARAMS.model_copy(update={"max_wall_s": 1e-9})
+    result = SimulatedSearch(MODEL, ENGINE, params)(SLOTargets(tbt_mean_s=0.05), LOAD)
+    analytic = AnalyticSearch(MODEL, ENGINE.limits())(SLOTargets(tbt_mean_s=0.05), LOAD)
+    assert result.source == "analytic" and result.budget_s == analytic.budget_s
+    assert "stopped" in result.note
+
+
+def test_synthesized_sample_matches_the_load() -> None:
+    wl = synthesize(LoadStats(4.0, 500.0, 100.0), SimSearchParams(horizon_s=100.0))
+    rate = len(wl.online) / 100.0
+    assert 3.2 < rate < 4.8
+    mean_prompt = sum(r.prompt_tokens for r in wl.online) / len(wl.online)
+    assert 400 < mean_prompt < 600
+    assert wl.offline_backlog and len(wl.offline) == 64
+
+
+def test_names_limits_and_buckets() -> None:
+    assert engine_model_name("meta-llama/Llama-2-7b-hf", "A100") == "llama-2-7b"
+    assert engine_model_name("mistralai/Mistral-7B", "h100") is None
+    assert engine_limits(["--max-num-seqs", "128", "--max-num-batched-tokens=4096"]) == \
+        EngineLimits(max_num_seqs=128, max_num_batched_tokens=4096)
+    near = bucket_load(LoadStats(2.0, 1000.0, 200.0), 1.25, 0.1)
+    assert near == bucket_load(LoadStats(2.1, 1040.0, 195.0), 1.25, 0.1)
+    assert near != bucket_load(LoadStats(3.0, 1000.0, 200.0), 1.25, 0.1)
+
+
+def subject(model_name: str = "meta-llama/Llama-2-7b-hf") -> SearchSubject:
+    return SearchSubject(model_name=model_name, gpu="a100", profile="shipped:test", model=MODEL)
+
+
+def test_background_searches_answer_provisionally_then_from_the_cache() -> None:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        searches = BudgetSearches(PARAMS, executor=pool)
+        run = searches.search_for(subject())
+        targets = SLOTargets(tbt_mean_s=0.05)
+        first = run(targets, LOAD)
+        assert first.provisional and first.source == "analytic"
+        assert searches.wait_idle(60.0)
+        done = run(targets, LOAD)
+        assert done.source == "simulated" and not done.provisional
+        # The same bucket (2.1 rps) and a fresh search callable hit the cache.
+        again = searches.search_for(subject())(targets, LoadStats(2.1, 1000.0, 200.0))
+        assert again is done and searches.searches_started == 1
+        # Another SLO is another search.
+        assert run(SLOTargets(tbt_mean_s=0.04), LOAD).provisional
+        assert searches.wait_idle(60.0) and searches.searches_started == 2
+
+
+def test_background_searches_fall_back_where_nothing_can_be_simulated() -> None:
+    searches = BudgetSearches(PARAMS)
+    result = searches.search_for(subject("mistralai/Mistral-7B"))(SLOTargets(tbt_p99_s=0.1), LOAD)
+    assert result.source == "analytic" and not result.provisional
+    assert "no engine model" in result.note and searches.searches_started == 0
+    off = BudgetSearches(PARAMS.model_copy(update={"enabled": False}))
+    assert off.search_for(subject())(SLOTargets(tbt_p99_s=0.1), LOAD).note == ""
+    assert off.searches_started == 0
