@@ -18,6 +18,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from slipstream_operator.budgets import BudgetParams
+from slipstream_operator.calibration import CalibrationParams
+from slipstream_operator.simsearch import SimSearchParams
 
 
 class OperatorSettings(BaseSettings):
@@ -117,4 +119,20 @@ class OperatorSettings(BaseSettings):
     budget: BudgetParams = Field(
         default_factory=lambda: BudgetParams.model_validate({}),
         description="Budget adaptation knobs.",
+    )
+    budget_search: SimSearchParams = Field(
+        default_factory=lambda: SimSearchParams.model_validate({}),
+        description="Simulated budget search (HyGen's profiler) and its cache "
+        "(docs/concepts/budgets.md).",
+    )
+    calibration: CalibrationParams = Field(
+        default_factory=lambda: CalibrationParams.model_validate({}),
+        description="Latency-model refit from the sidecars' step timings.",
+    )
+    delete_drain_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On InferenceService deletion, seconds to wait for its pods to give up "
+        "their offline shards (revoked so OfflineJobs re-place them) before the finalizer is "
+        "released. Default: 30.",
     )
