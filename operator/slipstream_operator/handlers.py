@@ -49,7 +49,7 @@ from slipstream_operator.api import (
     OfflineJobSpec,
     validate_semantics,
 )
-from slipstream_operator.budgets import AnalyticSearch, BudgetSearch
+from slipstream_operator.budgets import BudgetSearch
 from slipstream_operator.conditions import set_condition
 from slipstream_operator.errors import InputError, OperatorError, OutputError, SidecarError
 from slipstream_operator.observe import (
@@ -81,6 +81,7 @@ from slipstream_operator.reconcile_service import (
     names,
     reconcile_service,
 )
+from slipstream_operator.searchpool import BudgetSearches, SearchSubject
 from slipstream_operator.settings import OperatorSettings
 from slipstream_operator.shards import (
     MergeResult,
@@ -96,7 +97,6 @@ from slipstream_operator.sidecar_client import (
     SidecarControl,
     SidecarStatus,
 )
-from slipstream_scheduler.latency import LinearLatencyModel
 
 logger = logging.getLogger(__name__)
 
@@ -163,15 +163,13 @@ class Handlers:
         self.control = control
         self.http = http
         self.state = OperatorState()
-        self._searches: dict[int, BudgetSearch] = {}
+        self.budget_searches = BudgetSearches(settings.budget_search)
 
     # ------------------------------------------------------------------ InferenceService
 
-    def _search_for(self, model: LinearLatencyModel) -> BudgetSearch:
-        key = id(model)
-        if key not in self._searches:
-            self._searches[key] = AnalyticSearch(model)
-        return self._searches[key]
+    def _search_for(self, subject: SearchSubject) -> BudgetSearch:
+        # Simulated in a worker thread and cached; analytic (provisional) meanwhile.
+        return self.budget_searches.search_for(subject)
 
     async def _token(self, ref: ObjectRef) -> str:
         secret = names(ref)["secret"]
@@ -274,7 +272,7 @@ class Handlers:
         outcome = reconcile_service(
             ref, spec, observed, self.state.services.get(uid, ServiceMemory()),
             previous_status=previous, now=now, now_s=now_s, params=self.settings.budget,
-            search_for=self._search_for,
+            search_for=self._search_for, calibration=self.settings.calibration,
         )
         for child in outcome.children:
             await asyncio.to_thread(kube.apply, self.api, child)
@@ -291,9 +289,9 @@ class Handlers:
         self.state.services[uid] = outcome.memory
         if outcome.pushes and acked == len(outcome.pushes):
             # Every behind pod took the new generation: say so now, not on the next tick.
-            set_condition(outcome.status["conditions"], "BudgetReady", True, reason="Pushed",
-                          message=f"configuration generation {outcome.memory.config_generation}",
-                          now=now, observed_generation=generation)
+            reason, message = outcome.on_pushed
+            set_condition(outcome.status["conditions"], "BudgetReady", True, reason=reason,
+                          message=message, now=now, observed_generation=generation)
         _patch_status(patch, outcome.status)
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
