@@ -132,6 +132,75 @@ def test_large_history_search_is_vectorised_and_correct() -> None:
     np.testing.assert_array_equal(np.sort(p.predict(q, 0)), want)
 
 
+def _random_units(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("observed", [50, 3000, 7777])
+def test_nearest_top_up_equals_a_full_sort(observed: int) -> None:
+    """The block-bounded search returns the k most similar records, wrapped ring included."""
+    rng = np.random.default_rng(observed)
+    window, k = 3000, 8
+    vecs = _random_units(rng, observed, 32)
+    p = SemanticHistoryPredictor(
+        32, SemanticHistoryParams(window=window, min_matches=k, similarity_threshold=0.99)
+    )
+    for i, v in enumerate(vecs):
+        p.observe(v, 0, i)  # output = observation number, to find the record again
+    kept = np.arange(max(0, observed - window), observed)
+    for q in _random_units(rng, 20, 32):
+        sims = p.similarities(q).copy()  # slot order of the ring
+        got = p.predict(q, 0).astype(np.int64)
+        assert got.shape == (k,) and np.isin(got, kept).all()
+        slot = got % window
+        np.testing.assert_array_equal(np.sort(sims[slot]), np.sort(sims)[-k:])
+
+
+def test_nearest_ties_go_to_the_most_recent_records() -> None:
+    rng = np.random.default_rng(1)
+    dim, k = 16, 8
+    p = SemanticHistoryPredictor(
+        dim, SemanticHistoryParams(window=4000, min_matches=k, similarity_threshold=0.999)
+    )
+    dup = unit(*([1.0] * dim))
+    others = _random_units(rng, 3000, dim)
+    outputs: list[int] = []
+    for i, v in enumerate(others):
+        if i % 250 == 0:  # twelve identical prompts spread over the history
+            p.observe(dup, 0, 10_000 + i)
+            outputs.append(10_000 + i)
+        p.observe(v, 0, i)
+    query = unit(*([1.0] * (dim - 1)), 0.0)  # cosine 0.97 with dup: below the threshold
+    got = np.sort(p.predict(query, 0))
+    np.testing.assert_array_equal(got, np.sort(outputs)[-k:])
+
+
+def test_input_length_neighbours_match_a_brute_force_scan() -> None:
+    rng = np.random.default_rng(2)
+    params = InputLengthParams(window=500, relative_tolerance=0.15, min_matches=0)
+    p = InputLengthHistoryPredictor(params)
+    rows = [(int(rng.integers(1, 2000)), int(rng.integers(1, 900))) for _ in range(800)]
+    for n_in, n_out in rows:
+        p.observe(None, n_in, n_out)
+    kept = rows[-500:]
+    for x in (1, 37, 400, 1999):
+        want = sorted(o for i, o in kept if abs(i - x) <= 0.15 * max(x, 1))
+        np.testing.assert_array_equal(np.sort(p.predict(None, x)), want)
+
+
+def test_global_quantiles_follow_new_records() -> None:
+    p = GlobalDistributionPredictor(HistoryParams(max_global_samples=4))
+    for length in (10, 20, 30, 40):
+        p.observe(None, 0, length)
+    first = p.predict(None, 0)
+    first[:] = -1.0  # a caller writing into its sample must not touch the next one
+    np.testing.assert_array_equal(p.predict(None, 0), [10, 20, 30, 40])
+    for length in (50, 60, 70, 80):
+        p.observe(None, 0, length)
+    np.testing.assert_array_equal(p.predict(None, 0), [20, 40, 60, 80])
+
+
 def test_bucket_metrics() -> None:
     assert bucket_of(99).item() == 0 and bucket_of(100).item() == 1
     assert bucket_of(5000).item() == 19  # last bucket is open

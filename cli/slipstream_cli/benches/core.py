@@ -12,9 +12,13 @@ a warm-up), in microseconds. Inputs come from the real data in
 * ``predict_us``: one prediction from the incremental ``BatchFeatures``
   accumulator (the planner's path); baselines: ``predict(batch)`` re-summing a
   256-decode batch, and a numpy feature-vector dot product;
-* ``length_predict_us``: ``SemanticHistoryPredictor.predict`` with its history
-  filled from Alpaca prompts and their real answer lengths (embedding
-  excluded); ``embed_us``: ``HashingEmbedder`` on one Alpaca prompt;
+* ``length_predict_us``: ``SemanticHistoryPredictor.predict`` with its full
+  10,000-record history filled from Alpaca prompts and their real answer
+  lengths (cycled: the dev file holds 4,000), embedding excluded; the
+  input-length-only predictor on the same history, and as a baseline the
+  search as first written (``np.einsum`` plus a full ``argpartition``) on
+  the same matrix, as extras;
+  ``embed_us``: ``HashingEmbedder`` on one Alpaca prompt;
 * ``gittins_us``: ``gittins_rank`` over the predicted cost sample;
 * ``trie_insert_us``/``trie_pop_us``: ``PsmQueue.push``/``pop`` with MMLU
   5-shot prompts (long shared prefixes);
@@ -370,7 +374,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     pairs = alpaca_prompts(root)
     try:
         from slipstream_cli.workloads.tokenize import count_tokens
-        from slipstream_scheduler.lengths import HashingEmbedder, SemanticHistoryPredictor
+        from slipstream_scheduler.lengths import (
+            HashingEmbedder,
+            InputLengthHistoryPredictor,
+            SemanticHistoryPredictor,
+        )
 
         embedder = HashingEmbedder()
         order = rng.permutation(len(pairs))
@@ -378,8 +386,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         history = [pairs[i] for i in order[200:]]
         vectors = embedder.embed([p for p, _ in history])
         predictor = SemanticHistoryPredictor(embedder.dim)
-        for v, (p, a) in zip(vectors, history, strict=True):
-            predictor.observe(v, count_tokens(p), max(1, count_tokens(a)))
+        by_input = InputLengthHistoryPredictor()
+        # The size: a full 10,000-record window. The dev file has fewer
+        # prompts, so the history cycles through them (as `bench lengths` does);
+        # repeats cost the search exactly what distinct prompts would.
+        window = predictor.params.window
+        counted = [(count_tokens(p), max(1, count_tokens(a))) for p, a in history]
+        for j in range(window):
+            i = j % len(history)
+            predictor.observe(vectors[i], *counted[i])
+            by_input.observe(None, *counted[i])
         held_vectors = embedder.embed([p for p, _ in held])
         held_inputs = [count_tokens(p) for p, _ in held]
         results["embed_us"] = time_each_us(
@@ -391,6 +407,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for v, n in zip(held_vectors, held_inputs, strict=True)
             ],
             rounds=rounds,
+        )
+        # Baseline in the same run: the search as first written (one einsum
+        # matrix-vector product, a full argpartition for the nearest records).
+        ring = vectors[np.arange(window) % len(history)]
+        ring_out: npt.NDArray[np.float64] = np.asarray(
+            [counted[j % len(history)][1] for j in range(window)], dtype=np.float64
+        )
+        k, threshold = predictor.params.min_matches, predictor.params.similarity_threshold
+
+        def einsum_predict(v: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+            sims: npt.NDArray[np.float32] = np.einsum("ij,j->i", ring, v)
+            found = ring_out[sims >= threshold]
+            if found.shape[0] >= k:
+                return found
+            return ring_out[np.argpartition(sims, window - k)[window - k :]]
+
+        extra["length_predict_einsum_baseline_us"] = time_each_us(
+            [partial(einsum_predict, v) for v in held_vectors], rounds=rounds
+        )
+        ratios["length_predict_einsum_baseline_vs_predictor"] = (
+            extra["length_predict_einsum_baseline_us"] / results["length_predict_us"]
+        )
+        extra["length_predict_input_only_us"] = time_each_us(
+            [partial(by_input.predict, None, n) for n in held_inputs], rounds=rounds
         )
         extra["length_history_records"] = float(len(predictor))
         samples = [predictor.predict(v, n) for v, n in zip(held_vectors, held_inputs, strict=True)]
