@@ -164,3 +164,40 @@ def test_worst_metric() -> None:
     worst = worst_metric(targets(), ObservedSLO(samples=10, tbt_p99_s=0.09, ttft_mean_s=1.5))
     assert worst is not None and worst[0] == "ttft-mean"
     assert worst_metric(targets(), ObservedSLO(samples=0)) is None
+
+
+class PendingThenDone:
+    """A search whose first answers are provisional (the worker is busy), then final."""
+
+    def __init__(self, pending_calls: int) -> None:
+        self.calls = 0
+        self.pending_calls = pending_calls
+
+    def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
+        self.calls += 1
+        if self.calls <= self.pending_calls:
+            return SearchResult(budget_s=0.05, floor_s=0.01, ceiling_s=0.2, source="analytic",
+                                provisional=True)
+        return SearchResult(budget_s=0.08, floor_s=0.01, ceiling_s=0.2, source="simulated")
+
+
+def test_a_provisional_budget_adapts_until_the_real_search_lands() -> None:
+    search = PendingThenDone(pending_calls=2)
+    quiet = ObservedSLO(samples=100, tbt_p99_s=0.2)  # above the 100 ms target
+    state = decide(None, targets=targets(), load=LOAD, observed=quiet, search=search, now_s=0.0,
+                   params=PARAMS)
+    assert state.searched.provisional and state.budget_s == 0.05
+    # Still provisional: the search is asked again, and AIMD keeps working meanwhile.
+    state = decide(state, targets=targets(), load=LOAD, observed=quiet, search=search, now_s=20.0,
+                   params=PARAMS)
+    assert search.calls == 2 and state.reason == "Tightened"
+    assert state.budget_s == pytest.approx(0.035)
+    # The worker finished: the searched budget replaces the stand-in.
+    state = decide(state, targets=targets(), load=LOAD, observed=quiet, search=search, now_s=40.0,
+                   params=PARAMS)
+    assert state.reason == "Searched" and state.budget_s == 0.08
+    assert not state.searched.provisional
+    # Final results are not asked for again while nothing changes.
+    decide(state, targets=targets(), load=LOAD, observed=quiet, search=search, now_s=60.0,
+           params=PARAMS)
+    assert search.calls == 3

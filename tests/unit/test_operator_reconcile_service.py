@@ -16,7 +16,11 @@ from slipstream_operator.budgets import (
     BudgetSearch,
     LoadStats,
     ObservedSLO,
+    SearchResult,
+    SLOTargets,
+    TrialRecord,
 )
+from slipstream_operator.calibration import CalibrationParams
 from slipstream_operator.observe import WindowStats
 from slipstream_operator.reconcile_service import (
     ObjectRef,
@@ -218,3 +222,75 @@ def test_storage_roots_reach_the_sidecar_only_when_configured() -> None:
     roots = ("file:///store", "s3://batch")
     env = sidecar_env(replace(observed(()), storage_roots=roots))
     assert json.loads(env["SLIPSTREAM_SIDECAR_STORAGE_ROOTS"]) == list(roots)
+
+
+def timed_pod(name: str, generation: int, predicted: float, observed_s: float) -> PodView:
+    return PodView(name, "127.1.0.9", True,
+                   SidecarStatus(generation=generation, engine_ready=True, draining=False,
+                                 spare_capacity=0.5, budget_s=None, predicted_step_s=predicted,
+                                 observed_step_s=observed_s))
+
+
+def test_slow_steps_refit_the_model_push_scaled_coefficients_and_search_again() -> None:
+    cal = CalibrationParams(window=4, threshold=0.2)
+    searched: list[float] = []
+
+    def recording(subject: SearchSubject) -> BudgetSearch:
+        searched.append(subject.scale)
+        return AnalyticSearch(subject.calibrated)
+
+    def tick(pods: tuple[PodView, ...], memory: ServiceMemory, previous: dict[str, Any],
+             at_s: float) -> Any:
+        return reconcile_service(REF, spec(), observed(pods, window()), memory,
+                                 previous_status=previous, now=T0 + timedelta(seconds=at_s),
+                                 now_s=at_s, params=PARAMS, search_for=recording,
+                                 calibration=cal)
+
+    first = tick((pod("a"), pod("b")), ServiceMemory(), {}, 0.0)
+    slow = (timed_pod("a", 1, 0.040, 0.060), timed_pod("b", 1, 0.040, 0.060))
+    second = tick(slow, first.memory, first.status, 5.0)  # 2 of 4 ratios: not yet
+    assert second.memory.calibration.scale == 1.0 and second.pushes == ()
+    third = tick(slow, second.memory, second.status, 10.0)
+    assert third.memory.calibration.scale == pytest.approx(1.5)
+    assert ("Normal", "LatencyModelRefit") in [e[:2] for e in third.events]
+    assert third.status["budget"]["reason"] == "Searched"
+    assert "x1.5 (refit)" in third.status["budget"]["profile"]
+    assert searched[-1] == pytest.approx(1.5)
+    call = third.pushes[0][1]
+    assert call.generation == 2
+    assert call.latency_coefficients["const"] == pytest.approx(0.008 * 1.5)
+    assert third.memory.calibration.since_generation == 2
+    # Pods still on generation 1 (old coefficients) do not count towards the next refit.
+    fourth = tick(slow, third.memory, third.status, 15.0)
+    assert fourth.memory.calibration.ratios == ()
+
+
+class Unattainable:
+    def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
+        return SearchResult(budget_s=0.03, floor_s=0.03, ceiling_s=0.15, source="simulated",
+                            feasible=False,
+                            trials=(TrialRecord(0.15, False, "tbt-p99 170ms/100ms"),
+                                    TrialRecord(0.03, False, "tbt-p99 104ms/100ms")))
+
+
+def test_an_unattainable_slo_pushes_the_online_only_budget_and_says_so() -> None:
+    def search(subject: SearchSubject) -> BudgetSearch:
+        return Unattainable()
+
+    def tick(pods: tuple[PodView, ...], memory: ServiceMemory, previous: dict[str, Any]) -> Any:
+        return reconcile_service(REF, spec(), observed(pods, window()), memory,
+                                 previous_status=previous, now=T0, now_s=0.0, params=PARAMS,
+                                 search_for=search)
+
+    first = tick((pod("a"),), ServiceMemory(), {})
+    assert first.pushes[0][1].budget_s == pytest.approx(0.03)
+    kinds = [e[:2] for e in first.events]
+    assert ("Normal", "BudgetSearched") in kinds and ("Warning", "SLOUnattainable") in kinds
+    searched = next(e[2] for e in first.events if e[1] == "BudgetSearched")
+    assert "2 trials" in searched and "tbt-p99 104ms/100ms" in searched
+    assert first.on_pushed[0] == "SLOUnattainable"
+    done = tick((pod("a", 1),), first.memory, first.status)
+    conds = {c["type"]: c for c in done.status["conditions"]}
+    assert conds["BudgetReady"]["status"] == "True"
+    assert conds["BudgetReady"]["reason"] == "SLOUnattainable"
+    assert "no budget meets the SLOs" in conds["BudgetReady"]["message"]
