@@ -110,26 +110,30 @@ def _dashboard() -> dict[str, Any]:
 def _exported_sidecar_metrics() -> set[str]:
     from slipstream_sidecar.metrics import SidecarMetrics
 
+    return _names(SidecarMetrics().registry.collect())
+
+
+def _exported_operator_metrics() -> set[str]:
+    from slipstream_operator.metrics import OperatorMetrics
+
+    return _names(OperatorMetrics().registry.collect())
+
+
+def _names(families: Any) -> set[str]:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                 "gauge": ("",)}
-    return {
-        family.name + suffix
-        for family in SidecarMetrics().registry.collect()
-        for suffix in suffixes[family.type]
-    }
+    return {family.name + suffix for family in families for suffix in suffixes[family.type]}
 
 
 @pytest.mark.unit
 def test_dashboard_queries_use_only_metrics_that_exist() -> None:
     exported = _exported_sidecar_metrics()
-    ksm = (CHART / "templates" / "kube-state-metrics.yaml").read_text()
-    prefix = re.search(r"metricNamePrefix: (\S+)", ksm)
-    assert prefix is not None
-    ksm_metrics = {f"{prefix.group(1)}_{m}" for m in re.findall(r"- name: (\w+)", ksm)}
+    operator = _exported_operator_metrics()
+    assert not exported & operator
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
     recorded = set(re.findall(r"record: ([a-z_:]+?)(?:\{\{|\n)", helpers))
     recorded |= {f"slipstream:slo_violation_ratio:rate{w}" for w in ("5m", "30m", "1h", "6h")}
-    known = exported | ksm_metrics | recorded
+    known = exported | operator | recorded
     dash = _dashboard()
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 12
@@ -138,11 +142,18 @@ def test_dashboard_queries_use_only_metrics_that_exist() -> None:
         names |= set(re.findall(r"\b((?:slipstream_|slipstream:)[a-zA-Z0-9_:]+)", expr))
     unknown = names - known - {"slipstream_dev_service"}  # a label, not a metric
     assert not unknown, f"dashboard queries name metrics nobody exports: {sorted(unknown)}"
-    # Every sidecar family the issue asks for is on the dashboard.
+    # Every family the issue asks for is on the dashboard; per-job panels read the operator's.
     for family in ("slipstream_ttft_seconds_bucket", "slipstream_tbt_seconds_bucket",
                    "slipstream_budget_seconds", "slipstream_output_tokens_total",
-                   "slipstream_preemptions_total", "slipstream_offlinejob_requests_completed"):
+                   "slipstream_preemptions_total", "slipstream_offlinejob_finished_requests",
+                   "slipstream_offlinejob_input_requests", "slipstream_offlinejob_eta_seconds",
+                   "slipstream_inferenceservice_slo_met"):
         assert family in names, family
+    job_exprs = [t["expr"] for p in dash["panels"] if "Job" in p["title"]
+                 for t in p.get("targets", [])]
+    assert job_exprs and all("slipstream_offlinejob_" in e for e in job_exprs)
+    assert not any("offlinejob}}" in t.get("legendFormat", "") for p in dash["panels"]
+                   for t in p.get("targets", [])), "the job label is `name` now"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
 
@@ -206,8 +217,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "namespaced": ("operator.watchNamespaces=release", "operator.logLevel=debug"),
     "minimal": ("crds.install=false", "grafana.dashboard.enabled=false",
                 "networkPolicy.enabled=false", "metrics.service.enabled=false",
-                "serviceAccount.create=false", "serviceAccount.name=existing",
-                "kubeStateMetrics.customResourceState.enabled=false"),
+                "serviceAccount.create=false", "serviceAccount.name=existing"),
     "prometheus": ("operator.prometheusUrl=http://prometheus.monitoring:9090",
                    "operator.logLevel=warning", "image.tag=dev"),
 }
@@ -285,6 +295,11 @@ def test_operator_args_and_env_are_real_flags_and_settings(
     namespaced = "watchNamespaces=release" in " ".join(VALUE_SETS[name])
     assert parsed.namespaces == (["slipstream"] if namespaced else None)
     assert parsed.liveness.endswith(":8081/healthz")
+    assert parsed.metrics_port == 8080
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == parsed.metrics_port != ports["health"]
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(parsed.metrics_port)
     expected_verbosity = {"namespaced": 2, "prometheus": 0}.get(name, 1)
     assert parsed.verbose == expected_verbosity
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -342,9 +357,13 @@ def test_selectors_match_the_pods_the_operator_creates(
     for policy in by_kind(objs, "NetworkPolicy"):
         selectors.append(policy["spec"]["podSelector"]["matchLabels"])
     for svc in by_kind(objs, "Service"):
+        if svc["metadata"]["name"].endswith("-operator-metrics"):
+            continue  # the operator's own: test_operator_metrics_are_scraped_once
         selectors.append(svc["spec"]["selector"])
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= port_names
     for monitor in by_kind(objs, "PodMonitor"):
+        if monitor["metadata"]["name"].endswith("-operator"):
+            continue
         selectors.append(monitor["spec"]["selector"]["matchLabels"])
         assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= port_names
         assert monitor["spec"]["podTargetLabels"] == ["slipstream.dev/service"]
@@ -352,6 +371,47 @@ def test_selectors_match_the_pods_the_operator_creates(
         assert selectors
     for selector in selectors:
         assert selector.items() <= labels.items(), selector
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("monitors", ["service", "pod", "both"])
+def test_operator_metrics_are_scraped_once_with_honor_labels(monitors: str) -> None:
+    sets = {"service": ALL_MONITORING[:2], "pod": ALL_MONITORING[2:4],
+            "both": ALL_MONITORING[:4]}[monitors]
+    objs = docs(*sets, "operator.metricsPort=9102")
+    deployment = by_kind(objs, "Deployment")[0]
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert "--metrics-port=9102" in container["args"]
+    assert {"name": "metrics", "containerPort": 9102} in container["ports"]
+    (svc,) = [s for s in by_kind(objs, "Service") if s["metadata"]["name"].endswith(
+        "-operator-metrics")]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9102, "targetPort": "metrics"}]
+    scrapes = [(m["kind"], e) for m in objs if m["kind"] in ("ServiceMonitor", "PodMonitor")
+               for e in m["spec"].get("endpoints", m["spec"].get("podMetricsEndpoints", []))
+               if e["port"] == "metrics"]
+    assert len(scrapes) == 1, scrapes  # never twice: duplicate series would double sums
+    kind, endpoint = scrapes[0]
+    assert kind == ("PodMonitor" if monitors == "pod" else "ServiceMonitor")
+    assert endpoint["honorLabels"] is True
+    if kind == "ServiceMonitor":
+        (monitor,) = [m for m in by_kind(objs, "ServiceMonitor")
+                      if m["metadata"]["name"].endswith("-operator")]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"][
+            "labels"].items()
+    else:
+        (monitor,) = [m for m in by_kind(objs, "PodMonitor")
+                      if m["metadata"]["name"].endswith("-operator")]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"][
+            "labels"].items()
+
+
+@pytest.mark.integration
+def test_no_unread_sidecar_defaults_are_shipped() -> None:
+    objs = docs()
+    assert not [o for o in objs if o["metadata"]["name"].endswith(("-sidecar-defaults",
+                                                                    "-ksm-offlinejobs"))]
 
 
 @pytest.mark.integration
@@ -386,6 +446,10 @@ BAD_VALUES = {
     "sidecar.grpcPort=70000": "grpcPort",
     "operator.prometheusUrl=prometheus:9090": "prometheusUrl",
     "unknownKey=1": "unknownKey",
+    "operator.metricsPort=8081": "must differ",
+    "operator.metricsPort=0": "metricsPort",
+    # Removed: the operator never read them (spec.sidecar configures each service's sidecar).
+    "sidecar.image=registry.local/slipstream:1": "image",
 }
 
 
@@ -476,6 +540,53 @@ def test_slo_rules_pass_promtool_and_fire_only_on_a_real_burn(tmp_path: Path) ->
                     alert("hot", "warning", "10", "6", "the last 6 hours")]},
                 # Fast burn waits for its 2 minutes: not yet 1 minute into the burn.
                 {"eval_time": "1m", "alertname": "SlipstreamSLOFastBurn", "exp_alerts": []},
+            ],
+        }],
+    }
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump(test))
+    result = subprocess.run([_promtool(), "test", "rules", str(path)], check=False,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.integration
+def test_operator_alerts_fire_on_a_failed_job_and_missing_replicas(tmp_path: Path) -> None:
+    rules = rules_file(tmp_path)
+    obj = {"namespace": "team-a", "name": "x"}
+    phases = [_series("slipstream_offlinejob_phase", {**obj, "phase": p}, 0, 30)
+              for p in ("Running", "Failed")]
+    phases[0]["values"] = "1x10 0x20"
+    phases[1]["values"] = "0x10 1x20"
+    test = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                *phases,
+                {"series": 'slipstream_inferenceservice_spec_replicas{namespace="team-a",'
+                 'name="x"}', "values": "2x40"},
+                {"series": 'slipstream_inferenceservice_ready_replicas{namespace="team-a",'
+                 'name="x"}', "values": "2x10 1x30"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "SlipstreamOfflineJobFailed", "exp_alerts": []},
+                {"eval_time": "13m", "alertname": "SlipstreamOfflineJobFailed", "exp_alerts": [
+                    {"exp_labels": {**obj, "phase": "Failed", "severity": "warning"},
+                     "exp_annotations": {
+                         "summary": "OfflineJob team-a/x failed",
+                         "description": "The job's phase is Failed; `kubectl describe offlinejob "
+                         "-n team-a x` shows the condition that says why."}}]},
+                {"eval_time": "20m", "alertname": "SlipstreamReplicasNotReady",
+                 "exp_alerts": []},  # short for 10 minutes: not yet 15
+                {"eval_time": "27m", "alertname": "SlipstreamReplicasNotReady", "exp_alerts": [
+                    {"exp_labels": {**obj, "severity": "warning"},
+                     "exp_annotations": {
+                         "summary": "InferenceService team-a/x has fewer ready pods than asked "
+                         "for",
+                         "description": "1 ready pods for 15 minutes, fewer than spec.replicas: "
+                         "online capacity and the offline work on these pods are short."}}]},
             ],
         }],
     }

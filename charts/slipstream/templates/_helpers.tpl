@@ -44,10 +44,6 @@ app.kubernetes.io/managed-by: slipstream-operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{- define "slipstream.sidecarImage" -}}
-{{- default (include "slipstream.image" .) .Values.sidecar.image -}}
-{{- end -}}
-
 {{/* Render a prometheus-operator object only if its API exists or it is forced. */}}
 {{- define "slipstream.hasMonitoringAPI" -}}
 {{- if or .force (.root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}true{{- end -}}
@@ -116,4 +112,21 @@ groups:
         annotations:
           summary: "{{ "{{ $labels.pod }}" }}: the engine behind the sidecar is not ready"
           description: "The sidecar of {{ "{{ $labels.namespace }}" }}/{{ "{{ $labels.pod }}" }} has had no healthy vLLM engine for 5 minutes; its online traffic fails and its offline shards will move."
+  # From the operator's own /metrics (scraped with honorLabels: namespace is the object's).
+  - name: slipstream-operator.alerts
+    rules:
+      - alert: SlipstreamOfflineJobFailed
+        expr: slipstream_offlinejob_phase{phase="Failed"} == 1
+        for: 1m
+        labels: {severity: warning}
+        annotations:
+          summary: "OfflineJob {{ "{{ $labels.namespace }}" }}/{{ "{{ $labels.name }}" }} failed"
+          description: "The job's phase is Failed; `kubectl describe offlinejob -n {{ "{{ $labels.namespace }}" }} {{ "{{ $labels.name }}" }}` shows the condition that says why."
+      - alert: SlipstreamReplicasNotReady
+        expr: slipstream_inferenceservice_ready_replicas < slipstream_inferenceservice_spec_replicas
+        for: 15m
+        labels: {severity: warning}
+        annotations:
+          summary: "InferenceService {{ "{{ $labels.namespace }}" }}/{{ "{{ $labels.name }}" }} has fewer ready pods than asked for"
+          description: "{{ "{{ $value }}" }} ready pods for 15 minutes, fewer than spec.replicas: online capacity and the offline work on these pods are short."
 {{- end -}}
