@@ -51,6 +51,7 @@ from slipstream_operator.api import (
 )
 from slipstream_operator.budgets import BudgetSearch
 from slipstream_operator.conditions import set_condition
+from slipstream_operator.drain import GrpcDrainControl, drain_service
 from slipstream_operator.errors import InputError, OperatorError, OutputError, SidecarError
 from slipstream_operator.observe import (
     PodHistory,
@@ -574,6 +575,30 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
                     backoff=HANDLER_BACKOFF_S)
     async def job_delete(*, name: str, namespace: str | None, uid: str, **_: Any) -> None:
         await handlers.job_deleted(name, namespace or "default", uid)
+
+    # -- InferenceService deletion: drain its pods' offline shards first (operator/drain.py) --
+    drain_control = GrpcDrainControl(handlers.settings.sidecar_timeout_s)
+
+    @kopf.on.delete(GROUP, VERSION, "inferenceservices", registry=registry, id="drain",
+                    backoff=HANDLER_BACKOFF_S)
+    async def service_delete(*, body: kopf.Body, spec: kopf.Spec, name: str,
+                             namespace: str | None, uid: str, **_: Any) -> None:
+        namespace = namespace or "default"
+        port = int((dict(spec).get("sidecar") or {}).get("grpcPort", 9000))
+        report = await drain_service(
+            handlers.api, drain_control, namespace=namespace, name=name, grpc_port=port,
+            token_secret=names(ObjectRef(name, namespace, uid, 0))["secret"],
+            token_key=TOKEN_KEY, selector=f"{SERVICE_LABEL}={name}",
+            timeout_s=handlers.settings.delete_drain_timeout_s,
+            loopback_only=handlers.settings.loopback_only)
+        handlers.state.services.pop(uid, None)
+        handlers.state.histories.pop(uid, None)
+        logger.info("InferenceService %s/%s deleted: %s", namespace, name, report.summary())
+        kopf.event(body, type="Normal" if report.complete else "Warning",
+                   reason="Drained" if report.complete else "DrainIncomplete",
+                   message=report.summary())
+
+    del service_delete
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
