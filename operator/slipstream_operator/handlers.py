@@ -3,16 +3,29 @@
 :func:`build_registry` registers, on an explicit ``kopf.OperatorRegistry``
 (no import side effects), a timer per InferenceService and per OfflineJob
 (every ``reconcile_interval_s``) plus delete handlers guarded by the
-operator's own finalizer. A tick:
+operator's own finalizer, and kopf indexes (watch-backed, in memory) of the
+pods labelled with a service, of the InferenceServices and of the OfflineJobs.
+A tick:
 
-* InferenceService: read/create the control token, find the latency profile,
-  list the pods (by label), ask each running pod's sidecar for Status (gRPC,
-  pod IP) and scrape its ``/metrics`` (HTTP, pod IP), then
-  ``reconcile_service``; apply the children (server-side apply), push
-  Configure to pods behind the generation, write ``patch.status``, emit events.
-* OfflineJob: plan the input once (worker thread), find the pods of matching
-  services, ask their sidecars, verify finished shards against their logs,
-  then ``reconcile_job``; revoke, assign, merge, write ``patch.status``.
+* InferenceService: the control token (kept in memory, re-read every
+  ``apply_resync_s``), the latency profile, the service's pods from the pod
+  index, each running pod's Status (gRPC, pod IP, shared with the job ticks)
+  and ``/metrics`` (HTTP, pod IP), then ``reconcile_service``; apply the
+  children that changed since they were last applied (or are due for a
+  resync), push Configure to pods behind the generation, write the status keys
+  that changed, emit events.
+* OfflineJob: plan the input once (file thread), the matching services from
+  the service index and their pods from the pod index, their sidecars' Status
+  (concurrently), verify finished shards against their logs (one file-thread
+  hop), then ``reconcile_job``; revoke and assign (concurrently), merge, write
+  the status keys that changed.
+
+Nothing in a tick lists objects: at steady state a tick makes no Kubernetes API
+call at all unless its status changed. Blocking ``kubernetes``-client calls run
+on the operator's own executor (``kube_threads``) and file work on another, so
+neither waits behind the other, nor job ticks behind service ticks; sidecar
+calls go through one :class:`~slipstream_operator.sidecar_client.SharedSidecarControl`
+(``sidecar_concurrency`` in flight, one Status per pod per interval).
 
 Handlers return None (kopf would otherwise store return values under
 ``status.<handler>``, which the structural schema prunes). kopf's own state
@@ -28,14 +41,17 @@ Prometheus beyond the queries in ``observe.promql_queries``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import secrets
 import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import kopf
@@ -95,6 +111,7 @@ from slipstream_operator.shards import (
 from slipstream_operator.sidecar_client import (
     PodAddress,
     ShardAssignment,
+    SharedSidecarControl,
     SidecarControl,
     SidecarStatus,
 )
@@ -102,6 +119,24 @@ from slipstream_operator.sidecar_client import (
 logger = logging.getLogger(__name__)
 
 FINALIZER = f"{GROUP}/finalizer"
+T = TypeVar("T")
+
+PodIndex = Mapping[tuple[str, str], Iterable[kube.PodInfo]]
+"""(namespace, service name) -> the service's pods, from the watch (kopf index)."""
+ServiceIndex = Mapping[str, Iterable[kube.ServiceInfo]]
+"""namespace -> its InferenceServices, from the watch (kopf index)."""
+JobIndex = Mapping[str, Iterable[kube.JobInfo]]
+"""namespace -> its OfflineJobs, from the watch (kopf index)."""
+
+POD_INDEX = "slipstream_pods"
+SERVICE_INDEX = "slipstream_services"
+JOB_INDEX = "slipstream_jobs"
+"""Ids of the kopf indexes; kopf passes each index to handlers as the keyword of its id."""
+
+STATUS_MAX_AGE = 0.8
+"""A cached sidecar Status is reused for this fraction of the reconcile interval."""
+FILE_THREADS = 4
+"""Threads for planning, shard-log counting and merging (file work, off the kube executor)."""
 
 
 @dataclass
@@ -115,6 +150,8 @@ class OperatorState:
     done: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     merged: dict[str, MergeResult] = field(default_factory=dict)
     addresses: dict[str, dict[str, PodAddress]] = field(default_factory=dict)
+    tokens: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    """(namespace, service) -> (control token, monotonic time it was read or made)."""
 
 
 HANDLER_BACKOFF_S = 5.0
@@ -144,9 +181,23 @@ def _now() -> tuple[datetime, float]:
     return datetime.now(tz=UTC), time.monotonic()
 
 
-def _patch_status(patch: kopf.Patch, status: dict[str, Any]) -> None:
-    for key, value in status.items():
+def _patch_status(patch: kopf.Patch, status: dict[str, Any],
+                  previous: Mapping[str, Any] | None = None) -> None:
+    """Put the keys of ``status`` that differ from ``previous`` into the patch.
+
+    An unchanged status leaves the patch empty, and kopf then sends nothing.
+    """
+    for key, value in changed_status(status, previous or {}).items():
         patch.status[key] = value
+
+
+def changed_status(status: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any]:
+    """The top-level keys of ``status`` whose JSON value differs from ``previous``'s."""
+    def canon(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, default=str)
+
+    return {k: v for k, v in status.items()
+            if k not in previous or canon(v) != canon(previous[k])}
 
 
 class Handlers:
@@ -161,10 +212,36 @@ class Handlers:
     ) -> None:
         self.settings = settings
         self.api = api
-        self.control = control
+        self.control = (control if isinstance(control, SharedSidecarControl) else
+                        SharedSidecarControl(
+                            control, limit=settings.sidecar_concurrency,
+                            max_age_s=STATUS_MAX_AGE * settings.reconcile_interval_s))
         self.http = http
         self.state = OperatorState()
+        self.applied = kube.AppliedChildren(settings.apply_resync_s)
         self.budget_searches = BudgetSearches(settings.budget_search)
+        self._kube_pool = ThreadPoolExecutor(settings.kube_threads, thread_name_prefix="kube")
+        kube.widen_connection_pool(api, settings.kube_threads)
+        self._file_pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
+        self._placing: dict[str, asyncio.Lock] = {}
+        self.kube_calls = 0
+        """Blocking Kubernetes client calls made (applies and Secret reads)."""
+
+    async def _kube(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking Kubernetes client call on the operator's kube executor."""
+        self.kube_calls += 1
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._kube_pool, functools.partial(fn, *args))
+
+    async def _files(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking file work (plan, count, merge) on the file executor."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._file_pool, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        """Stop the executors (running calls finish; nothing new starts)."""
+        self._kube_pool.shutdown(wait=False, cancel_futures=True)
+        self._file_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ InferenceService
 
@@ -172,12 +249,26 @@ class Handlers:
         # Simulated in a worker thread and cached; analytic (provisional) meanwhile.
         return self.budget_searches.search_for(subject)
 
-    async def _token(self, ref: ObjectRef) -> str:
+    async def _token(self, ref: ObjectRef, now_s: float) -> str:
+        """The service's control token: from memory, read from its Secret once per resync.
+
+        A new token is made when the Secret does not exist yet (the service tick applies it).
+        The first answer kept wins, so two ticks that race on a missing Secret agree.
+        """
+        key = (ref.namespace, ref.name)
+        kept = self.state.tokens.get(key)
+        if kept is not None and now_s - kept[1] < self.settings.apply_resync_s:
+            return kept[0]
         secret = names(ref)["secret"]
-        token = await asyncio.to_thread(
-            kube.read_secret_value, self.api, ref.namespace, secret, TOKEN_KEY
-        )
-        return token or secrets.token_urlsafe(32)
+        read = await self._kube(kube.read_secret_value, self.api, ref.namespace, secret,
+                                TOKEN_KEY)
+        if read is None:
+            again = self.state.tokens.get(key)
+            token = again[0] if again is not None else secrets.token_urlsafe(32)
+        else:
+            token = read
+        self.state.tokens[key] = (token, now_s)
+        return token
 
     async def _scrape(self, ip: str, port: int) -> str | None:
         if self.http is None:
@@ -217,7 +308,7 @@ class Handlers:
 
     async def service_tick(
         self, body: kopf.Body, patch: kopf.Patch, *, name: str, namespace: str, uid: str,
-        generation: int,
+        generation: int, pods_index: PodIndex,
     ) -> None:
         now, now_s = _now()
         ref = ObjectRef(name, namespace, uid, generation)
@@ -233,14 +324,15 @@ class Handlers:
             self._invalid(patch, previous, "Ready", generation=generation,
                           message="; ".join(problems), now=now)
             return
-        token = await self._token(ref)
+        token = await self._token(ref, now_s)
         profile = find_profile(spec.model, spec.engine.gpu_type, self.settings.profiles_dir)
-        pods = await asyncio.to_thread(
-            kube.list_pods, self.api, namespace, f"{SERVICE_LABEL}={name}"
-        )
+        pods = sorted(pods_index.get((namespace, name), ()), key=lambda p: p.name)
         history = self.state.histories.setdefault(uid, {})
-        for gone in set(history) - {p.name for p in pods}:
-            del history[gone]
+        gone = set(history) - {p.name for p in pods}
+        for pod_name in gone:
+            del history[pod_name]
+        if gone:
+            self.control.forget_pods(gone)
         # Prometheus runs alongside the pod reads under its own short deadline, so the pods'
         # readiness never waits on it; when it fails the sidecars' /metrics stand in.
         prometheus = (asyncio.ensure_future(self._prometheus_window(namespace, name))
@@ -276,24 +368,29 @@ class Handlers:
             search_for=self._search_for, calibration=self.settings.calibration,
         )
         for child in outcome.children:
-            await asyncio.to_thread(kube.apply, self.api, child)
-        acked = 0
+            if self.applied.due(child, now_s):
+                await self._kube(kube.apply, self.api, child)
+                self.applied.applied(child, now_s)
         by_name = {v.name: v for v in views}
-        for pod_name, call in outcome.pushes:
+
+        async def push(pod_name: str, call: Any) -> int:
             view = by_name[pod_name]
             address = PodAddress(pod_name, view.ip, spec.sidecar.grpc_port, token)
             try:
                 acked_gen = await self.control.configure(address, call)
-                acked += int(acked_gen >= call.generation)
             except SidecarError as exc:
                 logger.warning("%s", exc)
+                return 0
+            return int(acked_gen >= call.generation)
+
+        acked = sum(await asyncio.gather(*(push(p, c) for p, c in outcome.pushes)))
         self.state.services[uid] = outcome.memory
         if outcome.pushes and acked == len(outcome.pushes):
             # Every behind pod took the new generation: say so now, not on the next tick.
             reason, message = outcome.on_pushed
             set_condition(outcome.status["conditions"], "BudgetReady", True, reason=reason,
                           message=message, now=now, observed_generation=generation)
-        _patch_status(patch, outcome.status)
+        _patch_status(patch, outcome.status, previous)
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
 
@@ -354,7 +451,7 @@ class Handlers:
             options = PlanOptions(shard_size=spec.shard_size,
                                   prefix_chars=self.settings.prefix_chars,
                                   run_lines=self.settings.plan_run_lines)
-            plan = await asyncio.to_thread(
+            plan = await self._files(
                 plan_input, spec.input.uri, spec.output.uri, job_prefix(namespace, name), options
             )
             self.state.plans[uid] = plan
@@ -362,7 +459,8 @@ class Handlers:
 
     async def job_tick(
         self, body: kopf.Body, patch: kopf.Patch, *, name: str, namespace: str, uid: str,
-        generation: int,
+        generation: int, pods_index: PodIndex, services_index: ServiceIndex,
+        jobs_index: JobIndex,
     ) -> None:
         now, now_s = _now()
         previous = dict(body.get("status") or {})
@@ -392,7 +490,8 @@ class Handlers:
                                     settings=settings)
             await self._apply_job_outcome(body, patch, refused, uid=uid, namespace=namespace,
                                           name=name, spec=spec, plan=None,
-                                          addresses=self.state.addresses.get(uid, {}))
+                                          addresses=self.state.addresses.get(uid, {}),
+                                          previous=previous)
             return
         plan: Plan | None = None
         plan_error = ""
@@ -400,39 +499,44 @@ class Handlers:
             plan = await self._plan(uid, namespace, name, spec)
         except (InputError, OSError) as exc:
             plan_error = str(exc)
-        services = await asyncio.to_thread(kube.list_custom, self.api, namespace,
-                                           "inferenceservices")
-        jobs = await asyncio.to_thread(kube.list_custom, self.api, namespace, "offlinejobs")
-        priorities = {
-            job_prefix(namespace, j["metadata"]["name"]): int(j["spec"].get("priority", 0))
-            for j in jobs if j["metadata"]["uid"] != uid
-        }
-        selected = [
-            s for s in services
-            if s["spec"].get("model") == spec.model
-            and (s["spec"].get("scheduling") or {}).get("coLocation", True)
-            and spec.service_selector.matches(dict(s["metadata"].get("labels") or {}))
-        ]
-        addresses: dict[str, PodAddress] = {}
-        candidates: list[CandidatePod] = []
-        for svc in selected:
-            svc_name = svc["metadata"]["name"]
-            ref = ObjectRef(svc_name, namespace, svc["metadata"]["uid"], 0)
-            token = await self._token(ref)
-            port = int((svc["spec"].get("sidecar") or {}).get("grpcPort", 9000))
-            pods = await asyncio.to_thread(
-                kube.list_pods, self.api, namespace, f"{SERVICE_LABEL}={svc_name}"
+        # Jobs of one namespace share its pods: one places at a time, so none plans on a
+        # load another is about to change (the other ticks of the fleet run alongside).
+        async with self._placing.setdefault(namespace, asyncio.Lock()):
+            priorities = {
+                job_prefix(namespace, j.name): j.priority
+                for j in jobs_index.get(namespace, ()) if j.uid != uid
+            }
+            selected = sorted(
+                (s for s in services_index.get(namespace, ())
+                 if s.model == spec.model and s.co_location
+                 and spec.service_selector.matches(dict(s.labels))),
+                key=lambda s: s.name,
             )
-            for pod in pods:
-                if not pod.running or not kube.dialable(pod.ip, self.settings.loopback_only):
-                    continue
-                address = PodAddress(pod.name, pod.ip, port, token)
+            tokens = await asyncio.gather(
+                *(self._token(ObjectRef(s.name, namespace, s.uid, 0), now_s) for s in selected)
+            )
+            targets: list[tuple[str, PodAddress]] = []
+            for svc, token in zip(selected, tokens, strict=True):
+                pods = sorted(pods_index.get((namespace, svc.name), ()), key=lambda p: p.name)
+                for pod in pods:
+                    if pod.running and kube.dialable(pod.ip, self.settings.loopback_only):
+                        address = PodAddress(pod.name, pod.ip, svc.grpc_port, token)
+                        targets.append((svc.name, address))
+
+            async def ask(address: PodAddress) -> SidecarStatus | None:
                 try:
-                    status = await self.control.status(address)
+                    return await self.control.status(address)
                 except SidecarError as exc:
                     logger.info("%s", exc)
+                    return None
+
+            statuses = await asyncio.gather(*(ask(a) for _, a in targets))
+            addresses: dict[str, PodAddress] = {}
+            candidates: list[CandidatePod] = []
+            for (svc_name, address), status in zip(targets, statuses, strict=True):
+                if status is None:
                     continue
-                addresses[pod.name] = address
+                addresses[address.pod] = address
                 others = tuple(
                     (r.shard_id, priorities[r.shard_id.rsplit("-", 1)[0]])
                     for r in status.shards
@@ -440,52 +544,57 @@ class Handlers:
                     and r.shard_id.rsplit("-", 1)[0] in priorities
                 )
                 candidates.append(CandidatePod(
-                    name=pod.name, service=svc_name,
+                    name=address.pod, service=svc_name,
                     ready=status.engine_ready and not status.draining,
                     spare_capacity=status.spare_capacity, shards=status.shards,
                     other_priorities=others,
                 ))
-        done = self.state.done.setdefault(uid, {})
-        if plan is not None:
-            await self._verify(plan, candidates, done, self.state.jobs.get(uid, JobMemory()))
-        memory = self.state.jobs.get(uid, JobMemory())
-        observed = JobObserved(plan=plan, pods=tuple(candidates), done=dict(done),
-                               merged=self.state.merged.get(uid), plan_error=plan_error,
-                               services_selected=len(selected))
+            done = self.state.done.setdefault(uid, {})
+            if plan is not None:
+                await self._verify(plan, candidates, done, self.state.jobs.get(uid, JobMemory()))
+            memory = self.state.jobs.get(uid, JobMemory())
+            observed = JobObserved(plan=plan, pods=tuple(candidates), done=dict(done),
+                                   merged=self.state.merged.get(uid), plan_error=plan_error,
+                                   services_selected=len(selected))
 
-        def run(obs: JobObserved, mem: JobMemory) -> Any:
-            return reconcile_job(namespace, name, generation, spec, observed=obs, memory=mem,
-                                 previous_status=previous, now=now, now_s=now_s,
-                                 settings=settings)
+            def run(obs: JobObserved, mem: JobMemory) -> Any:
+                return reconcile_job(namespace, name, generation, spec, observed=obs, memory=mem,
+                                     previous_status=previous, now=now, now_s=now_s,
+                                     settings=settings)
 
-        outcome = run(observed, memory)
-        if outcome.merge and plan is not None:
-            try:
-                merged = await asyncio.to_thread(merge_outputs, plan, spec.output.uri,
-                                                 spec.output.errors)
-            except (OutputError, OSError) as exc:
-                logger.warning("merge of %s/%s not possible yet: %s", namespace, name, exc)
-            else:
-                self.state.merged[uid] = merged
-                outcome = run(replace(observed, merged=merged), memory)
-        await self._apply_job_outcome(body, patch, outcome, uid=uid, namespace=namespace,
-                                      name=name, spec=spec, plan=plan, addresses=addresses)
+            outcome = run(observed, memory)
+            if outcome.merge and plan is not None:
+                try:
+                    merged = await self._files(merge_outputs, plan, spec.output.uri,
+                                               spec.output.errors)
+                except (OutputError, OSError) as exc:
+                    logger.warning("merge of %s/%s not possible yet: %s", namespace, name, exc)
+                else:
+                    self.state.merged[uid] = merged
+                    outcome = run(replace(observed, merged=merged), memory)
+            await self._apply_job_outcome(body, patch, outcome, uid=uid, namespace=namespace,
+                                          name=name, spec=spec, plan=plan, addresses=addresses,
+                                          previous=previous)
 
     async def _apply_job_outcome(
         self, body: kopf.Body, patch: kopf.Patch, outcome: JobOutcome, *, uid: str,
         namespace: str, name: str, spec: OfflineJobSpec, plan: Plan | None,
-        addresses: dict[str, PodAddress],
+        addresses: dict[str, PodAddress], previous: Mapping[str, Any],
     ) -> None:
-        """Revoke, assign, remember, write the status and emit the events of one reconcile."""
+        """Revoke, assign (each concurrently), remember, write the changed status keys and
+        emit the events of one reconcile."""
         memory = outcome.memory
-        for pod_name, shard_id in outcome.revoke:
-            if pod_name in addresses:
-                try:
-                    await self.control.revoke(addresses[pod_name], shard_id)
-                except SidecarError as exc:
-                    logger.warning("%s", exc)
+
+        async def revoke(pod_name: str, shard_id: str) -> None:
+            try:
+                await self.control.revoke(addresses[pod_name], shard_id)
+            except SidecarError as exc:
+                logger.warning("%s", exc)
+
+        await asyncio.gather(*(revoke(p, s) for p, s in outcome.revoke if p in addresses))
         defaults = json.dumps(spec.request_defaults.body_fields())
-        for pod_name, shard in outcome.assign:
+
+        async def assign(pod_name: str, shard: Any) -> bool:
             assert plan is not None
             assignment = ShardAssignment(
                 shard_id=shard.shard_id, job_namespace=namespace, job_name=name,
@@ -494,18 +603,21 @@ class Handlers:
                 error_uri=plan.shard_error_uri(shard.shard_id),
                 priority=-spec.priority, request_defaults_json=defaults,
             )
-            accepted = False
             try:
-                accepted = await self.control.assign(addresses[pod_name], assignment)
+                return await self.control.assign(addresses[pod_name], assignment)
             except SidecarError as exc:
                 logger.warning("%s", exc)
-            if not accepted:
-                placements = dict(memory.placements)
-                placements.pop(shard.shard_id, None)
-                memory = replace(memory, placements=placements)
+                return False
+
+        accepted = await asyncio.gather(*(assign(p, s) for p, s in outcome.assign))
+        refused = {s.shard_id for (_, s), ok in zip(outcome.assign, accepted, strict=True)
+                   if not ok}
+        if refused:
+            placements = {k: v for k, v in memory.placements.items() if k not in refused}
+            memory = replace(memory, placements=placements)
         self.state.jobs[uid] = memory
         self.state.addresses[uid] = addresses
-        _patch_status(patch, outcome.status)
+        _patch_status(patch, outcome.status, previous)
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
 
@@ -515,14 +627,20 @@ class Handlers:
         active = {r.shard_id for p in pods for r in p.shards if r.state in ("pending", "running")}
         succeeded = {r.shard_id for p in pods for r in p.shards if r.state == "succeeded"}
         first = not memory.history  # a fresh operator checks every shard once
-        for shard in plan.shards:
-            sid = shard.shard_id
-            if sid in done or sid in active:
-                continue
-            if sid in succeeded or sid in memory.placements or first:
-                result = await asyncio.to_thread(count_shard, plan, shard)
-                if result.completed + result.failed >= shard.size:
-                    done[sid] = (result.completed, result.failed)
+        todo = [
+            shard for shard in plan.shards
+            if shard.shard_id not in done and shard.shard_id not in active
+            and (shard.shard_id in succeeded or shard.shard_id in memory.placements or first)
+        ]
+        if not todo:
+            return
+
+        def count_all() -> list[Any]:  # one file-thread hop for the whole list
+            return [count_shard(plan, shard) for shard in todo]
+
+        for shard, result in zip(todo, await self._files(count_all), strict=True):
+            if result.completed + result.failed >= shard.size:
+                done[shard.shard_id] = (result.completed, result.failed)
 
     async def job_deleted(self, name: str, namespace: str, uid: str) -> None:
         """Revoke this job's shards everywhere (outputs stay on storage)."""
@@ -535,12 +653,15 @@ class Handlers:
             return
         logger.info("job %s/%s deleted; revoking %d shards", namespace, name,
                     len(memory.placements))
-        for shard_id, placement in memory.placements.items():
-            if placement.pod in addresses:
-                try:
-                    await self.control.revoke(addresses[placement.pod], shard_id)
-                except SidecarError as exc:
-                    logger.warning("%s", exc)
+
+        async def revoke(address: PodAddress, shard_id: str) -> None:
+            try:
+                await self.control.revoke(address, shard_id)
+            except SidecarError as exc:
+                logger.warning("%s", exc)
+
+        await asyncio.gather(*(revoke(addresses[p.pod], sid)
+                               for sid, p in memory.placements.items() if p.pod in addresses))
 
 
 def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
@@ -548,26 +669,49 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     interval = handlers.settings.reconcile_interval_s
 
+    # Watch-backed indexes: kopf keeps them current from its watches and starts the timers
+    # only once they are filled, so a tick reads pods, services and jobs from memory.
+    @kopf.index("", "v1", "pods", labels={SERVICE_LABEL: kopf.PRESENT}, registry=registry,
+                id=POD_INDEX)
+    def slipstream_pods(*, body: kopf.Body, namespace: str | None, labels: kopf.Labels,
+                        **_: Any) -> dict[tuple[str, str], kube.PodInfo]:
+        return {(namespace or "default", str(labels[SERVICE_LABEL])): kube.pod_info(body)}
+
+    @kopf.index(GROUP, VERSION, "inferenceservices", registry=registry, id=SERVICE_INDEX)
+    def slipstream_services(*, body: kopf.Body, namespace: str | None,
+                            **_: Any) -> dict[str, kube.ServiceInfo]:
+        return {namespace or "default": kube.service_info(body)}
+
+    @kopf.index(GROUP, VERSION, "offlinejobs", registry=registry, id=JOB_INDEX)
+    def slipstream_jobs(*, body: kopf.Body, namespace: str | None,
+                        **_: Any) -> dict[str, kube.JobInfo]:
+        return {namespace or "default": kube.job_info(body)}
+
     @kopf.timer(GROUP, VERSION, "inferenceservices", interval=interval, idle=0,
                 backoff=HANDLER_BACKOFF_S, registry=registry, id="reconcile")
     async def service_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
                             namespace: str | None, uid: str, meta: kopf.Meta,
-                            **_: Any) -> None:
+                            **kwargs: Any) -> None:
         namespace = namespace or "default"
         try:
             await handlers.service_tick(body, patch, name=name, namespace=namespace, uid=uid,
-                                        generation=int(meta.get("generation", 0)))
+                                        generation=int(meta.get("generation", 0)),
+                                        pods_index=kwargs[POD_INDEX])
         except (OperatorError, client.ApiException) as exc:
             logger.warning("reconcile of InferenceService %s/%s failed: %s", namespace, name, exc)
 
     @kopf.timer(GROUP, VERSION, "offlinejobs", interval=interval, idle=0,
                 backoff=HANDLER_BACKOFF_S, registry=registry, id="reconcile")
     async def job_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
-                        namespace: str | None, uid: str, meta: kopf.Meta, **_: Any) -> None:
+                        namespace: str | None, uid: str, meta: kopf.Meta,
+                        **kwargs: Any) -> None:
         namespace = namespace or "default"
         try:
             await handlers.job_tick(body, patch, name=name, namespace=namespace, uid=uid,
-                                    generation=int(meta.get("generation", 0)))
+                                    generation=int(meta.get("generation", 0)),
+                                    pods_index=kwargs[POD_INDEX],
+                                    services_index=kwargs[SERVICE_INDEX],
+                                    jobs_index=kwargs[JOB_INDEX])
         except (OperatorError, client.ApiException) as exc:
             logger.warning("reconcile of OfflineJob %s/%s failed: %s", namespace, name, exc)
 
@@ -611,5 +755,6 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
         info: kopf.ConnectionInfo | None = kopf.login_with_kubeconfig(**kwargs)
         return info or kopf.login_with_service_account(**kwargs)
 
+    del slipstream_pods, slipstream_services, slipstream_jobs
     del service_timer, job_timer, job_delete, startup, login
     return registry

@@ -1,17 +1,27 @@
-"""Thin Kubernetes I/O for the handlers: server-side apply, lists, one Secret read.
+"""Thin Kubernetes I/O for the handlers: server-side apply, one Secret read, watch views.
 
-Blocking ``kubernetes`` client calls, run by the handlers in a worker thread.
+Blocking ``kubernetes`` client calls, run by the handlers on their own executor.
 Children are applied with server-side apply (field manager
 ``slipstream-operator``, forced), so a re-apply is a no-op and a user's edit
-of a field the operator owns is put back.
+of a field the operator owns is put back. :class:`AppliedChildren` remembers a
+digest of what was last applied, so an unchanged child is not sent again until
+``resync_s`` has passed (which bounds how long a deleted or edited child stays so).
 
-Deliberately left out: watches (kopf owns them) and caching.
+Pods, InferenceServices and OfflineJobs are read from kopf indexes (watches kopf
+keeps), not listed per tick; :func:`pod_info`, :func:`service_info` and
+:func:`job_info` turn the watched bodies into the small values the handlers keep.
+
+Deliberately left out: watches of the children themselves (the resync bounds drift
+instead) and of Secrets (a token is read once per resync and kept in memory).
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +57,21 @@ def apply(api: client.ApiClient, obj: dict[str, Any]) -> None:
         client.AppsV1Api(api).patch_namespaced_deployment(name, namespace, obj, **kwargs)
     else:
         raise ValueError(f"cannot apply kind {kind}")
+
+
+def widen_connection_pool(api: client.ApiClient, size: int) -> None:
+    """Let ``size`` threads share ``api`` without discarding connections.
+
+    The client's urllib3 pool keeps 10 connections per host by default; with more threads
+    every extra call would open (and then discard) its own TLS connection.
+    """
+    from kubernetes.client import rest
+
+    configuration = api.configuration
+    if (configuration.connection_pool_maxsize or 0) >= size:
+        return
+    configuration.connection_pool_maxsize = size
+    api.rest_client = rest.RESTClientObject(configuration)
 
 
 def read_secret_value(api: client.ApiClient, namespace: str, name: str, key: str) -> str | None:
@@ -100,3 +125,99 @@ def dialable(ip: str, loopback_only: bool) -> bool:
     except ValueError:
         return False
     return address in LOOPBACK or not loopback_only
+
+
+def pod_info(body: Mapping[str, Any]) -> PodInfo:
+    """A watched Pod body as :class:`PodInfo` (running: phase Running, an IP, not deleting)."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    ip = str(status.get("podIP") or "")
+    running = status.get("phase") == "Running" and not meta.get("deletionTimestamp") and bool(ip)
+    return PodInfo(str(meta.get("name") or ""), ip, running, dict(meta.get("labels") or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    """What an OfflineJob tick needs to know about one InferenceService."""
+
+    name: str
+    uid: str
+    model: str
+    co_location: bool
+    labels: tuple[tuple[str, str], ...]
+    grpc_port: int
+
+
+def service_info(body: Mapping[str, Any]) -> ServiceInfo:
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    return ServiceInfo(
+        name=str(meta.get("name") or ""),
+        uid=str(meta.get("uid") or ""),
+        model=str(spec.get("model") or ""),
+        co_location=bool((spec.get("scheduling") or {}).get("coLocation", True)),
+        labels=tuple(sorted((str(k), str(v)) for k, v in (meta.get("labels") or {}).items())),
+        grpc_port=int((spec.get("sidecar") or {}).get("grpcPort", 9000)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """An OfflineJob's name, uid and priority (what other jobs' ticks need)."""
+
+    name: str
+    uid: str
+    priority: int
+
+
+def job_info(body: Mapping[str, Any]) -> JobInfo:
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    return JobInfo(str(meta.get("name") or ""), str(meta.get("uid") or ""),
+                   int(spec.get("priority", 0) or 0))
+
+
+def child_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = obj["metadata"]
+    return str(obj["kind"]), str(meta["namespace"]), str(meta["name"])
+
+
+def child_digest(obj: Mapping[str, Any]) -> str:
+    """A digest of the rendered object (canonical JSON), equal iff the objects are equal."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Applied:
+    digest: str
+    at_s: float
+
+
+class AppliedChildren:
+    """What was last applied per child (kind, namespace, name), and when.
+
+    :meth:`due` says whether a rendered child must be sent: it never was, it changed, or
+    ``resync_s`` seconds have passed since it was (a re-apply puts back a deleted child or a
+    user's edit). Record a child with :meth:`applied` only after the API server took it.
+    """
+
+    def __init__(self, resync_s: float) -> None:
+        self.resync_s = resync_s
+        self._last: dict[tuple[str, str, str], _Applied] = {}
+
+    def due(self, obj: Mapping[str, Any], now_s: float) -> bool:
+        last = self._last.get(child_key(obj))
+        return (last is None or last.digest != child_digest(obj)
+                or now_s - last.at_s >= self.resync_s)
+
+    def applied(self, obj: Mapping[str, Any], now_s: float) -> None:
+        self._last[child_key(obj)] = _Applied(child_digest(obj), now_s)
+
+    def forget(self, namespace: str, names: set[str]) -> None:
+        """Drop the records of these children (their owner is gone)."""
+        for key in [k for k in self._last if k[1] == namespace and k[2] in names]:
+            del self._last[key]
+
+    def __len__(self) -> int:
+        return len(self._last)

@@ -7,6 +7,13 @@ Replies are turned into this module's frozen dataclasses so that the pure
 reconcilers never see protobuf types; :class:`SidecarControl` is what the
 handlers depend on, and tests pass an in-memory fake implementing it.
 
+:class:`SharedSidecarControl` wraps any :class:`SidecarControl` for the handlers:
+one ``Status`` per pod per ``max_age_s`` shared by every object that looks at the
+pod (a service tick and the ticks of the jobs that select it), one call in flight
+per pod (concurrent askers await the same reply), every call under one semaphore
+(bounded fan-out), and a pod's cached reply dropped when the operator changes the
+pod (Configure, AssignShard, RevokeShard) so the next look sees the change.
+
 Deliberately left out: WatchStatus streaming (the operator polls Status on its
 reconcile timer, which also bounds how stale a dead pod can look) and retries
 (the next timer tick is the retry).
@@ -16,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from slipstream_operator.errors import SidecarError
 
@@ -246,3 +255,132 @@ class GrpcSidecarControl:
         for channel in self._channels.values():
             await channel.close()  # type: ignore[attr-defined]
         self._channels.clear()
+
+
+T = TypeVar("T")
+
+
+async def gather_bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    """Run ``calls`` concurrently, at most ``limit`` at once; results in order.
+
+    An exception of one call propagates after every call has finished (none is abandoned).
+    """
+    semaphore = asyncio.Semaphore(limit)
+
+    async def one(call: Callable[[], Awaitable[T]]) -> T:
+        async with semaphore:
+            return await call()
+
+    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    status: SidecarStatus
+    at_s: float
+
+
+class SharedSidecarControl:
+    """A :class:`SidecarControl` that shares Status replies per pod and bounds concurrency.
+
+    ``status(address)`` returns the pod's last reply if it is younger than ``max_age_s``
+    (and asked with the same token), else asks the pod; while one ask is in flight, others
+    for the same pod await it. Failures are not cached. ``configure``, ``assign`` and
+    ``revoke`` go straight through and drop the pod's cached reply, both before and after the
+call (a reply asked for while the change was in flight is not kept either). At most ``limit`` calls
+    of any kind are in flight at once.
+    """
+
+    def __init__(self, inner: SidecarControl, *, max_age_s: float, limit: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = inner
+        self.max_age_s = max_age_s
+        self.limit = limit
+        self._clock = clock
+        self._semaphore = asyncio.Semaphore(limit)
+        self._cache: dict[str, _Cached] = {}
+        self._flying: dict[str, asyncio.Future[SidecarStatus]] = {}
+        self._epochs: dict[str, int] = {}
+        self.asked = 0
+        """Status calls that reached the inner control (the rest were answered from memory)."""
+
+    @staticmethod
+    def _key(address: PodAddress) -> str:
+        return f"{address.pod}@{address.target}#{address.token}"
+
+    def forget(self, address: PodAddress) -> None:
+        """Drop the pod's cached reply (the next ``status`` asks the pod).
+
+        A reply already in flight is still returned to its askers but not kept: it may
+        predate the change that made the caller forget it.
+        """
+        key = self._key(address)
+        self._cache.pop(key, None)
+        if key in self._flying:
+            self._epochs[key] = self._epochs.get(key, 0) + 1
+
+    def forget_pods(self, pods: set[str]) -> None:
+        """Drop cached replies of the pods named in ``pods`` (gone pods)."""
+        for key in [k for k in self._cache if k.split("@", 1)[0] in pods]:
+            del self._cache[key]
+        for key in [k for k in self._epochs if k not in self._flying]:
+            del self._epochs[key]
+
+    async def status(self, address: PodAddress) -> SidecarStatus:
+        key = self._key(address)
+        cached = self._cache.get(key)
+        if cached is not None and self._clock() - cached.at_s < self.max_age_s:
+            return cached.status
+        flying = self._flying.get(key)
+        if flying is not None:
+            return await asyncio.shield(flying)
+        future: asyncio.Future[SidecarStatus] = asyncio.get_running_loop().create_future()
+        self._flying[key] = future
+        epoch = self._epochs.get(key, 0)
+        try:
+            async with self._semaphore:
+                self.asked += 1
+                started = self._clock()
+                status = await self.inner.status(address)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody waits
+            raise
+        else:
+            if self._epochs.get(key, 0) == epoch:
+                self._cache[key] = _Cached(status, started)
+            future.set_result(status)
+            return status
+        finally:
+            del self._flying[key]
+
+    async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
+        self.forget(address)
+        try:
+            async with self._semaphore:
+                return await self.inner.configure(address, call)
+        finally:
+            self.forget(address)  # a Status that started meanwhile may predate the change
+
+    async def assign(self, address: PodAddress, shard: ShardAssignment) -> bool:
+        self.forget(address)
+        try:
+            async with self._semaphore:
+                return await self.inner.assign(address, shard)
+        finally:
+            self.forget(address)  # a Status that started meanwhile may predate the change
+
+    async def revoke(self, address: PodAddress, shard_id: str) -> bool:
+        self.forget(address)
+        try:
+            async with self._semaphore:
+                return await self.inner.revoke(address, shard_id)
+        finally:
+            self.forget(address)  # a Status that started meanwhile may predate the change

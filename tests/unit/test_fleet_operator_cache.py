@@ -1,0 +1,272 @@
+"""The operator's fleet-scale parts: apply-on-change, status diffing, shared sidecar Status,
+bounded fan-out and the views of watched bodies.
+
+Sidecar calls go over real loopback gRPC to the fleet stand-in (the real ``.proto``); a thin
+counting wrapper around the real client records what reached the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+
+from slipstream_cli.fleet.standin import Standin, StandinConfig
+from slipstream_operator import kube
+from slipstream_operator.errors import SidecarError
+from slipstream_operator.handlers import changed_status
+from slipstream_operator.sidecar_client import (
+    ConfigureCall,
+    GrpcSidecarControl,
+    PodAddress,
+    ShardAssignment,
+    SharedSidecarControl,
+    SidecarStatus,
+    gather_bounded,
+)
+
+pytestmark = pytest.mark.unit
+
+_ports = itertools.count(44000 + (id(object()) % 500) * 8, 2)
+
+
+def _deployment(replicas: int = 2, namespace: str = "ns", name: str = "svc") -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"a": "b"}},
+        "spec": {"replicas": replicas, "template": {"metadata": {"labels": {"a": "b"}}}},
+    }
+
+
+# ----------------------------------------------------------------------------- apply on change
+
+
+def test_a_child_is_applied_when_new_changed_or_due_for_resync() -> None:
+    applied = kube.AppliedChildren(resync_s=60.0)
+    child = _deployment()
+    assert applied.due(child, 0.0)  # never applied
+    applied.applied(child, 0.0)
+    assert not applied.due(child, 1.0)
+    assert not applied.due(_deployment(), 59.9)  # an equal rendering (a new dict) is not sent
+    assert applied.due(_deployment(replicas=3), 1.0)  # changed
+    assert applied.due(child, 60.0)  # resync: puts back a deleted or edited child
+    applied.applied(child, 60.0)
+    assert not applied.due(child, 61.0)
+    # Another child of the same name but another kind or namespace is tracked separately.
+    other = dict(_deployment(), kind="Service")
+    assert applied.due(other, 61.0)
+    assert applied.due(_deployment(namespace="other"), 61.0)
+
+
+def test_forget_drops_a_deleted_owners_children() -> None:
+    applied = kube.AppliedChildren(resync_s=60.0)
+    applied.applied(_deployment(name="a"), 0.0)
+    applied.applied(_deployment(name="b"), 0.0)
+    applied.forget("ns", {"a"})
+    assert len(applied) == 1
+    assert applied.due(_deployment(name="a"), 1.0)
+    assert not applied.due(_deployment(name="b"), 1.0)
+
+
+def test_digest_ignores_key_order_only() -> None:
+    a = {"kind": "ConfigMap", "metadata": {"name": "x", "namespace": "n"}, "data": {"k": "1"}}
+    b = {"data": {"k": "1"}, "metadata": {"namespace": "n", "name": "x"}, "kind": "ConfigMap"}
+    assert kube.child_digest(a) == kube.child_digest(b)
+    assert kube.child_digest(a) != kube.child_digest({**a, "data": {"k": "2"}})
+
+
+def test_only_changed_status_keys_are_patched() -> None:
+    previous = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
+                "observed": {"samples": 3, "ttftP99S": 0.5}}
+    same = {"phase": "Running", "conditions": [{"status": "True", "type": "Ready"}],
+            "observed": {"ttftP99S": 0.5, "samples": 3}}
+    assert changed_status(same, previous) == {}
+    bumped = {**same, "observed": {"samples": 4, "ttftP99S": 0.5}}
+    assert changed_status(bumped, previous) == {"observed": {"samples": 4, "ttftP99S": 0.5}}
+    assert changed_status({"shards": {"total": 5}}, previous) == {"shards": {"total": 5}}
+
+
+# ----------------------------------------------------------------------------- watched bodies
+
+
+def test_views_of_watched_bodies() -> None:
+    pod = {"metadata": {"name": "p", "labels": {"slipstream.dev/service": "s"}},
+           "status": {"phase": "Running", "podIP": "127.1.0.9"}}
+    assert kube.pod_info(pod) == kube.PodInfo("p", "127.1.0.9", True,
+                                              {"slipstream.dev/service": "s"})
+    deleting = {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    assert not kube.pod_info(deleting).running
+    assert not kube.pod_info({"metadata": {"name": "q"}, "status": {"phase": "Pending"}}).running
+    service = {"metadata": {"name": "s", "uid": "u1", "labels": {"pool": "a"}},
+               "spec": {"model": "m", "sidecar": {"grpcPort": 9100},
+                        "scheduling": {"coLocation": False}}}
+    assert kube.service_info(service) == kube.ServiceInfo("s", "u1", "m", False,
+                                                          (("pool", "a"),), 9100)
+    plain = kube.service_info({"metadata": {"name": "t", "uid": "u2"}, "spec": {"model": "m"}})
+    assert plain.co_location and plain.grpc_port == 9000 and plain.labels == ()
+    job = {"metadata": {"name": "j", "uid": "u3"}, "spec": {"priority": 7}}
+    assert kube.job_info(job) == kube.JobInfo("j", "u3", 7)
+
+
+# ----------------------------------------------------------------------------- bounded fan-out
+
+
+async def test_gather_bounded_keeps_order_and_the_limit() -> None:
+    running = 0
+    peak = 0
+
+    def call(i: int) -> Any:
+        async def go() -> int:
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            await asyncio.sleep(0.001 * (i % 3))
+            running -= 1
+            return i * i
+        return go
+
+    assert await gather_bounded([call(i) for i in range(40)], limit=5) == [
+        i * i for i in range(40)]
+    assert peak == 5
+
+    async def boom() -> int:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        await gather_bounded([call(1), boom, call(2)], limit=2)
+
+
+# ----------------------------------------------------------------------------- shared Status
+
+
+class Counting:
+    """The real gRPC client, counting the calls that reached the wire and the peak in flight."""
+
+    def __init__(self, inner: GrpcSidecarControl) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+        self.flying = 0
+        self.peak = 0
+
+    async def _go(self, name: str, coro: Any) -> Any:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.flying += 1
+        self.peak = max(self.peak, self.flying)
+        try:
+            return await coro
+        finally:
+            self.flying -= 1
+
+    async def status(self, address: PodAddress) -> SidecarStatus:
+        result: SidecarStatus = await self._go("status", self.inner.status(address))
+        return result
+
+    async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
+        result: int = await self._go("configure", self.inner.configure(address, call))
+        return result
+
+    async def assign(self, address: PodAddress, shard: ShardAssignment) -> bool:
+        result: bool = await self._go("assign", self.inner.assign(address, shard))
+        return result
+
+    async def revoke(self, address: PodAddress, shard_id: str) -> bool:
+        result: bool = await self._go("revoke", self.inner.revoke(address, shard_id))
+        return result
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _shard(shard_id: str) -> ShardAssignment:
+    return ShardAssignment(shard_id=shard_id, job_namespace="ns", job_name="job", model="m",
+                           input_uri="file:///in.jsonl", line_start=0, line_end=10,
+                           output_uri="file:///o", error_uri="file:///e", priority=0)
+
+
+async def test_status_is_shared_per_pod_and_dropped_when_the_operator_changes_the_pod() -> None:
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port,
+                                    lines_per_second=0.001))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    counting = Counting(grpc_client)
+    clock = Clock()
+    shared = SharedSidecarControl(counting, max_age_s=4.0, limit=3, clock=clock)
+    try:
+        addresses = []
+        for i in range(6):
+            ip = f"127.1.251.{10 + i}"
+            await standin.add_pod(f"pod-{i}", ip, "tok")
+            addresses.append(PodAddress(f"pod-{i}", ip, grpc_port, "tok"))
+        a = addresses[0]
+        # A service tick and three job ticks look at pod-0 at once: one call on the wire.
+        replies = await asyncio.gather(*(shared.status(a) for _ in range(4)))
+        assert counting.calls == {"status": 1} and shared.asked == 1
+        assert len({r.generation for r in replies}) == 1
+        clock.now += 3.9
+        await shared.status(a)
+        assert counting.calls["status"] == 1  # still fresh
+        clock.now += 0.2
+        await shared.status(a)
+        assert counting.calls["status"] == 2  # older than max_age: asked again
+
+        # Assigning a shard drops the cached reply: the next look sees the shard.
+        assert await shared.assign(a, _shard("job-0001"))
+        status = await shared.status(a)
+        assert counting.calls["status"] == 3
+        assert [s.shard_id for s in status.shards] == ["job-0001"]
+        assert await shared.configure(a, ConfigureCall(generation=2, budget_s=0.1)) == 2
+        assert (await shared.status(a)).generation == 2
+        assert await shared.revoke(a, "job-0001")
+        assert not (await shared.status(a)).shards
+        assert counting.calls == {"status": 5, "assign": 1, "configure": 1, "revoke": 1}
+
+        # Fan-out over every pod stays within the limit.
+        counting.peak = 0
+        clock.now += 10.0
+        await asyncio.gather(*(shared.status(x) for x in addresses for _ in range(3)))
+        assert counting.peak <= 3
+        assert counting.calls["status"] == 5 + 6  # one per pod, shared by the three askers
+
+        # A pod that is gone is forgotten; a refused call is not cached.
+        shared.forget_pods({"pod-1"})
+        await shared.status(addresses[1])
+        assert counting.calls["status"] == 12
+        wrong = PodAddress("pod-2", addresses[2].ip, grpc_port, "not-the-token")
+        for _ in range(2):
+            with pytest.raises(SidecarError, match="UNAUTHENTICATED"):
+                await shared.status(wrong)
+        assert counting.calls["status"] == 14
+    finally:
+        await grpc_client.close()
+        await standin.stop()
+
+
+async def test_a_reply_that_raced_a_change_is_not_kept() -> None:
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port,
+                                    lines_per_second=0.001))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    counting = Counting(grpc_client)
+    shared = SharedSidecarControl(counting, max_age_s=60.0, limit=8)
+    try:
+        await standin.add_pod("pod-r", "127.1.251.40", "tok")
+        a = PodAddress("pod-r", "127.1.251.40", grpc_port, "tok")
+        look = asyncio.ensure_future(shared.status(a))
+        await asyncio.sleep(0)  # the Status call is in flight
+        assert await shared.assign(a, _shard("job-0002"))
+        await look
+        # The in-flight reply may predate the assignment, so it was not kept.
+        assert [s.shard_id for s in (await shared.status(a)).shards] == ["job-0002"]
+        assert counting.calls["status"] == 2
+    finally:
+        await grpc_client.close()
+        await standin.stop()
