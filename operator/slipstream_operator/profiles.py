@@ -7,9 +7,10 @@ last path component, lower-cased, with anything but ``[a-z0-9.-]`` replaced by
 ``/`` as ``--``, and the short form without ``meta-`` and ``-hf``/``-chat``/``-instruct``
 (``llama-2-7b``), are tried too. A user folder is searched before the shipped one.
 
-Deliberately left out: refitting from live step timings (the sidecar reports
-only predicted and observed step times, not the batch composition a refit
-needs) and downloading profiles.
+Deliberately left out: refitting from live step timings (``calibration``
+scales a found profile by one factor; the sidecar reports only predicted and
+observed step times, not the batch composition a full refit needs) and
+downloading profiles.
 """
 
 from __future__ import annotations
