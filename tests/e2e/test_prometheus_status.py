@@ -8,7 +8,9 @@ model + sidecar processes on their loopback IPs. Debian's Prometheus scrapes bot
 chart's SLO rules. After a replay of the Azure conversation trace, the operator's
 ``status.observed`` (TTFT/TBT P99 and mean, sample count) matches what Prometheus answers to
 the operator's own PromQL (``observe.promql_queries``), and the chart's recording rule gives
-the same TTFT attainment as the raw histogram.
+the same TTFT attainment as the raw histogram. The same Prometheus scrapes the operator's own
+``/metrics`` (``--metrics-port``, a target without labels, as ``honorLabels`` would keep
+them): its InferenceService gauges agree with the status Prometheus is compared against.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kubernetes import client
 from slipstream_cli.cluster import LocalCluster
 from slipstream_cli.loadgen import LoadConfig, LoadGenerator, load_trace
 from slipstream_cli.podrunner import PodRunner
-from slipstream_cli.prometheus import LocalPrometheus, ScrapeTarget, chart_rules
+from slipstream_cli.prometheus import LocalPrometheus, ScrapeTarget, chart_rules, free_port
 from slipstream_operator.observe import promql_queries
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
@@ -84,10 +86,12 @@ def test_operator_status_agrees_with_prometheus(
 
     kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     operator_log = (tmp_path / "operator.log").open("wb")
+    metrics_port = free_port()
     operator = subprocess.Popen(
         [sys.executable, "-m", "slipstream_cli.main", "-v", "operator", "--kubeconfig",
          str(cluster.admin_kubeconfig), "-n", namespace, "--loopback-only", "--interval", "1",
-         "--window", "900"],
+         "--window", "900", "--metrics-address", "127.0.0.1", "--metrics-port",
+         str(metrics_port)],
         stdout=operator_log, stderr=subprocess.STDOUT, start_new_session=True)
     operator_log.close()
     rules = chart_rules(cluster.helm, REPO / "charts" / "slipstream", tmp_path / "rules.yaml")
@@ -101,14 +105,14 @@ def test_operator_status_agrees_with_prometheus(
             pods = [p for p in runner.snapshot() if p.kind == "inference"]
             if len(pods) < 2:
                 return None
-            prometheus.set_targets([ScrapeTarget(f"{p.ip}:{p.http_port}", {
+            prometheus.set_targets([*(ScrapeTarget(f"{p.ip}:{p.http_port}", {
                 "namespace": p.namespace, "pod": p.name, "slipstream_dev_service": p.service})
-                for p in pods])
+                for p in pods), ScrapeTarget(f"127.0.0.1:{metrics_port}")])
             return [f"http://{p.ip}:{p.http_port}" for p in pods]
 
         urls = eventually("two inference pods running as processes", two_pods)
-        eventually("Prometheus scraping both sidecars",
-                   lambda: True if prometheus.targets_up() == 2 else None, timeout=90)
+        eventually("Prometheus scraping both sidecars and the operator",
+                   lambda: True if prometheus.targets_up() == 3 else None, timeout=90)
 
         def operator_sees_pods() -> dict[str, object] | None:
             status = json.loads(kubectl("get", "-n", namespace,
@@ -155,6 +159,27 @@ def test_operator_status_agrees_with_prometheus(
             timeout=30)
         assert raw is not None
         assert recorded == pytest.approx(raw, abs=0.02)
+
+        # The operator's own metrics, through Prometheus, say what the status says.
+        obj = f'namespace="{namespace}",name="chat"'
+        assert eventually("the operator's ready-replica gauge in Prometheus", lambda: (
+            prometheus.scalar(f"slipstream_inferenceservice_ready_replicas{{{obj}}}")),
+            timeout=30) == status["readyReplicas"] == 2
+
+        def same_samples() -> bool | None:
+            now = json.loads(kubectl("get", "-n", namespace, "inferenceservices.slipstream.dev",
+                                     "chat", "-o", "json"))["status"]
+            scraped = prometheus.scalar(f"slipstream_inferenceservice_observed_samples{{{obj}}}")
+            return True if scraped == now["observed"]["samples"] else None
+
+        eventually("the operator's sample count in Prometheus to match the status",
+                   same_samples, timeout=30)
+        p99 = prometheus.scalar(f'slipstream_inferenceservice_observed_latency_seconds{{{obj},'
+                                'metric="ttft",stat="p99"}')
+        assert p99 == pytest.approx(seconds(observed["ttftP99"]), rel=0.05, abs=0.002)
+        slo_met = next(c["status"] for c in status["conditions"] if c["type"] == "SLOMet")
+        scraped_met = prometheus.scalar(f"slipstream_inferenceservice_slo_met{{{obj}}}")
+        assert scraped_met == {"True": 1.0, "False": 0.0}.get(slo_met), (slo_met, scraped_met)
     finally:
         prometheus.stop()
         operator.terminate()
