@@ -102,6 +102,15 @@ def test_install_upgrade_rbac_uninstall(cluster: LocalCluster, namespace: str, m
             assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         run(cluster, cluster.kubectl, "get", "-n", namespace,
             "inferenceservices.slipstream.dev,offlinejobs")  # both kinds are served
+        # The operator's metrics Service points at the Deployment's "metrics" port.
+        svc = json.loads(run(cluster, cluster.kubectl, "get", "-n", namespace, "service",
+                             f"{release}-slipstream-operator-metrics", "-o", "json").stdout)
+        assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+        deploy = json.loads(run(cluster, cluster.kubectl, "get", "-n", namespace, "deployment",
+                                f"{release}-slipstream-operator", "-o", "json").stdout)
+        (container,) = deploy["spec"]["template"]["spec"]["containers"]
+        assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+        assert "--metrics-port=8080" in container["args"]
 
         # RBAC, as the API server evaluates it.
         account = f"{release}-slipstream"
