@@ -5,7 +5,11 @@ processes bound to 127.0.0.1, from the binaries that ``hack/cluster/build.sh`` b
 modules and caches under ``~/.cache/slipstream/bin/k8s-<version>``. It writes a PKI, an admin
 kubeconfig (``system:masters``) and a restricted one (a token for a namespaced service account
 bound to a small Role), and creates kwok fake nodes with ``nvidia.com/gpu`` capacity whose
-pod CIDRs lie in 127.1.0.0/16, so that a test can bind a real process on a pod's IP.
+pod CIDRs lie in a loopback /16 (127.1.0.0/16 unless ``pod_network`` says otherwise), so that
+a test can bind a real process on a pod's IP. ``pod_network="auto"`` (or
+``$SLIPSTREAM_CLUSTER_POD_NETWORK=auto``) derives the /16 from the state dir
+(:func:`pod_network_for`), so that clusters with different state dirs on one machine hand out
+different pod IPs.
 
 Everything it sends goes to 127.0.0.0/8: numeric addresses everywhere, no DNS names, pods
 get loopback IPs, and even ClusterIPs come from a loopback range (127.3.0.0/16), though nothing
@@ -24,6 +28,7 @@ import argparse
 import contextlib
 import datetime as dt
 import fcntl
+import hashlib
 import ipaddress
 import json
 import logging
@@ -47,11 +52,16 @@ LOG = logging.getLogger(__name__)
 
 DEFAULT_K8S_VERSION = "1.37.2"
 POD_NETWORK = ipaddress.IPv4Network("127.1.0.0/16")
+AUTO_NETWORK = "auto"
+# Second octets that "auto" may pick: not 127.0/16 (127.0.0.1 serves the control plane), not
+# the fixed node, service and default pod networks, not the fleet bench's 127.9.0.0/16.
+AUTO_OCTETS = tuple(range(16, 255))
 NODE_NETWORK = ipaddress.IPv4Network("127.2.0.0/16")
 # Loopback too (the apiserver accepts it): a ClusterIP dialled by mistake stays on `lo`.
 SERVICE_NETWORK = "127.3.0.0/16"
 MAX_NODES = 1000
 LOOPBACK = "127.0.0.1"
+LOOPBACK_NETWORK = ipaddress.IPv4Network("127.0.0.0/8")
 FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 FAKE_NODE_LABEL = "type"
 KWOK_STAGES = (
@@ -144,21 +154,41 @@ class ClusterConfig:
     ports: Ports = field(default_factory=Ports)
     restricted_namespace: str = "slipstream-restricted"
     restricted_service_account: str = "restricted"
+    pod_network: str = str(POD_NETWORK)
+    """The /16 of the pod IPs (a loopback CIDR), or "auto": derived from ``state_dir``."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
             raise ClusterError(f"nodes={self.nodes}: must be between 1 and {MAX_NODES}")
+        self.pods_network()  # validates
         if self.gpus_per_node < 0:
             raise ClusterError(f"gpus_per_node={self.gpus_per_node}: must be >= 0")
 
+    def pods_network(self) -> ipaddress.IPv4Network:
+        """The pod network this config stands for (``pod_network``, "auto" resolved)."""
+        if self.pod_network == AUTO_NETWORK:
+            return pod_network_for(self.state_dir)
+        try:
+            net = ipaddress.IPv4Network(self.pod_network)
+        except ValueError as exc:
+            raise ClusterError(f"pod_network={self.pod_network!r}: {exc}") from exc
+        if net.prefixlen != 16 or not net.subnet_of(LOOPBACK_NETWORK):
+            raise ClusterError(f"pod_network={net}: must be a /16 inside {LOOPBACK_NETWORK}")
+        if net.overlaps(NODE_NETWORK) or net.overlaps(ipaddress.IPv4Network(SERVICE_NETWORK)):
+            raise ClusterError(f"pod_network={net}: overlaps the node or service network")
+        return net
+
     @classmethod
     def from_env(cls, **overrides: Any) -> ClusterConfig:
-        """Defaults, then ``SLIPSTREAM_CLUSTER_{NODES,GPUS,PORT_BASE}``, then ``overrides``."""
+        """Defaults, then ``SLIPSTREAM_CLUSTER_{NODES,GPUS,PORT_BASE,POD_NETWORK}``, then
+        ``overrides``."""
         values: dict[str, Any] = {
             "nodes": _env_int("SLIPSTREAM_CLUSTER_NODES", 4),
             "gpus_per_node": _env_int("SLIPSTREAM_CLUSTER_GPUS", 8),
             "ports": Ports.from_base(_env_int("SLIPSTREAM_CLUSTER_PORT_BASE", None)),
         }
+        if os.environ.get("SLIPSTREAM_CLUSTER_POD_NETWORK"):
+            values["pod_network"] = os.environ["SLIPSTREAM_CLUSTER_POD_NETWORK"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -166,7 +196,10 @@ class ClusterConfig:
         data = asdict(self)
         data["state_dir"] = str(self.state_dir)
         data["bin_dir"] = str(self.bin_dir)
-        data["networks"] = [str(POD_NETWORK), str(NODE_NETWORK), SERVICE_NETWORK]
+        data["networks"] = [str(self.pods_network()), str(NODE_NETWORK), SERVICE_NETWORK]
+        # The resolved network is in "networks"; the setting itself is left out so that a
+        # cluster started before the setting existed is still reused.
+        del data["pod_network"]
         return data
 
 
@@ -174,18 +207,28 @@ class ClusterConfig:
 # Node address plan
 
 
+def pod_network_for(state_dir: Path) -> ipaddress.IPv4Network:
+    """A loopback /16 for the pods of the cluster in ``state_dir``: 127.N.0.0/16, N from a hash
+    of the resolved path (one of :data:`AUTO_OCTETS`). Two state dirs share a network only by a
+    hash collision (about 1 in 240)."""
+    digest = hashlib.sha256(str(Path(state_dir).expanduser().resolve()).encode()).digest()
+    octet = AUTO_OCTETS[int.from_bytes(digest[:4], "big") % len(AUTO_OCTETS)]
+    return ipaddress.IPv4Network(f"127.{octet}.0.0/16")
+
+
 def node_pod_prefix(nodes: int) -> int:
-    """Prefix length of each node's pod CIDR so that ``nodes`` of them fit in POD_NETWORK."""
+    """Prefix length of each node's pod CIDR so that ``nodes`` of them fit in a /16."""
     prefix = 24
     while (1 << (prefix - POD_NETWORK.prefixlen)) < nodes:
         prefix += 1
     if prefix > 30:
-        raise ClusterError(f"{nodes} nodes do not fit in {POD_NETWORK}")
+        raise ClusterError(f"{nodes} nodes do not fit in a /16 pod network")
     return prefix
 
 
-def node_pod_cidr(index: int, nodes: int) -> ipaddress.IPv4Network:
-    subnets = POD_NETWORK.subnets(new_prefix=node_pod_prefix(nodes))
+def node_pod_cidr(index: int, nodes: int,
+                  network: ipaddress.IPv4Network = POD_NETWORK) -> ipaddress.IPv4Network:
+    subnets = network.subnets(new_prefix=node_pod_prefix(nodes))
     for i, net in enumerate(subnets):
         if i == index:
             return net
@@ -199,7 +242,7 @@ def node_ip(index: int) -> ipaddress.IPv4Address:
 def gpu_node_manifest(index: int, config: ClusterConfig) -> dict[str, Any]:
     """A kwok-managed Node with GPU capacity, a loopback InternalIP and a loopback pod CIDR."""
     name = f"gpu-node-{index}"
-    cidr = node_pod_cidr(index, config.nodes)
+    cidr = node_pod_cidr(index, config.nodes, config.pods_network())
     pods = str(min(110, cidr.num_addresses - 2))
     resources = {
         "cpu": config.node_cpu,
@@ -857,7 +900,7 @@ class LocalCluster:
                     f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}=fake",
                     "--manage-nodes-with-label-selector=",
                     "--manage-single-node=",
-                    f"--cidr={POD_NETWORK}",
+                    f"--cidr={self.config.pods_network()}",
                     f"--node-ip={node_ip(0)}",
                     "--node-lease-duration-seconds=40",
                     f"--server-address={LOOPBACK}:{ports.kwok}",
@@ -1082,6 +1125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--gpus-per-node", type=int, help="nvidia.com/gpu per node (default 8)")
     up.add_argument("--no-build", action="store_true", help="fail instead of building")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds per start-up step")
+    up.add_argument("--pod-network",
+                    help="loopback /16 of the pod IPs, or 'auto': derived from the state dir "
+                    "(default $SLIPSTREAM_CLUSTER_POD_NETWORK or 127.1.0.0/16)")
     sub.add_parser("down", help="stop the cluster and remove its state dir")
     sub.add_parser("status", help="health of each component")
     kc = sub.add_parser("kubeconfig", help="print the admin kubeconfig path")
@@ -1116,6 +1162,7 @@ def _config_from_args(args: argparse.Namespace) -> ClusterConfig:
         "bin_dir": getattr(args, "bin_dir", None),
         "nodes": getattr(args, "nodes", None),
         "gpus_per_node": getattr(args, "gpus_per_node", None),
+        "pod_network": getattr(args, "pod_network", None),
     }
     if getattr(args, "port_base", None) is not None:
         overrides["ports"] = Ports.from_base(args.port_base)

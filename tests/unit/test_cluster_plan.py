@@ -170,3 +170,45 @@ def test_fetch_tools_unpacks_kubectl_and_helm(tmp_path: Path) -> None:
     assert (tmp_path / "kubectl").read_bytes() == b"#!kubectl"
     assert (tmp_path / "helm").read_bytes() == b"#!helm"
     assert os.access(tmp_path / "helm", os.X_OK)
+
+
+def test_auto_pod_network_differs_per_state_dir_and_stays_on_loopback(tmp_path: Path) -> None:
+    reserved = [lc.POD_NETWORK, lc.NODE_NETWORK, ipaddress.IPv4Network(lc.SERVICE_NETWORK),
+                ipaddress.IPv4Network("127.0.0.0/16"), ipaddress.IPv4Network("127.9.0.0/16")]
+    networks = {}
+    for i in range(12):
+        config = lc.ClusterConfig(state_dir=tmp_path / f"state-{i}", pod_network="auto")
+        net = config.pods_network()
+        assert net.prefixlen == 16 and net.subnet_of(lc.LOOPBACK_NETWORK)
+        assert not any(net.overlaps(r) for r in reserved), net
+        networks[i] = net
+        # The same state dir always gets the same network (a restart keeps its pod IPs).
+        assert lc.pod_network_for(tmp_path / f"state-{i}") == net
+        node = lc.gpu_node_manifest(5, lc.ClusterConfig(state_dir=config.state_dir, nodes=8,
+                                                        pod_network="auto"))
+        assert ipaddress.IPv4Network(node["spec"]["podCIDR"]).subnet_of(net)
+        assert config.fingerprint()["networks"][0] == str(net)
+    assert len(set(networks.values())) >= 10  # distinct but for a rare hash collision
+
+
+def test_default_pod_network_and_fingerprint_are_unchanged(tmp_path: Path) -> None:
+    config = lc.ClusterConfig(state_dir=tmp_path)
+    assert config.pods_network() == lc.POD_NETWORK
+    # A cluster started before the option existed is reused: the fingerprint has no new key.
+    assert "pod_network" not in config.fingerprint()
+    assert config.fingerprint()["networks"][0] == "127.1.0.0/16"
+    chosen = lc.ClusterConfig(state_dir=tmp_path, pod_network="127.42.0.0/16")
+    assert lc.gpu_node_manifest(0, chosen)["spec"]["podCIDR"] == "127.42.0.0/24"
+
+
+@pytest.mark.parametrize("bad", ["10.1.0.0/16", "127.1.0.0/24", "127.2.0.0/16", "nonsense"])
+def test_pod_network_must_be_a_free_loopback_slash_16(bad: str) -> None:
+    with pytest.raises(lc.ClusterError, match="pod_network"):
+        lc.ClusterConfig(pod_network=bad)
+
+
+def test_pod_network_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SLIPSTREAM_CLUSTER_DIR", str(tmp_path / "s"))
+    monkeypatch.setenv("SLIPSTREAM_CLUSTER_POD_NETWORK", "auto")
+    config = lc.ClusterConfig.from_env()
+    assert config.pods_network() == lc.pod_network_for(tmp_path / "s") != lc.POD_NETWORK
