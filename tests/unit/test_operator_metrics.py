@@ -299,3 +299,20 @@ def test_register_adds_one_read_only_event_handler_per_kind() -> None:
     # No change or timer handlers: nothing that patches, and no finalizer to add.
     assert not registry._changing.get_all_handlers()
     assert not registry._spawning.get_all_handlers()
+
+
+@pytest.mark.unit
+def test_every_family_is_documented_with_its_labels() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    section = doc[doc.index("## The operator's own metrics"):doc.index("## The Grafana")]
+    families = OperatorMetrics().registry.collect()
+    for family in families:
+        name = family.name + ("_total" if family.type == "counter" else "")
+        short = next((name.removeprefix(p) for p in PREFIX.values() if name.startswith(p)),
+                     None)
+        assert f"`{name}`" in section or f"`_{short}`" in section, name
+    for label in ("`metric`", "`stat`", "`phase`", "`outcome`", "`state`", "`condition`",
+                  "`kind`", "`type`"):
+        assert label in section, label
