@@ -8,8 +8,9 @@ scraping sidecars, then runs kopf on an explicit registry with
 
 The registry also carries the read-only watch handlers of
 :mod:`slipstream_operator.metrics`, whose ``/metrics`` is served on
-``--metrics-address:--metrics-port`` (default ``0.0.0.0:8080``; the port may also come
-from ``$SLIPSTREAM_OPERATOR_METRICS_PORT``; ``--metrics-port -1`` turns it off).
+``--metrics-address:--metrics-port`` (default ``0.0.0.0:8080``, ``127.0.0.1`` with
+``--loopback-only``; the port may also come from ``$SLIPSTREAM_OPERATOR_METRICS_PORT``;
+``--metrics-port -1`` turns it off).
 
 Deliberately left out: leader election, webhooks, health endpoints beyond
 kopf's ``--liveness``.
@@ -64,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port of the operator's Prometheus /metrics (default: "
                         f"${METRICS_PORT_ENV} or {DEFAULT_METRICS_PORT}; 0: any free port; "
                         "-1: off)")
-    parser.add_argument("--metrics-address", default="0.0.0.0",
-                        help="address /metrics listens on (default 0.0.0.0)")
+    parser.add_argument("--metrics-address", default=None,
+                        help="address /metrics listens on (default 0.0.0.0; 127.0.0.1 with "
+                        "--loopback-only)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -105,7 +107,8 @@ async def _main(args: argparse.Namespace) -> int:
         operator_metrics = metrics.OperatorMetrics()
         metrics.register(registry, operator_metrics)
         port = metrics_port(args)
-        address = getattr(args, "metrics_address", "0.0.0.0")
+        address = getattr(args, "metrics_address", None) or (
+            "127.0.0.1" if settings.loopback_only else "0.0.0.0")
         server = metrics.serve(operator_metrics, address, port) if port >= 0 else None
         namespaces = settings.namespaces
         logger.info("slipstream operator starting (namespaces: %s, loopback-only: %s, "

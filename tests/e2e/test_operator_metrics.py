@@ -88,7 +88,7 @@ def test_operator_metrics_follow_real_objects(cluster: LocalCluster, namespace: 
     operator = subprocess.Popen(
         [*SLIPSTREAM, "-v", "operator", "--kubeconfig", str(cluster.admin_kubeconfig),
          "-n", namespace, "--loopback-only", "--interval", "1",
-         "--metrics-address", "127.0.0.1", "--metrics-port", str(port)],
+         "--metrics-port", str(port)],  # --loopback-only: /metrics on 127.0.0.1
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     try:
