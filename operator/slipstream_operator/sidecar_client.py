@@ -303,7 +303,7 @@ call (a reply asked for while the change was in flight is not kept either). At m
         self._clock = clock
         self._semaphore = asyncio.Semaphore(limit)
         self._cache: dict[str, _Cached] = {}
-        self._flying: dict[str, asyncio.Future[SidecarStatus]] = {}
+        self._flying: dict[str, tuple[asyncio.Future[SidecarStatus], int]] = {}
         self._epochs: dict[str, int] = {}
         self.asked = 0
         """Status calls that reached the inner control (the rest were answered from memory)."""
@@ -320,14 +320,14 @@ call (a reply asked for while the change was in flight is not kept either). At m
         """
         key = self._key(address)
         self._cache.pop(key, None)
-        if key in self._flying:
-            self._epochs[key] = self._epochs.get(key, 0) + 1
+        self._epochs[key] = self._epochs.get(key, 0) + 1
 
     def forget_pods(self, pods: set[str]) -> None:
         """Drop cached replies of the pods named in ``pods`` (gone pods)."""
         for key in [k for k in self._cache if k.split("@", 1)[0] in pods]:
             del self._cache[key]
-        for key in [k for k in self._epochs if k not in self._flying]:
+        for key in [k for k in self._epochs
+                    if k.split("@", 1)[0] in pods and k not in self._flying]:
             del self._epochs[key]
 
     async def status(self, address: PodAddress) -> SidecarStatus:
@@ -335,12 +335,13 @@ call (a reply asked for while the change was in flight is not kept either). At m
         cached = self._cache.get(key)
         if cached is not None and self._clock() - cached.at_s < self.max_age_s:
             return cached.status
-        flying = self._flying.get(key)
-        if flying is not None:
-            return await asyncio.shield(flying)
-        future: asyncio.Future[SidecarStatus] = asyncio.get_running_loop().create_future()
-        self._flying[key] = future
         epoch = self._epochs.get(key, 0)
+        flying = self._flying.get(key)
+        if flying is not None and flying[1] == epoch:
+            # Join the call in flight, unless it started before the pod was changed.
+            return await asyncio.shield(flying[0])
+        future: asyncio.Future[SidecarStatus] = asyncio.get_running_loop().create_future()
+        self._flying[key] = (future, epoch)
         try:
             async with self._semaphore:
                 self.asked += 1
@@ -359,7 +360,8 @@ call (a reply asked for while the change was in flight is not kept either). At m
             future.set_result(status)
             return status
         finally:
-            del self._flying[key]
+            if self._flying.get(key, (None, 0))[0] is future:
+                del self._flying[key]
 
     async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
         self.forget(address)

@@ -270,3 +270,43 @@ async def test_a_reply_that_raced_a_change_is_not_kept() -> None:
     finally:
         await grpc_client.close()
         await standin.stop()
+
+
+class Gated(Counting):
+    """Status calls wait at a gate before going on the wire (to hold one in flight)."""
+
+    def __init__(self, inner: GrpcSidecarControl) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+
+    async def status(self, address: PodAddress) -> SidecarStatus:
+        await self.gate.wait()
+        return await super().status(address)
+
+
+async def test_a_look_after_a_change_never_joins_a_call_from_before_it() -> None:
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port,
+                                    lines_per_second=0.001))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    gated = Gated(grpc_client)
+    shared = SharedSidecarControl(gated, max_age_s=60.0, limit=8)
+    try:
+        await standin.add_pod("pod-g", "127.1.251.50", "tok")
+        a = PodAddress("pod-g", "127.1.251.50", grpc_port, "tok")
+        early = asyncio.ensure_future(shared.status(a))  # held at the gate
+        joined = asyncio.ensure_future(shared.status(a))  # joins the same call
+        await asyncio.sleep(0.01)
+        assert await shared.assign(a, _shard("job-0003"))
+        late = asyncio.ensure_future(shared.status(a))  # must not join the early call
+        await asyncio.sleep(0.01)
+        gated.gate.set()
+        # The early call's answer is the one its askers get: whatever it saw.
+        early_reply, joined_reply, late_reply = await asyncio.gather(early, joined, late)
+        assert early_reply is joined_reply
+        assert [s.shard_id for s in late_reply.shards] == ["job-0003"]
+        assert gated.calls["status"] == 2
+    finally:
+        await grpc_client.close()
+        await standin.stop()
