@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from slipstream_scheduler.latency import LinearLatencyModel
@@ -47,6 +47,9 @@ class ConfigUpdate:
     latency_kind: str = ""
     latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
     latency_knee_tokens: int = 0
+    # None: keep the idle budget in force; 0: none (the budget applies always);
+    # seconds otherwise (inf: unbounded).
+    idle_budget_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,7 @@ class SidecarStatus:
     predicted_step_s: float
     observed_step_s: float
     ordering: str
+    idle_budget_s: float | None = None
 
 
 class Sidecar:
@@ -89,7 +93,10 @@ class Sidecar:
             model = LinearLatencyModel.from_json(settings.latency_model_file.read_text())
         self.generation = 0
         self.slo = Slo()
-        self.brain = BrainConfig(settings.budget_s, settings.ordering, model)
+        self._configured_idle: float | None = None  # last idle budget a Configure set
+        self.brain = BrainConfig(
+            settings.budget_s, settings.ordering, model, idle_budget_s=settings.idle_budget_s
+        )
         self._restore_config()
         self.dispatcher = build_dispatcher(settings, self.brain)
         self.controller = Controller(self.dispatcher, self.metrics, tick_s=settings.tick_s)
@@ -155,7 +162,9 @@ class Sidecar:
                 latency_kind=doc.get("latency_kind", ""),
                 latency_coefficients=doc.get("latency_coefficients", {}),
                 latency_knee_tokens=int(doc.get("latency_knee_tokens", 0)),
+                idle_budget_s=doc.get("idle_budget_s"),
             ), live=False)
+            self._configured_idle = doc.get("idle_budget_s")
         except (KeyError, TypeError, ValueError) as exc:
             log.error("ignoring unreadable saved configuration: %s", exc)
 
@@ -164,7 +173,13 @@ class Sidecar:
         if update.generation <= self.generation:
             return self.generation, False
         self._apply_update(update, live=True)
-        self.state_dir.save("config", asdict(update))
+        # An update without an idle budget keeps the one in force: persist the last one a
+        # Configure set, so a restart restores it rather than the process setting.
+        if update.idle_budget_s is not None:
+            self._configured_idle = update.idle_budget_s
+        self.state_dir.save(
+            "config", asdict(replace(update, idle_budget_s=self._configured_idle))
+        )
         return self.generation, True
 
     def _apply_update(self, update: ConfigUpdate, *, live: bool) -> None:
@@ -173,7 +188,12 @@ class Sidecar:
             model = latency_model_from_spec(
                 update.latency_kind, update.latency_coefficients, update.latency_knee_tokens
             )
-        new = BrainConfig(update.budget_s, update.ordering or self.brain.ordering, model)
+        idle = self.brain.idle_budget_s
+        if update.idle_budget_s is not None:
+            idle = update.idle_budget_s or None
+        new = BrainConfig(
+            update.budget_s, update.ordering or self.brain.ordering, model, idle_budget_s=idle
+        )
         if live:
             apply(self.dispatcher, self.brain, new)
             self.controller.latency_model = model
@@ -184,8 +204,9 @@ class Sidecar:
         self.metrics.budget.set(new.budget_s or 0.0)
         self.metrics.generation.set(self.generation)
         log.info(
-            "configuration generation %d: budget=%s ordering=%s latency_model=%s",
-            self.generation, new.budget_s, new.ordering, "yes" if model else "no",
+            "configuration generation %d: budget=%s idle_budget=%s ordering=%s latency_model=%s",
+            self.generation, new.budget_s, new.idle_budget_s, new.ordering,
+            "yes" if model else "no",
         )
 
     # -- shards -------------------------------------------------------------------------------
@@ -262,6 +283,7 @@ class Sidecar:
             predicted_step_s=predicted,
             observed_step_s=c.observed_step_s,
             ordering=self.brain.ordering,
+            idle_budget_s=self.dispatcher.config.idle_budget_s,
         )
 
     async def drain(self, timeout_s: float) -> tuple[bool, int]:

@@ -49,6 +49,7 @@ class BrainConfig:
     budget_s: float | None
     ordering: str
     latency_model: LinearLatencyModel | None
+    idle_budget_s: float | None = None  # seconds (inf: unbounded); None: budget_s always
 
 
 def latency_model_from_spec(
@@ -110,7 +111,7 @@ def build_dispatcher(settings: SidecarSettings, cfg: BrainConfig) -> Dispatcher:
     )
     return Dispatcher(
         DispatcherConfig(
-            offline_priority=settings.offline_priority, idle_budget_s=settings.idle_budget_s
+            offline_priority=settings.offline_priority, idle_budget_s=cfg.idle_budget_s
         ),
         build_planner(
             "budget" if cfg.latency_model is not None else "naive",
@@ -127,7 +128,12 @@ def build_dispatcher(settings: SidecarSettings, cfg: BrainConfig) -> Dispatcher:
 
 
 def apply(dispatcher: Dispatcher, old: BrainConfig, new: BrainConfig) -> None:
-    """Reconfigure a live dispatcher: budget, planner (latency model), online ordering."""
+    """Reconfigure a live dispatcher: budget, idle budget, planner (latency model), ordering."""
+    if new.idle_budget_s != old.idle_budget_s:
+        # Validated like the settings field (positive; inf allowed).
+        dispatcher.config = DispatcherConfig.model_validate(
+            dispatcher.config.model_dump() | {"idle_budget_s": new.idle_budget_s}
+        )
     if new.latency_model != old.latency_model:
         dispatcher.planner = build_planner(
             "budget" if new.latency_model is not None else "naive",

@@ -63,6 +63,8 @@ def status_pb(s: SidecarStatus) -> pb.StatusResponse:
     )
     if s.budget_s is not None:
         msg.budget_s = s.budget_s
+    if s.idle_budget_s is not None:
+        msg.idle_budget_s = s.idle_budget_s
     return msg
 
 
@@ -97,6 +99,10 @@ def configure_problem(request: pb.ConfigureRequest) -> str | None:
         math.isfinite(request.budget_s) and request.budget_s > 0
     ):
         return f"budget_s must be finite and positive, got {request.budget_s!r}"
+    if request.HasField("idle_budget_s") and not (
+        request.idle_budget_s >= 0 and not math.isnan(request.idle_budget_s)
+    ):
+        return f"idle_budget_s must be 0, positive or +inf, got {request.idle_budget_s!r}"
     for name in ("ttft_p99_s", "ttft_mean_s", "tbt_p99_s", "tbt_mean_s"):
         value = _opt(request.slo, name)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -138,6 +144,7 @@ class SidecarServicer(pb_grpc.SidecarServicer):
             latency_kind=request.latency_model.kind,
             latency_coefficients=dict(request.latency_model.coefficients),
             latency_knee_tokens=request.latency_model.knee_tokens,
+            idle_budget_s=request.idle_budget_s if request.HasField("idle_budget_s") else None,
         )
         try:
             generation, applied = self.sidecar.configure(update)

@@ -69,7 +69,7 @@ def test_configure_is_versioned_idempotent_and_durable(stack: tuple[Proc, Proc, 
     coeffs = {"const": 0.004, "s_p": 2e-5, "n_d": 1e-4, "s_d_ctx": 1e-7}
     with ch:
         r = stub.Configure(pb.ConfigureRequest(
-            generation=2, budget_s=0.05, ordering="fcfs",
+            generation=2, budget_s=0.05, ordering="fcfs", idle_budget_s=0.2,
             latency_model=pb.LatencyModelSpec(kind="context", coefficients=coeffs),
         ), metadata=md)
         assert (r.generation, r.applied) == (2, True)
@@ -79,6 +79,7 @@ def test_configure_is_versioned_idempotent_and_durable(stack: tuple[Proc, Proc, 
         assert (r.generation, r.applied) == (2, False)  # same generation: no-op
         st = stub.Status(pb.StatusRequest(), metadata=md)
         assert st.budget_s == pytest.approx(0.05) and st.ordering == "fcfs"
+        assert st.idle_budget_s == pytest.approx(0.2)
         with pytest.raises(grpc.RpcError) as info:
             stub.Configure(pb.ConfigureRequest(generation=3, ordering="nope"), metadata=md)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -96,7 +97,8 @@ def test_configure_is_versioned_idempotent_and_durable(stack: tuple[Proc, Proc, 
     with ch:
         r = stub.Configure(pb.ConfigureRequest(generation=1, budget_s=1.0), metadata=md)
         assert (r.generation, r.applied) == (2, False), "the generation survives a restart"
-        assert stub.Status(pb.StatusRequest(), metadata=md).budget_s == pytest.approx(0.05)
+        st = stub.Status(pb.StatusRequest(), metadata=md)
+        assert st.budget_s == pytest.approx(0.05) and st.idle_budget_s == pytest.approx(0.2)
 
 
 def test_drain_stops_new_work(stack: tuple[Proc, Proc, Path]) -> None:

@@ -32,7 +32,8 @@ def test_unknown_ordering_is_a_clear_error() -> None:
 
 def test_dispatcher_uses_the_cores_online_and_psm_offline_queues() -> None:
     settings = SidecarSettings(engine="http://127.0.0.1:8001", idle_budget_s=0.15)
-    d = build_dispatcher(settings, BrainConfig(None, "gittins", None))
+    cfg = BrainConfig(None, "gittins", None, idle_budget_s=settings.idle_budget_s)
+    d = build_dispatcher(settings, cfg)
     assert isinstance(d.online_queue, OrderingQueue)
     assert isinstance(d.offline_queue, PsmOfflineQueue)
     assert d.config.idle_budget_s == pytest.approx(0.15)

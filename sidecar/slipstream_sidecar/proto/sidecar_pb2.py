@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&slipstream_sidecar/proto/sidecar.proto\x12\x1bslipstream.sidecar.v1alpha1\"\xa5\x01\n\x03Slo\x12\x17\n\nttft_p99_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bttft_mean_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\ttbt_p99_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\ntbt_mean_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x42\r\n\x0b_ttft_p99_sB\x0e\n\x0c_ttft_mean_sB\x0c\n\n_tbt_p99_sB\r\n\x0b_tbt_mean_s\"\xc1\x01\n\x10LatencyModelSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12U\n\x0c\x63oefficients\x18\x02 \x03(\x0b\x32?.slipstream.sidecar.v1alpha1.LatencyModelSpec.CoefficientsEntry\x12\x13\n\x0bknee_tokens\x18\x03 \x01(\r\x1a\x33\n\x11\x43oefficientsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd1\x01\n\x10\x43onfigureRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x15\n\x08\x62udget_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12-\n\x03slo\x18\x03 \x01(\x0b\x32 .slipstream.sidecar.v1alpha1.Slo\x12\x10\n\x08ordering\x18\x04 \x01(\t\x12\x44\n\rlatency_model\x18\x05 \x01(\x0b\x32-.slipstream.sidecar.v1alpha1.LatencyModelSpecB\x0b\n\t_budget_s\"8\n\x11\x43onfigureResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"\xe2\x01\n\x05Shard\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x15\n\rjob_namespace\x18\x02 \x01(\t\x12\x10\n\x08job_name\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tinput_uri\x18\x05 \x01(\t\x12\x12\n\nline_start\x18\x06 \x01(\x04\x12\x10\n\x08line_end\x18\x07 \x01(\x04\x12\x12\n\noutput_uri\x18\x08 \x01(\t\x12\x11\n\terror_uri\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x1d\n\x15request_defaults_json\x18\x0b \x01(\t\"\xf6\x01\n\rShardProgress\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x36\n\x05state\x18\x02 \x01(\x0e\x32\'.slipstream.sidecar.v1alpha1.ShardState\x12\r\n\x05total\x18\x03 \x01(\x04\x12\x11\n\tcompleted\x18\x04 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x04\x12\x11\n\tin_flight\x18\x06 \x01(\x04\x12\x15\n\routput_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x08 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\x12\x0f\n\x07message\x18\n \x01(\t\"G\n\x12\x41ssignShardRequest\x12\x31\n\x05shard\x18\x01 \x01(\x0b\x32\".slipstream.sidecar.v1alpha1.Shard\"e\n\x13\x41ssignShardResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12<\n\x08progress\x18\x02 \x01(\x0b\x32*.slipstream.sidecar.v1alpha1.ShardProgress\"&\n\x12RevokeShardRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\"d\n\x13RevokeShardResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\x12<\n\x08progress\x18\x02 \x01(\x0b\x32*.slipstream.sidecar.v1alpha1.ShardProgress\"\x0f\n\rStatusRequest\"(\n\x12WatchStatusRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"a\n\x0b\x43lassStatus\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x16\n\x0e\x61\x64mitted_total\x18\x03 \x01(\x04\x12\x17\n\x0fpreempted_total\x18\x04 \x01(\x04\"\xfe\x02\n\x0eStatusResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x38\n\x06online\x18\x02 \x01(\x0b\x32(.slipstream.sidecar.v1alpha1.ClassStatus\x12\x39\n\x07offline\x18\x03 \x01(\x0b\x32(.slipstream.sidecar.v1alpha1.ClassStatus\x12\x15\n\x08\x62udget_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0espare_capacity\x18\x05 \x01(\x01\x12\x14\n\x0c\x65ngine_ready\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12:\n\x06shards\x18\x08 \x03(\x0b\x32*.slipstream.sidecar.v1alpha1.ShardProgress\x12\x18\n\x10predicted_step_s\x18\t \x01(\x01\x12\x17\n\x0fobserved_step_s\x18\n \x01(\x01\x12\x10\n\x08ordering\x18\x0b \x01(\tB\x0b\n\t_budget_s\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\":\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x18\n\x10online_in_flight\x18\x02 \x01(\r*\xa7\x01\n\nShardState\x12\x1b\n\x17SHARD_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13SHARD_STATE_PENDING\x10\x01\x12\x17\n\x13SHARD_STATE_RUNNING\x10\x02\x12\x19\n\x15SHARD_STATE_SUCCEEDED\x10\x03\x12\x16\n\x12SHARD_STATE_FAILED\x10\x04\x12\x17\n\x13SHARD_STATE_REVOKED\x10\x05\x32\x8b\x05\n\x07Sidecar\x12j\n\tConfigure\x12-.slipstream.sidecar.v1alpha1.ConfigureRequest\x1a..slipstream.sidecar.v1alpha1.ConfigureResponse\x12p\n\x0b\x41ssignShard\x12/.slipstream.sidecar.v1alpha1.AssignShardRequest\x1a\x30.slipstream.sidecar.v1alpha1.AssignShardResponse\x12p\n\x0bRevokeShard\x12/.slipstream.sidecar.v1alpha1.RevokeShardRequest\x1a\x30.slipstream.sidecar.v1alpha1.RevokeShardResponse\x12\x61\n\x06Status\x12*.slipstream.sidecar.v1alpha1.StatusRequest\x1a+.slipstream.sidecar.v1alpha1.StatusResponse\x12m\n\x0bWatchStatus\x12/.slipstream.sidecar.v1alpha1.WatchStatusRequest\x1a+.slipstream.sidecar.v1alpha1.StatusResponse0\x01\x12^\n\x05\x44rain\x12).slipstream.sidecar.v1alpha1.DrainRequest\x1a*.slipstream.sidecar.v1alpha1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&slipstream_sidecar/proto/sidecar.proto\x12\x1bslipstream.sidecar.v1alpha1\"\xa5\x01\n\x03Slo\x12\x17\n\nttft_p99_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bttft_mean_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\ttbt_p99_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\ntbt_mean_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x42\r\n\x0b_ttft_p99_sB\x0e\n\x0c_ttft_mean_sB\x0c\n\n_tbt_p99_sB\r\n\x0b_tbt_mean_s\"\xc1\x01\n\x10LatencyModelSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12U\n\x0c\x63oefficients\x18\x02 \x03(\x0b\x32?.slipstream.sidecar.v1alpha1.LatencyModelSpec.CoefficientsEntry\x12\x13\n\x0bknee_tokens\x18\x03 \x01(\r\x1a\x33\n\x11\x43oefficientsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xff\x01\n\x10\x43onfigureRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x15\n\x08\x62udget_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12-\n\x03slo\x18\x03 \x01(\x0b\x32 .slipstream.sidecar.v1alpha1.Slo\x12\x10\n\x08ordering\x18\x04 \x01(\t\x12\x44\n\rlatency_model\x18\x05 \x01(\x0b\x32-.slipstream.sidecar.v1alpha1.LatencyModelSpec\x12\x1a\n\ridle_budget_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x0b\n\t_budget_sB\x10\n\x0e_idle_budget_s\"8\n\x11\x43onfigureResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"\xe2\x01\n\x05Shard\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x15\n\rjob_namespace\x18\x02 \x01(\t\x12\x10\n\x08job_name\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\tinput_uri\x18\x05 \x01(\t\x12\x12\n\nline_start\x18\x06 \x01(\x04\x12\x10\n\x08line_end\x18\x07 \x01(\x04\x12\x12\n\noutput_uri\x18\x08 \x01(\t\x12\x11\n\terror_uri\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x1d\n\x15request_defaults_json\x18\x0b \x01(\t\"\xf6\x01\n\rShardProgress\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\x36\n\x05state\x18\x02 \x01(\x0e\x32\'.slipstream.sidecar.v1alpha1.ShardState\x12\r\n\x05total\x18\x03 \x01(\x04\x12\x11\n\tcompleted\x18\x04 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x04\x12\x11\n\tin_flight\x18\x06 \x01(\x04\x12\x15\n\routput_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x08 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\x12\x0f\n\x07message\x18\n \x01(\t\"G\n\x12\x41ssignShardRequest\x12\x31\n\x05shard\x18\x01 \x01(\x0b\x32\".slipstream.sidecar.v1alpha1.Shard\"e\n\x13\x41ssignShardResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12<\n\x08progress\x18\x02 \x01(\x0b\x32*.slipstream.sidecar.v1alpha1.ShardProgress\"&\n\x12RevokeShardRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\"d\n\x13RevokeShardResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\x12<\n\x08progress\x18\x02 \x01(\x0b\x32*.slipstream.sidecar.v1alpha1.ShardProgress\"\x0f\n\rStatusRequest\"(\n\x12WatchStatusRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"a\n\x0b\x43lassStatus\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x16\n\x0e\x61\x64mitted_total\x18\x03 \x01(\x04\x12\x17\n\x0fpreempted_total\x18\x04 \x01(\x04\"\xac\x03\n\x0eStatusResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x38\n\x06online\x18\x02 \x01(\x0b\x32(.slipstream.sidecar.v1alpha1.ClassStatus\x12\x39\n\x07offline\x18\x03 \x01(\x0b\x32(.slipstream.sidecar.v1alpha1.ClassStatus\x12\x15\n\x08\x62udget_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0espare_capacity\x18\x05 \x01(\x01\x12\x14\n\x0c\x65ngine_ready\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12:\n\x06shards\x18\x08 \x03(\x0b\x32*.slipstream.sidecar.v1alpha1.ShardProgress\x12\x18\n\x10predicted_step_s\x18\t \x01(\x01\x12\x17\n\x0fobserved_step_s\x18\n \x01(\x01\x12\x10\n\x08ordering\x18\x0b \x01(\t\x12\x1a\n\ridle_budget_s\x18\x0c \x01(\x01H\x01\x88\x01\x01\x42\x0b\n\t_budget_sB\x10\n\x0e_idle_budget_s\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\":\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x18\n\x10online_in_flight\x18\x02 \x01(\r*\xa7\x01\n\nShardState\x12\x1b\n\x17SHARD_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13SHARD_STATE_PENDING\x10\x01\x12\x17\n\x13SHARD_STATE_RUNNING\x10\x02\x12\x19\n\x15SHARD_STATE_SUCCEEDED\x10\x03\x12\x16\n\x12SHARD_STATE_FAILED\x10\x04\x12\x17\n\x13SHARD_STATE_REVOKED\x10\x05\x32\x8b\x05\n\x07Sidecar\x12j\n\tConfigure\x12-.slipstream.sidecar.v1alpha1.ConfigureRequest\x1a..slipstream.sidecar.v1alpha1.ConfigureResponse\x12p\n\x0b\x41ssignShard\x12/.slipstream.sidecar.v1alpha1.AssignShardRequest\x1a\x30.slipstream.sidecar.v1alpha1.AssignShardResponse\x12p\n\x0bRevokeShard\x12/.slipstream.sidecar.v1alpha1.RevokeShardRequest\x1a\x30.slipstream.sidecar.v1alpha1.RevokeShardResponse\x12\x61\n\x06Status\x12*.slipstream.sidecar.v1alpha1.StatusRequest\x1a+.slipstream.sidecar.v1alpha1.StatusResponse\x12m\n\x0bWatchStatus\x12/.slipstream.sidecar.v1alpha1.WatchStatusRequest\x1a+.slipstream.sidecar.v1alpha1.StatusResponse0\x01\x12^\n\x05\x44rain\x12).slipstream.sidecar.v1alpha1.DrainRequest\x1a*.slipstream.sidecar.v1alpha1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LATENCYMODELSPEC_COEFFICIENTSENTRY']._loaded_options = None
   _globals['_LATENCYMODELSPEC_COEFFICIENTSENTRY']._serialized_options = b'8\001'
-  _globals['_SHARDSTATE']._serialized_start=2140
-  _globals['_SHARDSTATE']._serialized_end=2307
+  _globals['_SHARDSTATE']._serialized_start=2232
+  _globals['_SHARDSTATE']._serialized_end=2399
   _globals['_SLO']._serialized_start=72
   _globals['_SLO']._serialized_end=237
   _globals['_LATENCYMODELSPEC']._serialized_start=240
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LATENCYMODELSPEC_COEFFICIENTSENTRY']._serialized_start=382
   _globals['_LATENCYMODELSPEC_COEFFICIENTSENTRY']._serialized_end=433
   _globals['_CONFIGUREREQUEST']._serialized_start=436
-  _globals['_CONFIGUREREQUEST']._serialized_end=645
-  _globals['_CONFIGURERESPONSE']._serialized_start=647
-  _globals['_CONFIGURERESPONSE']._serialized_end=703
-  _globals['_SHARD']._serialized_start=706
-  _globals['_SHARD']._serialized_end=932
-  _globals['_SHARDPROGRESS']._serialized_start=935
-  _globals['_SHARDPROGRESS']._serialized_end=1181
-  _globals['_ASSIGNSHARDREQUEST']._serialized_start=1183
-  _globals['_ASSIGNSHARDREQUEST']._serialized_end=1254
-  _globals['_ASSIGNSHARDRESPONSE']._serialized_start=1256
-  _globals['_ASSIGNSHARDRESPONSE']._serialized_end=1357
-  _globals['_REVOKESHARDREQUEST']._serialized_start=1359
-  _globals['_REVOKESHARDREQUEST']._serialized_end=1397
-  _globals['_REVOKESHARDRESPONSE']._serialized_start=1399
-  _globals['_REVOKESHARDRESPONSE']._serialized_end=1499
-  _globals['_STATUSREQUEST']._serialized_start=1501
-  _globals['_STATUSREQUEST']._serialized_end=1516
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=1518
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=1558
-  _globals['_CLASSSTATUS']._serialized_start=1560
-  _globals['_CLASSSTATUS']._serialized_end=1657
-  _globals['_STATUSRESPONSE']._serialized_start=1660
-  _globals['_STATUSRESPONSE']._serialized_end=2042
-  _globals['_DRAINREQUEST']._serialized_start=2044
-  _globals['_DRAINREQUEST']._serialized_end=2077
-  _globals['_DRAINRESPONSE']._serialized_start=2079
-  _globals['_DRAINRESPONSE']._serialized_end=2137
-  _globals['_SIDECAR']._serialized_start=2310
-  _globals['_SIDECAR']._serialized_end=2961
+  _globals['_CONFIGUREREQUEST']._serialized_end=691
+  _globals['_CONFIGURERESPONSE']._serialized_start=693
+  _globals['_CONFIGURERESPONSE']._serialized_end=749
+  _globals['_SHARD']._serialized_start=752
+  _globals['_SHARD']._serialized_end=978
+  _globals['_SHARDPROGRESS']._serialized_start=981
+  _globals['_SHARDPROGRESS']._serialized_end=1227
+  _globals['_ASSIGNSHARDREQUEST']._serialized_start=1229
+  _globals['_ASSIGNSHARDREQUEST']._serialized_end=1300
+  _globals['_ASSIGNSHARDRESPONSE']._serialized_start=1302
+  _globals['_ASSIGNSHARDRESPONSE']._serialized_end=1403
+  _globals['_REVOKESHARDREQUEST']._serialized_start=1405
+  _globals['_REVOKESHARDREQUEST']._serialized_end=1443
+  _globals['_REVOKESHARDRESPONSE']._serialized_start=1445
+  _globals['_REVOKESHARDRESPONSE']._serialized_end=1545
+  _globals['_STATUSREQUEST']._serialized_start=1547
+  _globals['_STATUSREQUEST']._serialized_end=1562
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=1564
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=1604
+  _globals['_CLASSSTATUS']._serialized_start=1606
+  _globals['_CLASSSTATUS']._serialized_end=1703
+  _globals['_STATUSRESPONSE']._serialized_start=1706
+  _globals['_STATUSRESPONSE']._serialized_end=2134
+  _globals['_DRAINREQUEST']._serialized_start=2136
+  _globals['_DRAINREQUEST']._serialized_end=2169
+  _globals['_DRAINRESPONSE']._serialized_start=2171
+  _globals['_DRAINRESPONSE']._serialized_end=2229
+  _globals['_SIDECAR']._serialized_start=2402
+  _globals['_SIDECAR']._serialized_end=3053
 # @@protoc_insertion_point(module_scope)

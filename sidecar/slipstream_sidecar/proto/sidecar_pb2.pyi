@@ -154,12 +154,19 @@ class ConfigureRequest(_message.Message):
     SLO_FIELD_NUMBER: _builtins.int
     ORDERING_FIELD_NUMBER: _builtins.int
     LATENCY_MODEL_FIELD_NUMBER: _builtins.int
+    IDLE_BUDGET_S_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Monotonically increasing; older or equal generations are ignored."""
     budget_s: _builtins.float
     """Per-iteration latency budget in seconds; absent: no budget (offline unbounded)."""
     ordering: _builtins.str
     """Online ordering policy name (e.g. "gittins", "fcfs"); empty: keep current."""
+    idle_budget_s: _builtins.float
+    """Per-iteration budget in seconds while no online request is held or in
+    flight (offline work may run larger steps then; see docs/sidecar.md).
+    Absent: keep the value in force; 0: none (budget_s applies always);
+    +inf: unbounded; otherwise finite and positive.
+    """
     @_builtins.property
     def slo(self) -> Global___Slo: ...
     @_builtins.property
@@ -172,14 +179,20 @@ class ConfigureRequest(_message.Message):
         slo: Global___Slo | None = ...,
         ordering: _builtins.str = ...,
         latency_model: Global___LatencyModelSpec | None = ...,
+        idle_budget_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "budget_s", b"budget_s", "latency_model", b"latency_model", "slo", b"slo"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "slo", b"slo"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "budget_s", b"budget_s", "generation", b"generation", "latency_model", b"latency_model", "ordering", b"ordering", "slo", b"slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "ordering", b"ordering", "slo", b"slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__budget_s: _TypeAlias = _typing.Literal["budget_s"]  # noqa: Y015
     _WhichOneofArgType__budget_s: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s"]  # noqa: Y015
+    _WhichOneofReturnType__idle_budget_s: _TypeAlias = _typing.Literal["idle_budget_s"]  # noqa: Y015
+    _WhichOneofArgType__idle_budget_s: _TypeAlias = _typing.Literal["_idle_budget_s", b"_idle_budget_s"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__budget_s) -> _WhichOneofReturnType__budget_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__idle_budget_s) -> _WhichOneofReturnType__idle_budget_s | None: ...
 
 Global___ConfigureRequest: _TypeAlias = ConfigureRequest  # noqa: Y015
 
@@ -475,6 +488,7 @@ class StatusResponse(_message.Message):
     PREDICTED_STEP_S_FIELD_NUMBER: _builtins.int
     OBSERVED_STEP_S_FIELD_NUMBER: _builtins.int
     ORDERING_FIELD_NUMBER: _builtins.int
+    IDLE_BUDGET_S_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     budget_s: _builtins.float
     spare_capacity: _builtins.float
@@ -486,6 +500,8 @@ class StatusResponse(_message.Message):
     observed_step_s: _builtins.float
     """Seconds of the last observed iteration (from token gaps); 0 if unknown."""
     ordering: _builtins.str
+    idle_budget_s: _builtins.float
+    """The idle budget in force (seconds; +inf: unbounded); absent: none."""
     @_builtins.property
     def online(self) -> Global___ClassStatus: ...
     @_builtins.property
@@ -506,14 +522,20 @@ class StatusResponse(_message.Message):
         predicted_step_s: _builtins.float = ...,
         observed_step_s: _builtins.float = ...,
         ordering: _builtins.str = ...,
+        idle_budget_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "budget_s", b"budget_s", "offline", b"offline", "online", b"online"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "offline", b"offline", "online", b"online"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__budget_s: _TypeAlias = _typing.Literal["budget_s"]  # noqa: Y015
     _WhichOneofArgType__budget_s: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s"]  # noqa: Y015
+    _WhichOneofReturnType__idle_budget_s: _TypeAlias = _typing.Literal["idle_budget_s"]  # noqa: Y015
+    _WhichOneofArgType__idle_budget_s: _TypeAlias = _typing.Literal["_idle_budget_s", b"_idle_budget_s"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__budget_s) -> _WhichOneofReturnType__budget_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__idle_budget_s) -> _WhichOneofReturnType__idle_budget_s | None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
 
