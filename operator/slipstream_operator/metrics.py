@@ -21,6 +21,10 @@ series carry exactly ``namespace`` and ``name`` plus at most one bounded label
 (``metric``/``stat``, ``phase``, ``outcome``, ``state``, ``condition``/``status``); scrape
 with ``honorLabels: true`` so that ``namespace`` stays the object's.
 
+Known gap: an object deleted while the operator's watch was disconnected long enough to
+relist (HTTP 410) gets no DELETED event from kopf, so its series stay until the operator
+restarts; its ``status_change_timestamp_seconds`` then stops moving.
+
 Deliberately left out: anything the sidecars already export (latency histograms, tokens,
 preemptions: aggregate those in PromQL), per-pod or per-shard series (unbounded), and
 reading the API server itself (the watch the operator already holds is the only source).
@@ -452,7 +456,7 @@ def register(registry: Any, metrics: OperatorMetrics) -> None:
     """Add read-only watch-event handlers for both kinds to a kopf ``OperatorRegistry``."""
     import kopf
 
-    def on_event(*, type: str | None, body: kopf.Body, **_: Any) -> None:
+    async def on_event(*, type: str | None, body: kopf.Body, **_: Any) -> None:
         try:
             metrics.observe(type, body)
         except Exception:  # a metrics bug must never break the operator's watch
