@@ -52,6 +52,7 @@ collectives). Errors::
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import logging
 import math
@@ -67,11 +68,12 @@ from slipstream_scheduler.types import BatchItem, Phase
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the JSON document written by :meth:`LinearLatencyModel.to_json`."""
 
-READABLE_SCHEMA_VERSIONS = (1, 2)
-"""Versions :meth:`LinearLatencyModel.from_json` reads (1: the eight linear columns only)."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+"""Versions :meth:`LinearLatencyModel.from_json` reads (1: the eight linear columns only;
+2: adds the hinge; 3: adds the optional token curve)."""
 
 MODEL_KIND = "slipstream.latency-model"
 
@@ -93,7 +95,23 @@ _N_LINEAR = _N_FEATURES - 1  # the schema-1 columns: everything but the hinge
 _HINGE = _N_FEATURES - 1
 
 KNEE_GRID: tuple[int, ...] = (
-    16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
 )
 """Candidate knees (tokens per step) :func:`fit` tries for the hinge sets.
 
@@ -105,6 +123,13 @@ cannot be told apart from the linear ``S_p`` term.
 
 MIN_SIDE_SHARE = 0.05
 """Least share of the rows that must lie on each side of a candidate knee."""
+
+CURVE_STEP_TOKENS = 32
+"""Knot spacing of the token curve (tokens per step): one non-negative slope per segment.
+
+Measured on the four shipped profiles (``docs/concepts/engine-model.md``): 64 leaves
+the A100 sweeps over 1.3 % MAPE, 16 gains under 0.2 points more for four times the
+fitting time."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -165,6 +190,7 @@ class FeatureSet(enum.Enum):
     CONTEXT_HINGE = "context+hinge"
     TOKENS_CHUNK_HINGE = "tokens+chunk+hinge"
     CONTEXT_CHUNK_HINGE = "context+chunk+hinge"
+    CONTEXT_CHUNK_CURVE = "context+chunk+curve"
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -172,7 +198,12 @@ class FeatureSet(enum.Enum):
 
     @property
     def has_hinge(self) -> bool:
-        return "tokens_over_knee" in _COLUMNS[self]
+        return "tokens_over_knee" in _COLUMNS[self] and self is not FeatureSet.CONTEXT_CHUNK_CURVE
+
+    @property
+    def has_curve(self) -> bool:
+        """The last coefficient scales a fitted monotone token curve instead of the hinge."""
+        return self is FeatureSet.CONTEXT_CHUNK_CURVE
 
     @property
     def mask(self) -> tuple[bool, ...]:
@@ -190,7 +221,12 @@ _COLUMNS: dict[FeatureSet, tuple[str, ...]] = {
     FeatureSet.CONTEXT_HINGE: (*_BASE, "s_d_ctx", "tokens_over_knee"),
     FeatureSet.TOKENS_CHUNK_HINGE: (*_BASE, "s_d_tok", "p_c", "tokens_over_knee"),
     FeatureSet.CONTEXT_CHUNK_HINGE: (*_BASE, "s_d_ctx", "p_c", "tokens_over_knee"),
+    FeatureSet.CONTEXT_CHUNK_CURVE: (*_BASE, "s_d_ctx", "p_c", "tokens_over_knee"),
 }
+
+DEFAULT_FEATURE_SETS: tuple[FeatureSet, ...] = tuple(fs for fs in FeatureSet if not fs.has_curve)
+"""What :func:`fit` tries by default: the curve set is opt-in (it costs seconds to fit
+and a model with a curve needs schema 3 end to end)."""
 
 
 class BatchFeatures:
@@ -370,6 +406,14 @@ class LinearLatencyModel:
     per step); it must be 0 for a set without the hinge. A hinge set with the
     knee left at 0 is still a valid model, only a conservative one (it charges
     the hinge slope from the first token).
+
+    The curve set (``context+chunk+curve``) replaces the hinge by a fitted
+    monotone curve ``phi(tokens)``, piecewise linear with knots every
+    ``curve_step_tokens``: ``token_curve`` holds ``phi`` at the knots
+    (``phi(0) = 0``, non-decreasing, normalised to an average slope of 1)
+    and the last coefficient scales it, so multiplying every coefficient by
+    a factor still scales every prediction by it. Past the last knot ``phi``
+    continues with its last segment's slope.
     """
 
     feature_set: FeatureSet
@@ -377,6 +421,9 @@ class LinearLatencyModel:
     meta: LatencyModelMeta = field(default_factory=_default_meta)
     stats: FitStats | None = None
     knee_tokens: int = 0
+    token_curve: tuple[float, ...] = ()
+    curve_step_tokens: int = 0
+    _phi: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.coefficients) == _N_LINEAR:
@@ -411,6 +458,54 @@ class LinearLatencyModel:
                 f"knee_tokens is set but feature set {self.feature_set.value} has no hinge",
                 field_name="knee_tokens",
             )
+        self._check_curve()
+
+    def _check_curve(self) -> None:
+        curve, step = self.token_curve, self.curve_step_tokens
+        if not self.feature_set.has_curve:
+            if curve or step:
+                raise ModelFormatError(
+                    f"a token curve is set but feature set {self.feature_set.value} has none",
+                    field_name="token_curve",
+                )
+            return
+        if isinstance(step, bool) or not isinstance(step, int) or step <= 0 or len(curve) < 2:
+            raise ModelFormatError(
+                "feature set context+chunk+curve needs its token curve (>= 2 knots) and a "
+                "positive curve_step_tokens; a transport that carries only the named "
+                "coefficients cannot rebuild this model",
+                field_name="token_curve",
+            )
+        finite = all(math.isfinite(v) for v in curve)
+        rising = all(b >= a for a, b in itertools.pairwise(curve))
+        if curve[0] != 0.0 or not finite or not rising:
+            raise ModelFormatError(
+                "token_curve must start at 0 and be finite and non-decreasing",
+                field_name="token_curve",
+            )
+        # Dense per-token table: prediction is one index, whatever the knot count.
+        dense: list[float] = []
+        for j in range(len(curve) - 1):
+            a, slope = curve[j], (curve[j + 1] - curve[j]) / step
+            dense.extend(a + slope * i for i in range(step))
+        dense.append(curve[-1])
+        object.__setattr__(self, "_phi", tuple(dense))
+
+    def _phi_at(self, tokens: int) -> float:
+        """``phi(tokens)`` past the dense table: the last segment's slope continued."""
+        phi, step = self._phi, self.curve_step_tokens
+        last = len(phi) - 1
+        return phi[last] + (phi[last] - phi[last - step]) / step * (tokens - last)
+
+    def _over(self, tokens: int) -> float:
+        """The last column's value for a step of ``tokens`` tokens (hinge or curve)."""
+        phi = self._phi
+        if phi:
+            if tokens < len(phi):
+                return phi[tokens] if tokens > 0 else 0.0
+            return self._phi_at(tokens)
+        over = tokens - self.knee_tokens
+        return float(over) if over > 0 else 0.0
 
     # -- prediction -------------------------------------------------------------------
 
@@ -418,7 +513,13 @@ class LinearLatencyModel:
         """Seconds for the batch summarised by ``f``. The planner's hot path."""
         c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p
-        over = f.tokens - self.knee_tokens
+        t = f.tokens
+        phi = self._phi
+        if phi:
+            g = (phi[t] if t < len(phi) else self._phi_at(t)) if t > 0 else 0.0
+        else:
+            over = t - self.knee_tokens
+            g = over if over > 0 else 0.0
         return (
             c0
             + (c1 + c2 * s_p) * s_p
@@ -427,7 +528,7 @@ class LinearLatencyModel:
             + c5 * f.s_d_tok
             + c6 * f.s_d_ctx
             + c7 * f.p_c
-            + (c8 * over if over > 0 else 0.0)
+            + c8 * g
         )
 
     def predict(self, batch: Sequence[BatchItem]) -> float:
@@ -440,7 +541,6 @@ class LinearLatencyModel:
         """Seconds for ``f`` plus one prefill chunk, without touching ``f``."""
         c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p + tokens
-        over = f.tokens + tokens - self.knee_tokens
         return (
             c0
             + (c1 + c2 * s_p) * s_p
@@ -449,14 +549,13 @@ class LinearLatencyModel:
             + c5 * f.s_d_tok
             + c6 * f.s_d_ctx
             + c7 * (f.p_c + tokens * context)
-            + (c8 * over if over > 0 else 0.0)
+            + c8 * self._over(f.tokens + tokens)
         )
 
     def predict_with_decode(self, f: BatchFeatures, context: int, tokens: int = 1) -> float:
         """Seconds for ``f`` plus one decode, without touching ``f``."""
         c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p
-        over = f.tokens + tokens - self.knee_tokens
         return (
             c0
             + (c1 + c2 * s_p) * s_p
@@ -465,7 +564,7 @@ class LinearLatencyModel:
             + c5 * (f.s_d_tok + tokens)
             + c6 * (f.s_d_ctx + context)
             + c7 * f.p_c
-            + (c8 * over if over > 0 else 0.0)
+            + c8 * self._over(f.tokens + tokens)
         )
 
     def max_prefill_tokens(
@@ -484,6 +583,8 @@ class LinearLatencyModel:
         """
         if limit <= 0:
             return 0
+        if self._phi:
+            return self._max_prefill_search(f, context, budget_s, limit)
         c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
         s_p = f.s_p
         a = (
@@ -516,6 +617,60 @@ class LinearLatencyModel:
             x += 1
         return x
 
+    def _max_prefill_search(
+        self, f: BatchFeatures, context: int, budget_s: float, limit: int
+    ) -> int:
+        """``max_prefill_tokens`` for a curve model.
+
+        The prediction is ``a + b*x + c2*x**2 + c8*phi(tokens + x)``: monotone,
+        and a quadratic between two knots of the curve. A binary search over
+        the knots finds the segment where the budget runs out (a handful of
+        evaluations), then the segment's quadratic is solved in closed form.
+        """
+        c0, c1, c2, c3, c4, c5, c6, c7, c8 = self.coefficients
+        s_p, t0, step, phi = f.s_p, f.tokens, self.curve_step_tokens, self._phi
+        a = (
+            c0
+            + (c1 + c2 * s_p) * s_p
+            + c3 * (f.n_p + 1)
+            + c4 * f.n_d
+            + c5 * f.s_d_tok
+            + c6 * f.s_d_ctx
+            + c7 * f.p_c
+        )
+        b = c1 + 2.0 * c2 * s_p + c7 * context
+
+        def total(x: int) -> float:
+            return a + (b + c2 * x) * x + c8 * self._over(t0 + x)
+
+        if total(1) > budget_s:
+            return 0
+        if total(limit) <= budget_s:
+            return limit
+        # Knots (token counts, multiples of step) strictly after t0 and within the limit.
+        last_knot = len(phi) - 1
+        j_lo, j_hi = t0 // step + 1, min(last_knot, t0 + limit) // step
+        seg_start = t0  # token count where the budget's segment starts (at or before t0 + x)
+        while j_lo <= j_hi:
+            mid = (j_lo + j_hi) // 2
+            if total(mid * step - t0) <= budget_s:
+                seg_start = mid * step
+                j_lo = mid + 1
+            else:
+                j_hi = mid - 1
+        # phi is linear from seg_start to the next knot (or past the table).
+        base = seg_start - seg_start % step if seg_start < last_knot else last_knot - step
+        slope = (phi[base + step] - phi[base]) / step
+        phi0 = self._over(seg_start) - slope * (seg_start - t0)  # phi(t0 + x) = phi0 + slope*x
+        x_real = _quadratic_root(a + c8 * phi0, b + c8 * slope, c2, budget_s)
+        x = limit if x_real >= limit else max(0, int(x_real))
+        # Floating-point and segment-edge guard: a couple of steps either way.
+        while x > 0 and total(x) > budget_s:
+            x -= 1
+        while x < limit and total(x + 1) <= budget_s:
+            x += 1
+        return x
+
     # -- persistence -----------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -528,6 +683,11 @@ class LinearLatencyModel:
             "units": "seconds per iteration; knee_tokens in tokens per step",
             "meta": self.meta.model_dump(mode="json"),
         }
+        if self.token_curve:
+            doc["token_curve"] = {
+                "step_tokens": self.curve_step_tokens,
+                "values": list(self.token_curve),
+            }
         if self.stats is not None:
             doc["fit"] = {
                 "rows": self.stats.rows,
@@ -564,6 +724,29 @@ class LinearLatencyModel:
                 f"feature set {feature_set.value} needs schema version 2",
                 field_name="feature_set",
             )
+        if version < 3 and (feature_set.has_curve or "token_curve" in doc):
+            raise ModelFormatError("a token curve needs schema version 3", field_name="token_curve")
+        curve: tuple[float, ...] = ()
+        step = 0
+        curve_doc = doc.get("token_curve")
+        if curve_doc is not None:
+            if not isinstance(curve_doc, Mapping):
+                raise ModelFormatError("token_curve must be an object", field_name="token_curve")
+            raw_step, values = curve_doc.get("step_tokens"), curve_doc.get("values")
+            if isinstance(raw_step, bool) or not isinstance(raw_step, int):
+                raise ModelFormatError(
+                    "token_curve.step_tokens must be an integer", field_name="token_curve"
+                )
+            if not isinstance(values, list):
+                raise ModelFormatError(
+                    "token_curve.values must be a list", field_name="token_curve"
+                )
+            try:
+                curve, step = tuple(float(v) for v in values), raw_step
+            except (TypeError, ValueError) as exc:
+                raise ModelFormatError(
+                    f"token_curve.values: {exc}", field_name="token_curve"
+                ) from exc
         raw = doc.get("coefficients")
         if not isinstance(raw, Mapping):
             raise ModelFormatError("coefficients must be an object", field_name="coefficients")
@@ -591,9 +774,7 @@ class LinearLatencyModel:
                     kfold_mape=float(fit_doc["kfold_mape"]),
                     train_mape=float(fit_doc["train_mape"]),
                     candidates=tuple((str(k), float(v)) for k, v in fit_doc["candidates"]),
-                    knee_grid=tuple(
-                        (int(k), float(v)) for k, v in fit_doc.get("knee_grid", ())
-                    ),
+                    knee_grid=tuple((int(k), float(v)) for k, v in fit_doc.get("knee_grid", ())),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ModelFormatError(f"invalid fit block: {exc}", field_name="fit") from exc
@@ -603,6 +784,8 @@ class LinearLatencyModel:
             meta=meta,
             stats=stats,
             knee_tokens=knee,
+            token_curve=curve,
+            curve_step_tokens=step,
         )
 
     @classmethod
@@ -685,12 +868,22 @@ def kfold_mape(
     each part is predicted by a model fitted on the others; the result is the
     mean over *all rows* of ``|pred - y| / y``.
     """
+    return _kfold(x, y, feature_set.mask, folds=folds, seed=seed)
+
+
+def _kfold(
+    x: npt.NDArray[np.float64],
+    y: npt.NDArray[np.float64],
+    mask: Sequence[bool],
+    *,
+    folds: int,
+    seed: int,
+) -> float:
     n = len(y)
     if folds < 2 or n < folds:
         raise FitError(f"k-fold needs at least {max(folds, 2)} rows and folds >= 2", rows=n)
     order = np.random.default_rng(seed).permutation(n)
     parts = np.array_split(order, folds)
-    mask = feature_set.mask
     total = 0.0
     for k, test in enumerate(parts):
         train = np.concatenate([p for j, p in enumerate(parts) if j != k])
@@ -707,6 +900,48 @@ class FitResult:
     chosen: FeatureSet
     kfold: Mapping[FeatureSet, float]  # each hinge set at its best knee
     knees: Mapping[FeatureSet, int] = field(default_factory=dict)  # best knee per hinge set
+
+
+def curve_matrix(
+    x: npt.NDArray[np.float64], step: int = CURVE_STEP_TOKENS
+) -> npt.NDArray[np.float64]:
+    """``x`` (built with knee 0) with its hinge column replaced by token-curve segments.
+
+    Segment ``j`` is ``clip(tokens - j*step, 0, step)``: the tokens of the step
+    that fall in ``[j*step, (j+1)*step)``, so its coefficient is the curve's
+    slope there. Enough segments to cover the largest step in ``x``.
+    """
+    tokens = x[:, _HINGE]
+    top = max(1, math.ceil(float(np.max(tokens, initial=0.0)) / step))
+    knots = np.arange(top, dtype=np.float64) * step
+    segments = np.clip(tokens[:, None] - knots[None, :], 0.0, float(step))
+    return np.hstack([x[:, :_HINGE], segments])
+
+
+def _curve_mask(columns: int) -> list[bool]:
+    base = FeatureSet.CONTEXT_CHUNK.mask[:_HINGE]
+    return [*base, *([True] * (columns - _HINGE))]
+
+
+def _curve_model_parts(
+    coef: npt.NDArray[np.float64], step: int
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(nine coefficients, token curve) from a fit over :func:`curve_matrix` columns.
+
+    The curve is normalised to an average slope of 1 over its knots and the
+    last coefficient carries its scale; a curve the fit zeroed comes back
+    empty (the caller falls back to the set without it).
+    """
+    slopes = coef[_HINGE:]
+    knots = np.concatenate([[0.0], np.cumsum(slopes * step)])
+    top = float(knots[-1])
+    linear = tuple(float(c) for c in coef[:_HINGE])
+    if top <= 0.0:
+        return (*linear, 0.0), ()
+    scale = top / (step * len(slopes))
+    values = knots / scale
+    values[0] = 0.0
+    return (*linear, scale), tuple(float(v) for v in np.maximum.accumulate(values))
 
 
 def candidate_knees(tokens: npt.NDArray[np.float64], grid: Sequence[int]) -> list[int]:
@@ -750,7 +985,7 @@ def fit(
     rows, as the profiler keeps, measure the chosen model without that bias.
     """
     n = len(rows)
-    candidates = list(feature_sets) if feature_sets is not None else list(FeatureSet)
+    candidates = list(feature_sets) if feature_sets is not None else list(DEFAULT_FEATURE_SETS)
     if not candidates:
         raise FitError("no feature set to try", rows=n)
     grid = list(knees) if knees is not None else list(KNEE_GRID)
@@ -772,42 +1007,60 @@ def fit(
         if not candidates:
             raise FitError("no knee has enough rows on both sides to fit a hinge", rows=n)
     x_at = {k: with_knee(x, k) for k in usable}
+    x_curve = curve_matrix(x) if any(fs.has_curve for fs in candidates) else x
+    curve_mask = _curve_mask(x_curve.shape[1])
     scores: dict[FeatureSet, float] = {}
     best_knee: dict[FeatureSet, int] = {}
     knee_scores: dict[FeatureSet, list[tuple[int, float]]] = {}
     for fs in candidates:
         if fs.has_hinge:
-            per_knee = [
-                (k, kfold_mape(x_at[k], y, fs, folds=folds, seed=seed)) for k in usable
-            ]
+            per_knee = [(k, kfold_mape(x_at[k], y, fs, folds=folds, seed=seed)) for k in usable]
             k_best, s_best = min(per_knee, key=lambda ks: (ks[1], ks[0]))
             scores[fs], best_knee[fs], knee_scores[fs] = s_best, k_best, per_knee
+        elif fs.has_curve:
+            scores[fs] = _kfold(x_curve, y, curve_mask, folds=folds, seed=seed)
         else:
             scores[fs] = kfold_mape(x, y, fs, folds=folds, seed=seed)
     best = min(scores.values())
     eligible = [fs for fs in candidates if scores[fs] <= best * (1.0 + parsimony)]
     chosen = min(eligible, key=lambda fs: (len(fs.columns), scores[fs]))
     knee = best_knee.get(chosen, 0)
-    x_fit = x_at[knee] if chosen.has_hinge else x
-    coef = _nonneg_lstsq(x_fit, y, chosen.mask)
-    if chosen.has_hinge and coef[_HINGE] == 0.0:
-        knee = 0  # the fit dropped the hinge: keep the document canonical
+    curve: tuple[float, ...] = ()
+    if chosen.has_curve:
+        raw = _nonneg_lstsq(x_curve, y, curve_mask)
+        train_mape = _mape(x_curve, y, raw)
+        coefficients, curve = _curve_model_parts(raw, CURVE_STEP_TOKENS)
+        if not curve:  # the fit zeroed the curve: the same set without it
+            score, chosen = scores[chosen], FeatureSet.CONTEXT_CHUNK
+            scores.setdefault(chosen, score)
+            coef = _nonneg_lstsq(x, y, chosen.mask)
+            train_mape = _mape(x, y, coef)
+            coefficients = tuple(float(c) for c in coef)
+    else:
+        x_fit = x_at[knee] if chosen.has_hinge else x
+        coef = _nonneg_lstsq(x_fit, y, chosen.mask)
+        if chosen.has_hinge and coef[_HINGE] == 0.0:
+            knee = 0  # the fit dropped the hinge: keep the document canonical
+        train_mape = _mape(x_fit, y, coef)
+        coefficients = tuple(float(c) for c in coef)
     hinge_sets = [fs for fs in candidates if fs.has_hinge]
     grid_of = min(hinge_sets, key=lambda fs: scores[fs]) if hinge_sets else None
     stats = FitStats(
         rows=n,
         folds=folds,
         kfold_mape=scores[chosen],
-        train_mape=_mape(x_fit, y, coef),
+        train_mape=train_mape,
         candidates=tuple((fs.value, scores[fs]) for fs in candidates),
         knee_grid=tuple(knee_scores[grid_of]) if grid_of is not None else (),
     )
     model = LinearLatencyModel(
         feature_set=chosen,
-        coefficients=tuple(float(c) for c in coef),
+        coefficients=coefficients,
         meta=meta if meta is not None else LatencyModelMeta(),
         stats=stats,
         knee_tokens=knee,
+        token_curve=curve,
+        curve_step_tokens=CURVE_STEP_TOKENS if curve else 0,
     )
     logger.info(
         "latency model fitted: rows=%s set=%s knee=%s kfold_mape=%.4f candidates=%s",

@@ -18,6 +18,13 @@ gives MAPE on the held-out rows of each source (HyGen reports 1.07-1.78 %).
 The held-out rows play no part in choosing the feature set or the hinge's
 knee, so they measure the chosen model without selection bias.
 
+``curve=True`` also offers the fit the token-curve set (``context+chunk+curve``:
+a fitted monotone staircase of the linear layers' cost in tokens instead of
+the one hinge), which reaches HyGen's 1.5 % on every shipped profile
+(``docs/concepts/engine-model.md``). It is off by default because the
+sidecar's ``Configure`` message carries named coefficients and a knee only,
+not a curve.
+
 Deliberately left out: the SLO-aware budget search (the simulator's job) and
 any file I/O (the CLI writes the model's JSON).
 """
@@ -30,7 +37,13 @@ import random
 from dataclasses import dataclass
 
 from slipstream_scheduler.engine.model import EngineConfig, EngineModel, EngineRequest
-from slipstream_scheduler.latency import LatencyModelMeta, LinearLatencyModel, fit
+from slipstream_scheduler.latency import (
+    DEFAULT_FEATURE_SETS,
+    FeatureSet,
+    LatencyModelMeta,
+    LinearLatencyModel,
+    fit,
+)
 from slipstream_scheduler.types import BatchItem, EngineLimits, Phase
 
 logger = logging.getLogger(__name__)
@@ -148,9 +161,12 @@ class ProfileReport:
     test_mape_engine: float  # held-out engine-run batches (fraction)
     test_p95_ape: float  # 95th percentile absolute percentage error, all held-out rows
     knee_tokens: int = 0  # the hinge's knee (tokens per step); 0 without a hinge
+    curve_step_tokens: int = 0  # the token curve's knot spacing; 0 without a curve
 
     def summary(self) -> str:
         knee = f" knee={self.knee_tokens}" if self.knee_tokens else ""
+        if self.curve_step_tokens:
+            knee += f" curve_step={self.curve_step_tokens}"
         return (
             f"features={self.feature_set}{knee} train={self.rows_train} "
             f"kfold MAPE={self.kfold_mape:.2%} held-out MAPE sweep={self.test_mape_sweep:.2%} "
@@ -171,8 +187,13 @@ def fit_latency_model(
     n_batches: int = 4000,
     n_engine_steps: int = 1500,
     holdout: float = 0.2,
+    curve: bool = False,
 ) -> tuple[LinearLatencyModel, ProfileReport]:
-    """Profile ``engine_config``'s GPU on the engine model and fit the latency model."""
+    """Profile ``engine_config``'s GPU on the engine model and fit the latency model.
+
+    ``curve`` adds the token-curve feature set to the candidates (slower to fit:
+    seconds to a minute per profile on one core).
+    """
     engine = EngineModel(engine_config, seed=seed)
     max_context = engine.timing.profile.arch.max_model_len
     if engine_config.max_model_len is not None:
@@ -200,7 +221,8 @@ def fit_latency_model(
         },
         source=f"slipstream profile latency (engine model, seed {seed})",
     )
-    result = fit(train, seed=seed, meta=meta)
+    sets = [*DEFAULT_FEATURE_SETS, FeatureSet.CONTEXT_CHUNK_CURVE] if curve else None
+    result = fit(train, seed=seed, meta=meta, feature_sets=sets)
     model = result.model
     ape_s, ape_r = _ape(model, test_s), _ape(model, test_r)
     all_ape = sorted(ape_s + ape_r)
@@ -212,12 +234,14 @@ def fit_latency_model(
         rows_test_sweep=len(test_s),
         rows_test_engine=len(test_r),
         feature_set=result.chosen.value,
-        kfold_mape=result.kfold[result.chosen],
+        kfold_mape=result.kfold[model.feature_set],
         test_mape_sweep=sum(ape_s) / len(ape_s),
         test_mape_engine=sum(ape_r) / len(ape_r),
         test_p95_ape=all_ape[int(0.95 * (len(all_ape) - 1))],
         knee_tokens=model.knee_tokens,
+        curve_step_tokens=model.curve_step_tokens,
     )
-    logger.info("latency profile %s/%s: %s", engine_config.model, engine_config.gpu,
-                report.summary())
+    logger.info(
+        "latency profile %s/%s: %s", engine_config.model, engine_config.gpu, report.summary()
+    )
     return model, report

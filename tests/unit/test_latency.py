@@ -249,7 +249,7 @@ def test_json_round_trip_keeps_coefficients_metadata_and_stats() -> None:
     model = fit(synthetic_rows(_coef(), n=200), meta=meta).model
     text = model.to_json()
     doc = json.loads(text)
-    assert doc["schema_version"] == SCHEMA_VERSION == 2
+    assert doc["schema_version"] == SCHEMA_VERSION == 3
     assert doc["meta"]["engine"]["max_num_batched_tokens"] == 2048
     back = LinearLatencyModel.from_json(text)
     assert back == model
@@ -269,8 +269,13 @@ def test_schema_version_1_documents_are_still_read() -> None:
         "coefficients": {name: TRUE[name] for name in FEATURE_NAMES[:8]},
         "units": "seconds per iteration",
         "meta": {"model": "m", "gpu": "g", "engine": {}, "source": "v1"},
-        "fit": {"rows": 10, "folds": 5, "kfold_mape": 0.02, "train_mape": 0.02,
-                "candidates": [["context", 0.03], ["context+chunk", 0.02]]},
+        "fit": {
+            "rows": 10,
+            "folds": 5,
+            "kfold_mape": 0.02,
+            "train_mape": 0.02,
+            "candidates": [["context", 0.03], ["context+chunk", 0.02]],
+        },
     }
     model = LinearLatencyModel.from_json(json.dumps(v1))
     assert model.feature_set is FeatureSet.CONTEXT_CHUNK and model.knee_tokens == 0
@@ -398,8 +403,17 @@ def test_max_prefill_equals_bisection_on_random_models(
 
 def test_max_prefill_lands_on_each_side_of_the_knee() -> None:
     # 10 ms floor, 10 us/token below the knee at 100 tokens, 110 us/token past it.
-    coef = _coef({"const": 1e-2, "s_p": 1e-5, "s_p_sq": 0.0, "n_p": 0.0, "n_d": 0.0,
-                  "s_d_ctx": 0.0, "tokens_over_knee": 1e-4})
+    coef = _coef(
+        {
+            "const": 1e-2,
+            "s_p": 1e-5,
+            "s_p_sq": 0.0,
+            "n_p": 0.0,
+            "n_d": 0.0,
+            "s_d_ctx": 0.0,
+            "tokens_over_knee": 1e-4,
+        }
+    )
     model = LinearLatencyModel(FeatureSet.CONTEXT_HINGE, coef, knee_tokens=100)
     f = BatchFeatures()
     assert model.max_prefill_tokens(f, 0, 1e-2 + 50e-5 + 1e-12, 4096) == 50  # before the knee
@@ -444,3 +458,133 @@ def test_minus_removes_a_sub_batch() -> None:
     whole = [BatchItem(Phase.PREFILL, 100, 50), BatchItem(Phase.DECODE, 1, 300)]
     part = BatchFeatures.of(whole[1:])
     assert BatchFeatures.of(whole).minus(part).row() == BatchFeatures.of(whole[:1]).row()
+
+
+# --------------------------------------------------------------------------- token curve
+
+
+def _stepped_rows(n: int = 500, seed: int = 3) -> list[tuple[list[BatchItem], float]]:
+    """A GPU whose linear layers cost a staircase in tokens (GEMM tiles every 128 tokens)."""
+    rng = np.random.default_rng(seed)
+    batches = [random_batch(rng) for _ in range(n)]
+    x = feature_matrix(batches)
+    tokens = x[:, -1]
+    stairs = 2e-3 * np.ceil(tokens / 128.0)
+    y = x[:, :8] @ np.array(_coef()[:8]) + stairs
+    y *= 1.0 + 0.002 * rng.standard_normal(n)
+    return list(zip(batches, (float(v) for v in y), strict=True))
+
+
+def _curve_model() -> LinearLatencyModel:
+    curve = tuple(float(v) for v in np.cumsum([0.0, 10.0, 40.0, 40.0, 90.0, 140.0]))
+    return LinearLatencyModel(
+        FeatureSet.CONTEXT_CHUNK_CURVE,
+        _coef({"tokens_over_knee": 2e-6}),
+        token_curve=curve,
+        curve_step_tokens=32,
+    )
+
+
+def test_token_curve_is_opt_in_and_beats_the_hinge_on_a_staircase() -> None:
+    rows = _stepped_rows()
+    default = fit(rows)
+    assert not default.chosen.has_curve  # not tried unless asked for
+    both = fit(rows, feature_sets=[FeatureSet.CONTEXT_CHUNK_HINGE, FeatureSet.CONTEXT_CHUNK_CURVE])
+    assert both.chosen is FeatureSet.CONTEXT_CHUNK_CURVE
+    hinge = both.kfold[FeatureSet.CONTEXT_CHUNK_HINGE]
+    curve = both.kfold[FeatureSet.CONTEXT_CHUNK_CURVE]
+    print(f"k-fold MAPE on a staircase: hinge {hinge:.4f}, curve {curve:.4f}")
+    assert curve < 0.7 * hinge
+    model = both.model
+    assert model.curve_step_tokens > 0 and model.token_curve[0] == 0.0
+    assert all(b >= a for a, b in zip(model.token_curve, model.token_curve[1:], strict=False))
+    # The prediction is the fitted columns: linear part plus c8 * phi(tokens).
+    batch = rows[0][0]
+    f = BatchFeatures.of(batch)
+    phi = np.interp(
+        f.tokens,
+        np.arange(len(model.token_curve)) * model.curve_step_tokens,
+        model.token_curve,
+    )
+    want = float(np.dot(f.row()[:8], model.coefficients[:8])) + model.coefficients[8] * phi
+    assert model.predict(batch) == pytest.approx(want, rel=1e-9)
+
+
+def test_curve_model_round_trips_and_scales_with_its_coefficients() -> None:
+    model = _curve_model()
+    doc = json.loads(model.to_json())
+    assert doc["schema_version"] == 3 and doc["token_curve"]["step_tokens"] == 32
+    back = LinearLatencyModel.from_json(model.to_json())
+    assert back == model
+    f = BatchFeatures.of([BatchItem(Phase.PREFILL, 100, 0), BatchItem(Phase.DECODE, 1, 500)])
+    doubled = LinearLatencyModel(
+        model.feature_set,
+        tuple(2.0 * c for c in model.coefficients),
+        token_curve=model.token_curve,
+        curve_step_tokens=model.curve_step_tokens,
+    )
+    assert doubled.predict_features(f) == pytest.approx(2.0 * model.predict_features(f))
+    # Past the last knot the curve continues with its last slope.
+    far = BatchFeatures.of([BatchItem(Phase.PREFILL, 400, 0)])
+    near = BatchFeatures.of([BatchItem(Phase.PREFILL, 300, 0)])
+    c8 = model.coefficients[8]
+    lin = model.coefficients[1] * 100 + model.coefficients[2] * (400**2 - 300**2)
+    assert model.predict_features(far) - model.predict_features(near) == pytest.approx(
+        lin + c8 * 100 * 140.0 / 32
+    )
+
+
+def test_curve_documents_are_checked() -> None:
+    with pytest.raises(ModelFormatError, match="needs its token curve"):
+        LinearLatencyModel(FeatureSet.CONTEXT_CHUNK_CURVE, _coef({"tokens_over_knee": 1e-6}))
+    with pytest.raises(ModelFormatError, match="non-decreasing"):
+        LinearLatencyModel(
+            FeatureSet.CONTEXT_CHUNK_CURVE,
+            _coef(),
+            token_curve=(0.0, 2.0, 1.0),
+            curve_step_tokens=8,
+        )
+    with pytest.raises(ModelFormatError, match="has none"):
+        LinearLatencyModel(FeatureSet.CONTEXT, _coef(), token_curve=(0.0, 1.0), curve_step_tokens=8)
+    doc = json.loads(_curve_model().to_json())
+    doc["schema_version"] = 2
+    with pytest.raises(ModelFormatError, match="schema version 3"):
+        LinearLatencyModel.from_json(json.dumps(doc))
+
+
+def test_schema_version_2_documents_are_still_read() -> None:
+    doc = json.loads(
+        LinearLatencyModel(
+            FeatureSet.CONTEXT_HINGE, _coef({"tokens_over_knee": 1e-6}), knee_tokens=128
+        ).to_json()
+    )
+    doc["schema_version"] = 2
+    model = LinearLatencyModel.from_json(json.dumps(doc))
+    assert model.knee_tokens == 128 and model.token_curve == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prefill=st.integers(0, 900),
+    decodes=st.integers(0, 64),
+    context=st.integers(0, 3000),
+    slack=st.floats(0.5, 40.0),
+    limit=st.integers(1, 3000),
+)
+def test_curve_max_prefill_tokens_equals_a_linear_scan(
+    prefill: int, decodes: int, context: int, slack: float, limit: int
+) -> None:
+    model = _curve_model()
+    f = BatchFeatures()
+    if prefill:
+        f.add_prefill(prefill, 0)
+    for _ in range(decodes):
+        f.add_decode(1, 1000)
+    budget = model.predict_features(f) * (1.0 + slack / 100.0) + 1e-4
+    got = model.max_prefill_tokens(f, context, budget, limit)
+    want = 0
+    for x in range(1, limit + 1):
+        if model.predict_with_prefill(f, x, context) > budget:
+            break
+        want = x
+    assert got == want
