@@ -332,11 +332,17 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
 def _update_targets(prometheus: Any, runner: Any) -> None:
     from slipstream_cli.prometheus import ScrapeTarget
 
-    prometheus.set_targets([
+    pods = runner.snapshot()
+    targets = [
         ScrapeTarget(f"{p.ip}:{p.http_port}", {"namespace": p.namespace, "pod": p.name,
                                                "slipstream_dev_service": p.service})
-        for p in runner.snapshot() if p.kind == "inference"
-    ])
+        for p in pods if p.kind == "inference"
+    ]
+    # The operator's own /metrics (per-service and per-job gauges): its series carry
+    # the objects' namespace and name, so the target adds no labels.
+    targets += [ScrapeTarget(f"{p.ip}:{p.http_port}")
+                for p in pods if p.kind == "operator" and p.http_port > 0]
+    prometheus.set_targets(targets)
 
 
 def _job_status(kube: Kube) -> dict[str, Any]:
@@ -398,6 +404,11 @@ def _report(console: Console, out: Path, *, generator: Any, summary: Any, promet
         "online_tokens": f'sum(increase(slipstream_output_tokens_total{{class="online"}}'
                          f'[{window}]))',
         "preemptions": f"sum(increase(slipstream_preemptions_total[{window}]))",
+        # The operator's own gauges (its /metrics), read back through Prometheus.
+        "job_completed_operator": f'sum(slipstream_offlinejob_finished_requests'
+                                  f'{{namespace="{DEMO_NS}",name="{JOB}",outcome="completed"}})',
+        "job_total_operator": f'sum(slipstream_offlinejob_input_requests'
+                              f'{{namespace="{DEMO_NS}",name="{JOB}"}})',
     }
     for name, expr in queries.items():
         try:
@@ -451,6 +462,10 @@ def _report(console: Console, out: Path, *, generator: Any, summary: Any, promet
     table.add_row("budget in force", str((status.get("budget") or {}).get("iteration", "-")))
     table.add_row("offline job", f"{job.get('phase', '-')}: {requests.get('completed', 0)} done, "
                   f"{requests.get('failed', 0)} failed of {requests.get('total', 0)}")
+    if prom.get("job_total_operator") is not None:
+        table.add_row("offline job (operator /metrics via Prometheus)",
+                      f"{prom.get('job_completed_operator') or 0:.0f} done of "
+                      f"{prom['job_total_operator']:.0f}")
     table.add_row("offline output tokens (output file) / tokens/s while it ran",
                   f"{offline_tokens} / "
                   f"{offline_tokens / offline_span:.1f}" if offline_span else f"{offline_tokens}")

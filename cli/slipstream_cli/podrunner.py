@@ -169,8 +169,19 @@ def operator_command(container: Mapping[str, Any], ip: str, kubeconfig: Path) ->
     if "operator" not in out:
         raise PodRunnerError("operator", f"container args {args} do not run the operator")
     at = out.index("operator") + 1
-    out[at:at] = ["--kubeconfig", str(kubeconfig), "--loopback-only"]
+    # --loopback-only would put /metrics on 127.0.0.1; the pod's own IP is where a
+    # cluster's Prometheus finds it, and it is loopback here.
+    out[at:at] = ["--kubeconfig", str(kubeconfig), "--loopback-only", "--metrics-address", ip]
     return [*SLIPSTREAM, *out]
+
+
+def operator_metrics_port(container: Mapping[str, Any]) -> int:
+    """The ``--metrics-port`` the chart gives the operator container (0 when it has none)."""
+    for arg in container.get("args") or []:
+        name, sep, value = str(arg).partition("=")
+        if name == "--metrics-port" and sep and value.lstrip("-").isdigit():
+            return max(int(value), 0)
+    return 0
 
 
 @dataclass
@@ -385,7 +396,7 @@ class PodRunner:
             running.service = labels[SERVICE_LABEL]
             running.processes = self._inference(pod, containers, folder, running)
         else:
-            running.processes = self._operator(pod, containers, folder)
+            running.processes = self._operator(pod, containers, folder, running)
         for proc in running.processes:
             proc.start()
         logger.info("pod %s (%s) runs as %d processes on %s", running.key, kind,
@@ -422,8 +433,8 @@ class PodRunner:
             Process("sidecar", [*SLIPSTREAM, "sidecar"], sidecar_env, folder / "sidecar.log"),
         ]
 
-    def _operator(self, pod: Pod, containers: Mapping[str, Any],
-                  folder: Path) -> list[Process]:
+    def _operator(self, pod: Pod, containers: Mapping[str, Any], folder: Path,
+                  running: RunningPod) -> list[Process]:
         assert self.sa_kubeconfig is not None
         meta = pod["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
@@ -435,6 +446,7 @@ class PodRunner:
         kubeconfig = self.sa_kubeconfig(meta["namespace"], account,
                                         folder / "serviceaccount.kubeconfig")
         argv = operator_command(container, str(pod["status"]["podIP"]), kubeconfig)
+        running.http_port = operator_metrics_port(container)
         env = {k: v for k, v in self.base_env.items()
                if not k.startswith("SLIPSTREAM_OPERATOR_") and k != "KUBECONFIG"}
         env.update({str(e["name"]): str(e.get("value", ""))
