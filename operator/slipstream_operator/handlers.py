@@ -151,6 +151,8 @@ class OperatorState:
     merged: dict[str, MergeResult] = field(default_factory=dict)
     addresses: dict[str, dict[str, PodAddress]] = field(default_factory=dict)
     tokens: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    job_uids: dict[str, str] = field(default_factory=dict)
+    """Job prefix (``job_prefix``) -> the job's uid, to find the owner of a preempted shard."""
     """(namespace, service) -> (control token, monotonic time it was read or made)."""
 
 
@@ -493,6 +495,7 @@ class Handlers:
                                           addresses=self.state.addresses.get(uid, {}),
                                           previous=previous)
             return
+        self.state.job_uids[job_prefix(namespace, name)] = uid
         plan: Plan | None = None
         plan_error = ""
         try:
@@ -592,6 +595,7 @@ class Handlers:
                 logger.warning("%s", exc)
 
         await asyncio.gather(*(revoke(p, s) for p, s in outcome.revoke if p in addresses))
+        self._release_preempted(namespace, name, [s for _, s in outcome.revoke])
         defaults = json.dumps(spec.request_defaults.body_fields())
 
         async def assign(pod_name: str, shard: Any) -> bool:
@@ -621,6 +625,19 @@ class Handlers:
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
 
+    def _release_preempted(self, namespace: str, name: str, revoked: list[str]) -> None:
+        """Drop other jobs' shards that this reconcile preempted from those jobs' placements,
+        so that their next tick places them again (the pod no longer runs them)."""
+        own = job_prefix(namespace, name) + "-"
+        for shard_id in revoked:
+            if shard_id.startswith(own):
+                continue
+            victim = self.state.job_uids.get(shard_id.rsplit("-", 1)[0], "")
+            memory = self.state.jobs.get(victim)
+            if memory is not None and shard_id in memory.placements:
+                placements = {k: v for k, v in memory.placements.items() if k != shard_id}
+                self.state.jobs[victim] = replace(memory, placements=placements)
+
     async def _verify(self, plan: Plan, pods: list[CandidatePod],
                       done: dict[str, tuple[int, int]], memory: JobMemory) -> None:
         """Count the logs of shards that may have finished: reported succeeded, or unplaced."""
@@ -649,6 +666,7 @@ class Handlers:
         self.state.plans.pop(uid, None)
         self.state.done.pop(uid, None)
         self.state.merged.pop(uid, None)
+        self.state.job_uids.pop(job_prefix(namespace, name), None)
         if memory is None:
             return
         logger.info("job %s/%s deleted; revoking %d shards", namespace, name,

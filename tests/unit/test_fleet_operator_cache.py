@@ -310,3 +310,25 @@ async def test_a_look_after_a_change_never_joins_a_call_from_before_it() -> None
     finally:
         await grpc_client.close()
         await standin.stop()
+
+
+def test_a_preempted_shard_leaves_its_owners_placements() -> None:
+    from kubernetes import client
+
+    from slipstream_operator.handlers import Handlers
+    from slipstream_operator.reconcile_job import JobMemory, Placement, job_prefix
+    from slipstream_operator.settings import OperatorSettings
+
+    handlers = Handlers(OperatorSettings(), client.ApiClient(), GrpcSidecarControl())
+    try:
+        low = job_prefix("ns", "low")
+        handlers.state.job_uids[low] = "uid-low"
+        kept = Placement("pod-a", 1.0, 1.0, 0)
+        handlers.state.jobs["uid-low"] = JobMemory(
+            placements={f"{low}-0001": kept, f"{low}-0002": Placement("pod-a", 1.0, 1.0, 0)}
+        )
+        own = f"{job_prefix('ns', 'high')}-0001"
+        handlers._release_preempted("ns", "high", [f"{low}-0002", own, "ns-unknown-0001"])
+        assert handlers.state.jobs["uid-low"].placements == {f"{low}-0001": kept}
+    finally:
+        handlers.close()
