@@ -7,8 +7,11 @@ addresses another engineer's e2e test binds its real sidecars to. The bench
 cluster therefore moves its pods to :data:`BENCH_POD_NETWORK` (127.9.0.0/16):
 the fake nodes' ``podCIDR`` and kwok's ``--cidr`` are rewritten, nothing else.
 
-Deliberately left out: a general network option (that belongs in
-``cluster.py``; this subclass is the bench's stop-gap, see ``docs/scale.md``).
+``cluster.py`` now has a general ``pod_network`` option ("auto" derives a /16 from
+the state dir, never 127.9.0.0/16); the bench keeps its fixed network so that its
+listeners never take an address any other cluster on the machine can hand out.
+
+Deliberately left out: anything else that differs from :class:`LocalCluster`.
 """
 
 from __future__ import annotations
