@@ -27,6 +27,7 @@ from slipstream_sidecar.errors import EngineError, EngineUnavailableError
 log = logging.getLogger(__name__)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+_UNBOUNDED = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +131,20 @@ class EngineClient:
     def url(self, path: str) -> str:
         return self.base_url + path
 
-    async def post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """Send a request; the caller reads and releases (or closes, to abort) the response."""
+    async def post(
+        self, path: str, body: bytes, *, bounded: bool = True
+    ) -> aiohttp.ClientResponse:
+        """Send a request; the caller reads and releases (or closes, to abort) the response.
+
+        ``bounded=False``: without the session's total timeout (``engine_timeout_s``), for a
+        request whose lifetime its client bounds (an online request: its stream is closed
+        when the client goes away); this also saves a timer per request.
+        """
         try:
+            if not bounded:
+                return await self.session.post(
+                    self.url(path), data=body, headers=JSON_HEADERS, timeout=_UNBOUNDED
+                )
             return await self.session.post(self.url(path), data=body, headers=JSON_HEADERS)
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise EngineUnavailableError(f"POST {path}: {exc!r}") from exc

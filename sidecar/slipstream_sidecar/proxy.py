@@ -271,7 +271,7 @@ class Proxy:
     async def _unary(
         self, path: str, data: bytes, ticket: Ticket
     ) -> tuple[web.StreamResponse, str]:
-        upstream = await self.engine.post(path, data)
+        upstream = await self.engine.post(path, data, bounded=False)
         async with upstream:
             body = await upstream.read()
         if upstream.status != 200:
@@ -289,7 +289,7 @@ class Proxy:
     async def _stream(
         self, request: web.Request, path: str, data: bytes, ticket: Ticket
     ) -> tuple[web.StreamResponse, str]:
-        upstream = await self.engine.post(path, data)
+        upstream = await self.engine.post(path, data, bounded=False)
         complete = False
         try:
             if upstream.status != 200:
@@ -304,7 +304,8 @@ class Proxy:
             write: Callable[[bytes], Awaitable[None]] = resp.write
             scanner = EventScanner()
             now = self.controller.now
-            counted = 0
+            progress = self.controller.progress
+            counted = reported = 0
             exact: int | None = None
             last = ticket.arrival_s
             try:
@@ -328,7 +329,10 @@ class Proxy:
                                 self.controller.observe_gap(gap)
                             last = t
                             counted += 1
-                    self.controller.progress(ticket, exact if exact is not None else counted)
+                    seen = exact if exact is not None else counted
+                    if seen != reported:
+                        reported = seen
+                        progress(ticket, seen)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
                 log.warning("engine stream of %s broke after %d events", ticket.request_id, counted)
                 # Tell the client in-band, in vLLM's error shape, rather than ending the stream

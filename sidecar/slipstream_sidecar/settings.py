@@ -78,7 +78,10 @@ class SidecarSettings(BaseSettings):
         default=1024, ge=1, description="Size of the connection pool to the engine (connections)."
     )
     engine_timeout_s: float = Field(
-        default=3600.0, gt=0, description="Total timeout of one engine request (s)."
+        default=3600.0,
+        gt=0,
+        description="Total timeout of one engine request (s): offline requests, /tokenize, "
+        "/v1/models. An online request lasts as long as its client keeps it open.",
     )
     ready_poll_s: float = Field(
         default=1.0, gt=0, description="How often /ready re-checks the engine's /health (s)."
