@@ -73,7 +73,29 @@ class SimSearchParams(BaseModel):
         "false: the analytic search only. Default: true.",
     )
     horizon_s: float = Field(
-        default=60.0, gt=0, le=3600, description="Virtual seconds one trial replays. Default: 60."
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="Virtual seconds one trial replays at least. Default: 60.",
+    )
+    min_online_requests: int = Field(
+        default=50,
+        ge=1,
+        description="The sample is made long enough for this many online requests, up to "
+        "max_horizon_s (a P99 over a handful of requests says little). Default: 50.",
+    )
+    max_horizon_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="Longest sample (virtual seconds). Default: 300.",
+    )
+    headroom: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="Trials are judged against target x (1 - headroom): the sample is "
+        "Poisson with log-normal lengths, real traffic is burstier. Default: 0.1.",
     )
     iterations: int = Field(
         default=6, ge=1, le=12, description="Bisection steps after the two end trials. Default: 6."
@@ -169,24 +191,29 @@ def bucket_load(load: LoadStats, ratio: float, min_rate_rps: float) -> LoadStats
     )
 
 
-def slos_for(targets: SLOTargets, scale: float = 1.0) -> list[Slo]:
-    """The core profiler's SLOs for the targets, limits divided by ``scale``."""
+def slos_for(targets: SLOTargets, scale: float = 1.0, headroom: float = 0.0) -> list[Slo]:
+    """The core profiler's SLOs for the targets, limits x (1 - headroom) / ``scale``."""
     out = []
     for metric, value in targets.items():
         kind, stat = metric.split("-")
+        limit = value * (1.0 - headroom) / scale
         out.append(
-            Slo.model_validate(
-                {"metric": kind, "stat": stat, "limit_s": value / scale, "tolerance": None}
-            )
+            Slo.model_validate({"metric": kind, "stat": stat, "limit_s": limit, "tolerance": None})
         )
     return out
+
+
+def sample_horizon(rate_rps: float, params: SimSearchParams) -> float:
+    """Seconds of sample: ``horizon_s``, longer for ``min_online_requests``, capped."""
+    wanted = params.min_online_requests / max(rate_rps, 1e-9)
+    return min(params.max_horizon_s, max(params.horizon_s, wanted))
 
 
 def synthesize(load: LoadStats, params: SimSearchParams, rate_scale: float = 1.0) -> Workload:
     """A seeded workload sample for ``load`` (see the module docstring)."""
     rng = np.random.default_rng(params.seed)
     rate = max(load.arrival_rate_rps, params.min_rate_rps) * rate_scale
-    horizon = params.horizon_s
+    horizon = sample_horizon(rate, params)
     gaps = rng.exponential(1.0 / rate, size=int(rate * horizon * 1.5) + 16)
     arrivals = np.cumsum(gaps)
     arrivals = arrivals[arrivals < horizon]
@@ -243,7 +270,7 @@ class SimulatedSearch:
     def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
         calibrated = scaled(self.model, self.scale)
         analytic = AnalyticSearch(calibrated, self.engine.limits())(targets, load)
-        slos = slos_for(targets, self.scale)
+        slos = slos_for(targets, self.scale, self.params.headroom)
         if not slos:
             return analytic
         s = self.scale
@@ -291,5 +318,6 @@ class SimulatedSearch:
             feasible=feasible,
             trials=tuple(records),
             note=f"{rate:.3g} rps, prompt {load.mean_prompt_tokens:.0f}, "
-            f"output {load.mean_output_tokens:.0f} tokens, {self.params.horizon_s:g} s sample",
+            f"output {load.mean_output_tokens:.0f} tokens, {workload.horizon_s or 0:.0f} s "
+            f"sample, {self.params.headroom:.0%} headroom",
         )

@@ -34,7 +34,7 @@ PROFILE = (
 )
 MODEL = LinearLatencyModel.from_json(PROFILE.read_text())
 ENGINE = EngineConfig(model="llama-2-7b", gpu="a100")
-PARAMS = SimSearchParams(horizon_s=20.0, iterations=3)
+PARAMS = SimSearchParams(horizon_s=20.0, iterations=3, min_online_requests=40)
 LOAD = LoadStats(arrival_rate_rps=2.0, mean_prompt_tokens=1000.0, mean_output_tokens=200.0)
 
 
