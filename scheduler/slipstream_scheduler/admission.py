@@ -161,10 +161,19 @@ class BudgetParams(PolicyParams):
         ge=0,
         description="optional extra cap on offline requests running at once; default none",
     )
+    keep_offline_margin: bool = Field(
+        default=False,
+        description="admission mode: when online work alone exceeds the budget (an online "
+        "prefill chunk), keep in-flight offline work adding at most what the budget leaves "
+        "it next to the online decodes (budget minus their predicted step) instead of "
+        "preempting all of it; default false (HyGen's rule: fewer aborts, but it lengthens "
+        "online prefill steps and measurably raises p99 TBT, docs/reliability.md)",
+    )
 
     def rules(self) -> FillRules:
         return FillRules(
             offline_budgeted=True,
+            keep_offline_margin=self.keep_offline_margin,
             online_chunks_in_budget=self.online_chunks_in_budget,
             online_min_chunk_tokens=self.online_min_chunk_tokens,
             offline_cap=self.max_offline_in_flight,

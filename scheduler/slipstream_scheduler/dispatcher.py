@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sortedcontainers import SortedList
 
 from slipstream_scheduler.ordering import KeyedQueue, Ordering, RequestView
+from slipstream_scheduler.planner import InFlight, PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.protocols import LengthPredictor, Planner
 from slipstream_scheduler.psm import PsmQueue
 from slipstream_scheduler.types import (
@@ -406,6 +407,7 @@ class _Rec:
     inflight: bool = False
     aborting: bool = False
     preemptions: int = 0
+    cached: int = 0  # expected prefix-cache hit of the current submission, tokens
 
 
 class Dispatcher:
@@ -436,6 +438,12 @@ class Dispatcher:
         self._recs: dict[str, _Rec] = {}
         self._inflight: dict[str, _Rec] = {}
         self._n_inflight = {RequestClass.ONLINE: 0, RequestClass.OFFLINE: 0}
+        # Running sums of the requests in flight and not being aborted (the planner's
+        # input, kept incrementally): count and sum of prompt + generated per class,
+        # and those still in prefill (no token yet on this submission), in order.
+        self._n_live = {RequestClass.ONLINE: 0, RequestClass.OFFLINE: 0}
+        self._ctx_sum = {RequestClass.ONLINE: 0, RequestClass.OFFLINE: 0}
+        self._prefilling: dict[str, _Rec] = {}
         self._dirty = True
         self._bs = self.limits.block_size
         # KV estimate: prompt blocks in flight counted once per distinct hash
@@ -468,6 +476,9 @@ class Dispatcher:
             return
         if before == 0:
             self._dirty = True  # prefill done: the batch estimate changes shape
+            self._prefilling.pop(request_id, None)
+        if not rec.aborting:
+            self._ctx_sum[rec.cls] += rec.resume_from + generated_tokens - rec.generated
         self._private_blocks += self._out_blocks(rec.resume_from + generated_tokens) - (
             self._out_blocks(rec.generated)
         )
@@ -543,7 +554,7 @@ class Dispatcher:
             if victim is not None:
                 vrec = self._inflight.get(victim)
                 if vrec is not None and not vrec.aborting:
-                    vrec.aborting = True
+                    self._mark_aborting(vrec)
                     self._reorders += 1
                     reorder_abort = Abort(victim, "reorder")
         online_ids = (
@@ -569,16 +580,31 @@ class Dispatcher:
             # No online work to protect: offline fills up to the idle budget, which
             # bounds the step an arriving online request may wait for (its TTFT).
             budget = None if math.isinf(cfg.idle_budget_s) else cfg.idle_budget_s
-        snap = Snapshot(
-            now_s=now_s,
-            running=tuple(self._running_view()),
-            online_queue=tuple(self._queued_view(self._recs[r]) for r in online_ids),
-            offline_queue=tuple(self._queued_view(self._recs[r]) for r in offline_ids),
-            free_kv_blocks=self.est_free_kv_blocks,
-            limits=self.limits,
-            budget_s=budget,
-        )
-        plan = self.planner.plan(snap)
+        on_q = [self._queued_view(self._recs[r]) for r in online_ids]
+        off_q = [self._queued_view(self._recs[r]) for r in offline_ids]
+        planner = self.planner
+        if isinstance(planner, TwoPhasePlanner) and planner.mode is PlannerMode.ADMISSION:
+            # The incremental path: running sums instead of a snapshot of every request.
+            plan = planner.plan_in_flight(
+                self._in_flight_sums(),
+                online_queue=on_q,
+                offline_queue=off_q,
+                free_kv_blocks=self.est_free_kv_blocks,
+                limits=self.limits,
+                budget_s=budget,
+            )
+        else:
+            snap = Snapshot(
+                now_s=now_s,
+                running=tuple(self._running_view()),
+                online_queue=tuple(on_q),
+                offline_queue=tuple(off_q),
+                free_kv_blocks=self.est_free_kv_blocks,
+                limits=self.limits,
+                budget_s=budget,
+            )
+            plan = planner.plan(snap)
+        cached = {q.request_id: q.cached_tokens for q in (*on_q, *off_q)}
         self._plans += 1
         aborts: list[Abort] = [] if reorder_abort is None else [reorder_abort]
         if cfg.preempt_offline:
@@ -586,7 +612,7 @@ class Dispatcher:
                 rec = self._inflight.get(rid)
                 if rec is None or rec.cls is not RequestClass.OFFLINE or rec.aborting:
                     continue
-                rec.aborting = True
+                self._mark_aborting(rec)
                 self._preemptions += 1
                 aborts.append(Abort(rid, "preempt"))
         submits: list[Submit] = []
@@ -597,6 +623,7 @@ class Dispatcher:
             if rec.cls is RequestClass.OFFLINE and not cfg.admit_offline:
                 continue
             self._queue(rec).take(rec.request_id, now_s)
+            rec.cached = cached.get(rec.request_id, 0)
             self._take(rec)
             prio = cfg.online_priority if rec.cls is RequestClass.ONLINE else cfg.offline_priority
             submits.append(Submit(rec.request_id, prio, rec.generated))
@@ -622,28 +649,57 @@ class Dispatcher:
 
     def _running_view(self) -> Iterator[RunningRequest]:
         on_p, off_p = self.config.online_priority, self.config.offline_priority
+        chunk = self._chunk()
+        for rec in self._inflight.values():
+            if not rec.aborting:
+                yield self._running(rec, chunk, on_p, off_p)
+
+    def _running(self, rec: _Rec, chunk: int, on_p: int, off_p: int) -> RunningRequest:
+        prompt = rec.prompt_tokens + rec.resume_from
+        gen = rec.generated - rec.resume_from
+        # The stream shows no prefill progress: price the pending prefill as its
+        # last (costliest, longest-context) chunk, conservatively, and no earlier
+        # than its expected prefix-cache hit (as the planner priced its admission).
+        computed = prompt if gen else min(max(prompt - chunk, rec.cached), prompt - 1)
+        return RunningRequest(
+            request_id=rec.request_id,
+            cls=rec.cls,
+            prompt_tokens=prompt,
+            computed_tokens=computed,
+            generated_tokens=gen,
+            max_tokens=rec.max_tokens - rec.resume_from,
+            arrival_s=rec.arrival_s,
+            priority=on_p if rec.cls is RequestClass.ONLINE else off_p,
+        )
+
+    def _chunk(self) -> int:
         lim = self.limits
         chunk = lim.max_num_batched_tokens
         if 0 < lim.long_prefill_token_threshold < chunk:
             chunk = lim.long_prefill_token_threshold
-        for rec in self._inflight.values():
-            if rec.aborting:
-                continue
-            prompt = rec.prompt_tokens + rec.resume_from
-            gen = rec.generated - rec.resume_from
-            # The stream shows no prefill progress: price the pending prefill
-            # as its last (costliest, longest-context) chunk, conservatively.
-            computed = prompt if gen else max(prompt - chunk, 0)
-            yield RunningRequest(
-                request_id=rec.request_id,
-                cls=rec.cls,
-                prompt_tokens=prompt,
-                computed_tokens=computed,
-                generated_tokens=gen,
-                max_tokens=rec.max_tokens - rec.resume_from,
-                arrival_s=rec.arrival_s,
-                priority=on_p if rec.cls is RequestClass.ONLINE else off_p,
-            )
+        return chunk
+
+    def _in_flight_sums(self) -> InFlight:
+        """The planner's view of what is in flight, from the running sums (O(in prefill))."""
+        on_p, off_p = self.config.online_priority, self.config.offline_priority
+        chunk = self._chunk()
+        prefilling = [self._running(rec, chunk, on_p, off_p) for rec in self._prefilling.values()]
+        on, off = RequestClass.ONLINE, RequestClass.OFFLINE
+
+        def offline() -> Iterator[RunningRequest]:
+            for rec in self._inflight.values():
+                if rec.cls is off and not rec.aborting:
+                    yield self._running(rec, chunk, on_p, off_p)
+
+        return InFlight(
+            count=self._n_live[on] + self._n_live[off],
+            online_n=self._n_live[on],
+            online_ctx=self._ctx_sum[on],
+            offline_n=self._n_live[off],
+            offline_ctx=self._ctx_sum[off],
+            prefilling=prefilling,
+            offline=offline,
+        )
 
     def _queued_view(self, rec: _Rec) -> QueuedRequest:
         return QueuedRequest(
@@ -709,6 +765,16 @@ class Dispatcher:
         if isinstance(q, FifoQueue | OrderingQueue):
             q.forget(rec.request_id)
 
+    def _unlive(self, rec: _Rec) -> None:
+        """Take an in-flight request out of the running sums (aborting or leaving)."""
+        self._n_live[rec.cls] -= 1
+        self._ctx_sum[rec.cls] -= rec.prompt_tokens + rec.generated
+        self._prefilling.pop(rec.request_id, None)
+
+    def _mark_aborting(self, rec: _Rec) -> None:
+        rec.aborting = True
+        self._unlive(rec)
+
     def _out_blocks(self, generated: int) -> int:
         return -(-generated // self._bs)
 
@@ -717,6 +783,9 @@ class Dispatcher:
         rec.resume_from = rec.generated
         self._inflight[rec.request_id] = rec
         self._n_inflight[rec.cls] += 1
+        self._n_live[rec.cls] += 1
+        self._ctx_sum[rec.cls] += rec.prompt_tokens + rec.generated
+        self._prefilling[rec.request_id] = rec
         refs = self._block_refs
         for h in rec.incoming.block_hashes:
             refs[h] = refs.get(h, 0) + 1
@@ -726,6 +795,8 @@ class Dispatcher:
     def _release(self, rec: _Rec) -> None:
         if not rec.inflight:
             raise DispatcherError("request is not in flight", rec.request_id)
+        if not rec.aborting:
+            self._unlive(rec)
         rec.inflight = False
         del self._inflight[rec.request_id]
         self._n_inflight[rec.cls] -= 1

@@ -65,12 +65,14 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
 from slipstream_scheduler.latency import BatchFeatures, LinearLatencyModel
 from slipstream_scheduler.types import (
     Admission,
+    EngineLimits,
     QueuedRequest,
     RequestClass,
     RunningRequest,
@@ -110,6 +112,7 @@ class FillRules:
     queue_window: int = 64  # queued requests looked at per queue and plan
     min_new_prefill_tokens: int = 16  # smallest first chunk worth admitting offline, tokens
     max_preemptions: int = 16  # preemptions per plan, at most
+    keep_offline_margin: bool = False  # ADMISSION: see TwoPhasePlanner.plan_in_flight
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -119,18 +122,38 @@ def _blocks(tokens: int, block_size: int) -> int:
 class _Room:
     """KV blocks, sequence slots and the preemptions that made room, for one plan.
 
-    Victims (running offline requests) are sorted only when first needed, in
-    vLLM's order: the largest ``(priority, arrival)`` goes first.
+    Victims (running offline requests, from ``offline``) are sorted only when
+    first needed: in vLLM's order (the largest ``(priority, arrival)`` first) for
+    ITERATION mode, cheapest first for ADMISSION mode (:func:`_cheapest_last`).
     """
 
-    __slots__ = ("_order", "bs", "free_kv", "max_preemptions", "preempted", "running", "slots")
+    __slots__ = (
+        "_offline",
+        "_order",
+        "bs",
+        "cheapest_first",
+        "free_kv",
+        "max_preemptions",
+        "preempted",
+        "slots",
+    )
 
-    def __init__(self, s: Snapshot, max_preemptions: int) -> None:
-        self.running = s.running
-        self.bs = s.limits.block_size
-        self.free_kv = s.free_kv_blocks
-        self.slots = s.limits.max_num_seqs - len(s.running)
+    def __init__(
+        self,
+        offline: Callable[[], Iterable[RunningRequest]],
+        free_kv: int,
+        limits: EngineLimits,
+        max_preemptions: int,
+        *,
+        count: int,
+        cheapest_first: bool = False,
+    ) -> None:
+        self._offline = offline
+        self.bs = limits.block_size
+        self.free_kv = free_kv
+        self.slots = limits.max_num_seqs - count
         self.max_preemptions = max_preemptions
+        self.cheapest_first = cheapest_first
         self.preempted: list[str] = []
         self._order: list[RunningRequest] | None = None
 
@@ -138,8 +161,11 @@ class _Room:
         if len(self.preempted) >= self.max_preemptions:
             return None
         if self._order is None:
-            self._order = [r for r in self.running if r.cls is _OFFLINE]
-            self._order.sort(key=lambda r: (r.priority, r.arrival_s))
+            self._order = list(self._offline())
+            if self.cheapest_first:
+                self._order.sort(key=_cheapest_last)
+            else:
+                self._order.sort(key=lambda r: (r.priority, r.arrival_s))
         if not self._order:
             return None
         victim = self._order.pop()
@@ -214,7 +240,9 @@ class TwoPhasePlanner:
 
     def _budgets(self, snapshot: Snapshot) -> tuple[float, float, float | None]:
         """(offline budget, online budget, budget reported in the plan)."""
-        budget = snapshot.budget_s
+        return self._budgets_of(snapshot.budget_s)
+
+    def _budgets_of(self, budget: float | None) -> tuple[float, float, float | None]:
         rules = self.rules
         if budget is None or self.model is None or not rules.offline_budgeted:
             return _INF, _INF, None
@@ -228,20 +256,23 @@ class TwoPhasePlanner:
         model = self.model
         lim = s.limits
         bs = lim.block_size
-        tokens_left = lim.max_num_batched_tokens
-        chunk_limit = tokens_left
-        if 0 < lim.long_prefill_token_threshold < chunk_limit:
-            chunk_limit = lim.long_prefill_token_threshold
         offline_budget, online_budget, reported_budget = self._budgets(s)
-        room = _Room(s, rules.max_preemptions)
+        running = s.running
+        room = _Room(
+            lambda: (r for r in running if r.cls is _OFFLINE),
+            s.free_kv_blocks,
+            lim,
+            rules.max_preemptions,
+            count=len(running),
+        )
+        fill = _StepFill(lim.max_num_batched_tokens, _chunk_limit(lim), room)
         may_preempt = rules.preempt_for_online
-        f = BatchFeatures()
-        scheduled: list[Admission] = []
-        admitted: list[Admission] = []
+        f = fill.f
         online_prefilling: list[RunningRequest] = []
         offline_prefilling: list[RunningRequest] = []
         offline_running = 0
         decode = self._decode
+        scheduled = fill.scheduled
 
         # Phase 1a: running online decodes (and sort out who is where).
         for r in s.running:
@@ -253,7 +284,7 @@ class TwoPhasePlanner:
             if r.computed_tokens < r.prompt_tokens:
                 online_prefilling.append(r)
                 continue
-            if tokens_left <= 0:
+            if fill.tokens_left <= 0:
                 continue
             ctx = r.computed_tokens + r.generated_tokens
             if ctx % bs == 0:  # the new token opens a block
@@ -263,53 +294,24 @@ class TwoPhasePlanner:
                     continue  # NOTE: the engine would preempt this online request itself
                 room.free_kv -= 1
             f.add_decode(1, ctx)
-            tokens_left -= 1
+            fill.tokens_left -= 1
             scheduled.append(decode(r.request_id))
 
-        # Phase 1b: running online prefill chunks.
-        for r in online_prefilling:
-            if tokens_left <= 0:
-                break
-            computed = r.computed_tokens
-            want = min(r.prompt_tokens - computed, chunk_limit, tokens_left)
-            x = self._online_chunk(f, computed, want, online_budget)
-            x = room.fit_chunk(x, computed, _blocks(computed, bs), preempt=may_preempt)
-            if x <= 0:
-                continue
-            f.add_prefill(x, computed)
-            tokens_left -= x
-            scheduled.append(Admission(r.request_id, x))
-
-        # Phase 1c: new online requests, in queue order.
+        # Phase 1b, 1c: running online prefill chunks, then new online requests.
+        self._fill_prefilling(fill, online_prefilling, online_budget, online=True)
         if rules.admit_online:
-            for q in islice(s.online_queue, rules.queue_window):
-                if tokens_left <= 0:
-                    break
-                if room.slots <= 0 and may_preempt:
-                    room.preempt(0, slots=1)
-                if room.slots <= 0:
-                    break
-                ctx0 = _first_context(q)
-                want = min(q.prompt_tokens - ctx0, chunk_limit, tokens_left)
-                x = self._online_chunk(f, ctx0, want, online_budget)
-                x = room.fit_chunk(x, ctx0, ctx0 // bs, preempt=may_preempt)
-                if x <= 0:
-                    break
-                f.add_prefill(x, ctx0)
-                tokens_left -= x
-                room.slots -= 1
-                admitted.append(Admission(q.request_id, x))
+            self._fill_queue(fill, s.online_queue, online_budget, online=True)
 
         # Phase 2: offline work, only while the predicted step stays within budget.
         budget = offline_budget
         bounded = model is not None and budget < _INF
-        skip = set(room.preempted) if room.preempted else None
         if bounded and model is not None and model.predict_features(f) > budget:
-            tokens_left = 0  # online work alone fills (or overfills) the step
-        if tokens_left > 0:
+            fill.tokens_left = 0  # online work alone fills (or overfills) the step
+        if fill.tokens_left > 0:
+            skip = set(room.preempted) if room.preempted else None
             # 2a: running offline decodes.
             for r in s.running:
-                if tokens_left <= 0:
+                if fill.tokens_left <= 0:
                     break
                 if r.cls is _ONLINE or r.computed_tokens < r.prompt_tokens:
                     continue
@@ -323,46 +325,15 @@ class TwoPhasePlanner:
                         continue
                     room.free_kv -= 1
                 f.add_decode(1, ctx)
-                tokens_left -= 1
+                fill.tokens_left -= 1
                 scheduled.append(decode(r.request_id))
-            # 2b: running offline prefill chunks.
-            for r in offline_prefilling:
-                if tokens_left <= 0:
-                    break
-                if skip is not None and r.request_id in skip:
-                    continue
-                computed = r.computed_tokens
-                want = min(r.prompt_tokens - computed, chunk_limit, tokens_left)
-                x = self._offline_chunk(f, computed, want, budget)
-                x = room.fit_chunk(x, computed, _blocks(computed, bs), preempt=False)
-                if x <= 0:
-                    break
-                f.add_prefill(x, computed)
-                tokens_left -= x
-                scheduled.append(Admission(r.request_id, x))
-            # 2c: new offline requests, in queue (PSM/FCFS) order.
+            # 2b, 2c: running offline prefill chunks, then new offline requests.
+            if skip is not None:
+                offline_prefilling = [r for r in offline_prefilling if r.request_id not in skip]
+            self._fill_prefilling(fill, offline_prefilling, budget, online=False)
             if rules.admit_offline:
-                in_flight = offline_running - len(room.preempted)
-                cap = rules.offline_cap
-                for q in islice(s.offline_queue, rules.queue_window):
-                    if tokens_left <= 0 or room.slots <= 0:
-                        break
-                    if cap is not None and in_flight >= cap:
-                        break
-                    ctx0 = _first_context(q)
-                    remaining = q.prompt_tokens - ctx0
-                    want = min(remaining, chunk_limit, tokens_left)
-                    x = self._offline_chunk(f, ctx0, want, budget)
-                    if x <= 0 or x < min(remaining, rules.min_new_prefill_tokens):
-                        break
-                    x = room.fit_chunk(x, ctx0, ctx0 // bs, preempt=False)
-                    if x <= 0:
-                        break
-                    f.add_prefill(x, ctx0)
-                    tokens_left -= x
-                    room.slots -= 1
-                    in_flight += 1
-                    admitted.append(Admission(q.request_id, x))
+                fill.offline_in_flight = offline_running - len(room.preempted)
+                self._fill_queue(fill, s.offline_queue, budget, online=False)
 
         predicted = model.predict_features(f) if model is not None and f.tokens else 0.0
         if logger.isEnabledFor(logging.DEBUG):
@@ -370,50 +341,236 @@ class TwoPhasePlanner:
                 "plan %s: scheduled=%s admitted=%s preempted=%s tokens=%s predicted=%.6f",
                 self.name,
                 len(scheduled),
-                len(admitted),
+                len(fill.admitted),
                 len(room.preempted),
                 f.tokens,
                 predicted,
             )
         return StepPlan(
             scheduled=tuple(scheduled),
-            admitted=tuple(admitted),
+            admitted=tuple(fill.admitted),
             preempted=tuple(room.preempted),
             predicted_step_s=predicted,
             budget_s=reported_budget,
         )
 
-    def _online_chunk(self, f: BatchFeatures, context: int, want: int, budget: float) -> int:
+    def _chunk(self, f: BatchFeatures, context: int, want: int, budget: float, online: bool) -> int:
+        """The prefill chunk of ``want`` tokens at most that the budget allows."""
         if want <= 0 or budget == _INF or self.model is None:
             return want
         x = self.model.max_prefill_tokens(f, context, budget, want)
-        # NOTE: the budget never stops online progress; below the floor it is exceeded.
-        return max(x, min(want, self.rules.online_min_chunk_tokens))
+        if online:
+            # NOTE: the budget never stops online progress; below the floor it is exceeded.
+            return max(x, min(want, self.rules.online_min_chunk_tokens))
+        return x
 
-    def _offline_chunk(self, f: BatchFeatures, context: int, want: int, budget: float) -> int:
-        if want <= 0 or budget == _INF or self.model is None:
-            return want
-        return self.model.max_prefill_tokens(f, context, budget, want)
+    def _fill_prefilling(
+        self, fill: _StepFill, prefilling: list[RunningRequest], budget: float, *, online: bool
+    ) -> None:
+        """Phases 1b/2b: the next chunk of each running request still in prefill.
+
+        Online chunks may preempt offline work for KV and skip a request that gets
+        nothing; offline chunks never preempt and stop at the first that gets nothing.
+        """
+        f, room, bs = fill.f, fill.room, fill.room.bs
+        preempt = online and self.rules.preempt_for_online
+        for r in prefilling:
+            if fill.tokens_left <= 0:
+                break
+            computed = r.computed_tokens
+            want = min(r.prompt_tokens - computed, fill.chunk_limit, fill.tokens_left)
+            x = self._chunk(f, computed, want, budget, online)
+            x = room.fit_chunk(x, computed, _blocks(computed, bs), preempt=preempt)
+            if x <= 0:
+                if online:
+                    continue
+                break
+            f.add_prefill(x, computed)
+            fill.tokens_left -= x
+            fill.scheduled.append(Admission(r.request_id, x))
+
+    def _fill_queue(
+        self, fill: _StepFill, queue: Sequence[QueuedRequest], budget: float, *, online: bool
+    ) -> None:
+        """Phases 1c/2c: first chunks of new requests, in queue order, until one does not fit.
+
+        Online requests may preempt offline work for a slot or KV; offline ones obey
+        the offline cap and ``min_new_prefill_tokens``, and never preempt.
+        """
+        rules = self.rules
+        f, room, bs = fill.f, fill.room, fill.room.bs
+        preempt = online and rules.preempt_for_online
+        cap = None if online else rules.offline_cap
+        for q in islice(queue, rules.queue_window):
+            if fill.tokens_left <= 0:
+                break
+            if room.slots <= 0 and preempt:
+                room.preempt(0, slots=1)
+            if room.slots <= 0:
+                break
+            if cap is not None and fill.offline_in_flight >= cap:
+                break
+            ctx0 = _first_context(q)
+            remaining = q.prompt_tokens - ctx0
+            want = min(remaining, fill.chunk_limit, fill.tokens_left)
+            x = self._chunk(f, ctx0, want, budget, online)
+            if not online and (x <= 0 or x < min(remaining, rules.min_new_prefill_tokens)):
+                break
+            x = room.fit_chunk(x, ctx0, ctx0 // bs, preempt=preempt)
+            if x <= 0:
+                break
+            f.add_prefill(x, ctx0)
+            fill.tokens_left -= x
+            room.slots -= 1
+            if not online:
+                fill.offline_in_flight += 1
+            fill.admitted.append(Admission(q.request_id, x))
 
     # ------------------------------------------------------------------ ADMISSION
 
-    def _plan_admission(self, s: Snapshot) -> StepPlan:
+    def plan_in_flight(
+        self,
+        in_flight: InFlight,
+        *,
+        online_queue: Sequence[QueuedRequest],
+        offline_queue: Sequence[QueuedRequest],
+        free_kv_blocks: int,
+        limits: EngineLimits,
+        budget_s: float | None,
+    ) -> StepPlan:
+        """ADMISSION mode from running sums instead of a snapshot (the dispatcher's path).
+
+        Same plan as :meth:`plan` on the equivalent snapshot; costs O(queue window +
+        requests in prefill), plus O(offline in flight) only when something is preempted.
+        """
         rules = self.rules
         model = self.model
-        lim = s.limits
-        bs = lim.block_size
-        cap_tokens = lim.max_num_batched_tokens
-        chunk_limit = cap_tokens
-        if 0 < lim.long_prefill_token_threshold < chunk_limit:
-            chunk_limit = lim.long_prefill_token_threshold
-        budget, _, reported_budget = self._budgets(s)
-        room = _Room(s, rules.max_preemptions)
+        budget, _, reported_budget = self._budgets_of(budget_s)
+        bounded = model is not None and budget < _INF
+        fill = _AdmissionFill(in_flight, free_kv_blocks, limits, rules.max_preemptions)
+        f = fill.f
+        may_preempt = rules.preempt_for_online
+        online_blocked = False  # an online request is left waiting for a slot or KV
+        if rules.admit_online:
+            for q in islice(online_queue, rules.queue_window):
+                if not fill.admit(q, _INF, online=True, preempt=may_preempt):
+                    online_blocked = True
+                    break
 
-        # The peak iteration: every in-flight request as a decode (sums kept in
-        # locals, online and offline apart), then in-flight prefill chunks.
+        if bounded and model is not None and fill.online_present and may_preempt:
+            # Offline work never takes the predicted peak over the budget: preempt the
+            # cheapest offline requests until it fits. When online work alone is over
+            # the budget (an online prefill chunk), offline work may add to that step
+            # only what the budget leaves it next to the online decodes (keep_margin);
+            # without the rule every offline request goes.
+            online_alone = model.predict_features(f.minus(fill.f_off))
+            limit = budget
+            if online_alone > budget:
+                limit = online_alone
+                if rules.keep_offline_margin:
+                    limit += max(0.0, budget - model.predict_features(fill.f_ond))
+            while fill.f_off.tokens and model.predict_features(f) > limit:
+                if not fill.preempt_one():
+                    break
+
+        # Offline work never takes the room a waiting online request needs (else the
+        # room its preemptions freed goes to other offline work: abort/admit churn).
+        if (
+            rules.admit_offline
+            and not online_blocked
+            and not (
+                bounded
+                and model is not None
+                and model.predict_features(f) > budget
+                and not fill.may_exceed()
+            )
+        ):
+            cap = rules.offline_cap
+            in_flight_off = in_flight.offline_n - len(fill.room.preempted)
+            for q in islice(offline_queue, rules.queue_window):
+                if cap is not None and in_flight_off >= cap:
+                    break
+                if not fill.admit(q, budget if bounded else _INF, online=False, model=model):
+                    break
+                in_flight_off += 1
+
+        predicted = model.predict_features(f) if model is not None and f.tokens else 0.0
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "admission %s: in_flight=%s admitted=%s preempted=%s peak=%.6f",
+                self.name,
+                in_flight.count,
+                len(fill.admitted),
+                len(fill.room.preempted),
+                predicted,
+            )
+        return StepPlan(
+            scheduled=(),
+            admitted=tuple(fill.admitted),
+            preempted=tuple(fill.room.preempted),
+            predicted_step_s=predicted,
+            budget_s=reported_budget,
+        )
+
+    def _plan_admission(self, s: Snapshot) -> StepPlan:
+        return self.plan_in_flight(
+            InFlight.of(s.running),
+            online_queue=s.online_queue,
+            offline_queue=s.offline_queue,
+            free_kv_blocks=s.free_kv_blocks,
+            limits=s.limits,
+            budget_s=s.budget_s,
+        )
+
+
+class _StepFill:
+    """The mutable state of one ITERATION plan, shared by its fill phases."""
+
+    __slots__ = (
+        "admitted",
+        "chunk_limit",
+        "f",
+        "offline_in_flight",
+        "room",
+        "scheduled",
+        "tokens_left",
+    )
+
+    def __init__(self, tokens_left: int, chunk_limit: int, room: _Room) -> None:
+        self.f = BatchFeatures()
+        self.tokens_left = tokens_left
+        self.chunk_limit = chunk_limit
+        self.room = room
+        self.scheduled: list[Admission] = []
+        self.admitted: list[Admission] = []
+        self.offline_in_flight = 0
+
+
+@dataclass(slots=True)
+class InFlight:
+    """What ADMISSION mode needs of the requests in flight, as running sums.
+
+    ``*_ctx``: the sum, per class, of each in-flight request's steady-state
+    decode context (its whole prompt while still in prefill, else computed +
+    generated). ``prefilling``: the requests still in prefill, in submission
+    order; each is priced as its next chunk. ``offline``: builds the in-flight
+    offline requests (the preemption candidates) when a preemption is needed.
+    """
+
+    count: int
+    online_n: int
+    online_ctx: int
+    offline_n: int
+    offline_ctx: int
+    prefilling: Sequence[RunningRequest]
+    offline: Callable[[], Iterable[RunningRequest]]
+
+    @classmethod
+    def of(cls, running: Sequence[RunningRequest]) -> InFlight:
+        """The sums of a snapshot's running requests (one pass)."""
         prefilling: list[RunningRequest] = []
-        on_n = on_ctx = off_n = off_ctx = 0
-        for r in s.running:
+        on_n = on_ctx = off_ctx = 0
+        for r in running:
             computed = r.computed_tokens
             if computed < r.prompt_tokens:
                 prefilling.append(r)
@@ -424,122 +581,166 @@ class TwoPhasePlanner:
                 on_n += 1
                 on_ctx += ctx
             else:
-                off_n += 1
                 off_ctx += ctx
-        f = BatchFeatures()
-        f.n_d = f.s_d_tok = f.tokens = on_n + off_n
-        f.s_d_ctx = on_ctx + off_ctx
-        f_off = BatchFeatures()  # the offline part of the peak
-        f_off.n_d = f_off.s_d_tok = f_off.tokens = off_n
-        f_off.s_d_ctx = off_ctx
+        return cls(
+            len(running),
+            on_n,
+            on_ctx,
+            len(running) - on_n,
+            off_ctx,
+            prefilling,
+            lambda: (r for r in running if r.cls is not _ONLINE),
+        )
+
+
+def _cheapest_last(r: RunningRequest) -> tuple[bool, int, float]:
+    # Sorted ascending and popped from the end: in prefill first (its chunk costs as
+    # much as a hundred decodes, and the sidecar cannot see how far it got), then the
+    # fewest tokens held (least recompute), then the latest arrival.
+    return (
+        r.computed_tokens < r.prompt_tokens,
+        -(r.computed_tokens + r.generated_tokens),
+        r.arrival_s,
+    )
+
+
+class _AdmissionFill:
+    """The predicted peak iteration of one ADMISSION plan and what changes it.
+
+    ``f``: the whole peak; ``f_off``: its offline part; ``f_ond``: its online
+    decodes only (what the budget must leave room beside).
+    """
+
+    __slots__ = (
+        "admitted",
+        "bs",
+        "cap_tokens",
+        "chunk_limit",
+        "chunks",
+        "count",
+        "f",
+        "f_off",
+        "f_ond",
+        "online_present",
+        "room",
+    )
+
+    def __init__(
+        self, fl: InFlight, free_kv: int, limits: EngineLimits, max_preemptions: int
+    ) -> None:
+        self.bs = limits.block_size
+        self.cap_tokens = limits.max_num_batched_tokens
+        self.chunk_limit = _chunk_limit(limits)
+        self.room = _Room(
+            fl.offline, free_kv, limits, max_preemptions, count=fl.count, cheapest_first=True
+        )
+        n = fl.online_n + fl.offline_n
+        f = self.f = BatchFeatures()
+        f.n_d = f.s_d_tok = f.tokens = n
+        f.s_d_ctx = fl.online_ctx + fl.offline_ctx
+        f_off = self.f_off = BatchFeatures()
+        f_off.n_d = f_off.s_d_tok = f_off.tokens = fl.offline_n
+        f_off.s_d_ctx = fl.offline_ctx
+        f_ond = self.f_ond = BatchFeatures()
+        f_ond.n_d = f_ond.s_d_tok = f_ond.tokens = fl.online_n
+        f_ond.s_d_ctx = fl.online_ctx
         chunks: dict[str, int] = {}
-        for r in prefilling:
-            x = min(r.prompt_tokens - r.computed_tokens, chunk_limit, cap_tokens - f.tokens)
+        self.chunks = chunks
+        chunk_limit, cap = self.chunk_limit, self.cap_tokens
+        for r in fl.prefilling:
+            x = min(r.prompt_tokens - r.computed_tokens, chunk_limit, cap - f.tokens)
             if x > 0:
                 f.add_prefill(x, r.computed_tokens)
                 if r.cls is not _ONLINE:
                     f_off.add_prefill(x, r.computed_tokens)
                 chunks[r.request_id] = x
-        online_present = on_n > 0
+        self.count = fl.count
+        self.online_present = fl.online_n > 0
+        self.admitted: list[Admission] = []
 
-        def preempt_one() -> bool:
-            """Preempt the next victim and take it out of the peak."""
-            victim = room.next_victim()
-            if victim is None:
-                return False
-            for g in (f, f_off):
-                if victim.computed_tokens < victim.prompt_tokens:
-                    g.remove_decode(1, victim.prompt_tokens)
-                    x = chunks.get(victim.request_id, 0)
-                    if x:
-                        g.remove_prefill(x, victim.computed_tokens)
-                else:
-                    g.remove_decode(1, victim.computed_tokens + victim.generated_tokens)
-            room.free_kv += _blocks(victim.computed_tokens + victim.generated_tokens, bs)
-            return True
+    def may_exceed(self) -> bool:
+        """The progress rule: on an idle engine (nothing in flight, nothing admitted
+        yet) one offline request may take the peak over the budget."""
+        return self.count == 0 and not self.admitted
 
-        admitted: list[Admission] = []
-        may_preempt = rules.preempt_for_online
-        if rules.admit_online:
-            for q in islice(s.online_queue, rules.queue_window):
-                prompt = q.prompt_tokens
-                ctx0 = q.cached_tokens if q.cached_tokens < prompt else prompt - 1
-                need = _blocks(prompt + 1, bs) - ctx0 // bs
-                while (room.slots <= 0 or need > room.free_kv) and may_preempt:
-                    if not preempt_one():
-                        break
-                if room.slots <= 0 or need > room.free_kv:
-                    break
-                first = prompt - ctx0
-                first = min(first, chunk_limit)
-                x = cap_tokens - f.tokens
-                x = min(x, first)
-                if x > 0:
-                    f.add_prefill(x, ctx0)
-                f.add_decode(1, prompt)
-                room.free_kv -= need
-                room.slots -= 1
-                online_present = True
-                admitted.append(Admission(q.request_id, first))
+    def preempt_one(self) -> bool:
+        """Preempt the next (cheapest) victim and take it out of the peak."""
+        victim = self.room.next_victim()
+        if victim is None:
+            return False
+        computed = victim.computed_tokens
+        for g in (self.f, self.f_off):
+            if computed < victim.prompt_tokens:
+                g.remove_decode(1, victim.prompt_tokens)
+                x = self.chunks.get(victim.request_id, 0)
+                if x:
+                    g.remove_prefill(x, computed)
+            else:
+                g.remove_decode(1, computed + victim.generated_tokens)
+        self.room.free_kv += _blocks(computed + victim.generated_tokens, self.bs)
+        return True
 
-        bounded = model is not None and budget < _INF
-        if bounded and model is not None and online_present and may_preempt:
-            # Offline work never takes the predicted peak over the budget: preempt
-            # offline requests until the peak fits, or until none is left when the
-            # online work alone exceeds the budget (an online prefill chunk): every
-            # offline token in that step would delay the online request further.
-            limit = max(budget, model.predict_features(f.minus(f_off)))
-            while f_off.tokens and model.predict_features(f) > limit:
-                if not preempt_one():
-                    break
+    def admit(
+        self,
+        q: QueuedRequest,
+        budget: float,
+        *,
+        online: bool,
+        preempt: bool = False,
+        model: LinearLatencyModel | None = None,
+    ) -> bool:
+        """Admit ``q`` if it fits; False: stop this queue here (order is policy order).
 
-        if rules.admit_offline and not (
-            bounded and model is not None and model.predict_features(f) > budget
+        The candidate is priced as the dispatcher will price it once in flight
+        (its *last* chunk plus its decode), so a request admitted now is not
+        preempted by the next plan for the same peak (no admit/abort ping-pong).
+        Online requests preempt offline ones for a slot or KV when ``preempt``;
+        offline requests must keep the peak within ``budget``, except one on an
+        idle engine (the progress rule, :meth:`may_exceed`: a budget below one
+        prefill chunk would otherwise stall the offline queue for good).
+        """
+        room, bs, f = self.room, self.bs, self.f
+        prompt = q.prompt_tokens
+        ctx0 = q.cached_tokens if q.cached_tokens < prompt else prompt - 1
+        need = _blocks(prompt + 1, bs) - ctx0 // bs
+        while (room.slots <= 0 or need > room.free_kv) and preempt:
+            if not self.preempt_one():
+                break
+        if room.slots <= 0 or need > room.free_kv:
+            return False
+        last = max(prompt - self.chunk_limit, ctx0)
+        x = min(prompt - last, self.cap_tokens - f.tokens)
+        if x > 0:
+            f.add_prefill(x, last)
+        f.add_decode(1, prompt)
+        if online:
+            self.f_ond.add_decode(1, prompt)
+            self.online_present = True
+        elif (
+            model is not None
+            and budget < _INF
+            and model.predict_features(f) > budget
+            and not self.may_exceed()
         ):
-            in_flight = off_n - len(room.preempted)
-            cap = rules.offline_cap
-            for q in islice(s.offline_queue, rules.queue_window):
-                if room.slots <= 0 or (cap is not None and in_flight >= cap):
-                    break
-                prompt = q.prompt_tokens
-                ctx0 = q.cached_tokens if q.cached_tokens < prompt else prompt - 1
-                need = _blocks(prompt + 1, bs) - ctx0 // bs
-                if need > room.free_kv:
-                    break
-                first = prompt - ctx0
-                first = min(first, chunk_limit)
-                x = cap_tokens - f.tokens
-                x = min(x, first)
-                if x > 0:
-                    f.add_prefill(x, ctx0)
-                f.add_decode(1, prompt)
-                if bounded and model is not None and model.predict_features(f) > budget:
-                    f.remove_decode(1, prompt)
-                    if x > 0:
-                        f.remove_prefill(x, ctx0)
-                    break
-                room.free_kv -= need
-                room.slots -= 1
-                in_flight += 1
-                admitted.append(Admission(q.request_id, first))
+            f.remove_decode(1, prompt)
+            if x > 0:
+                f.remove_prefill(x, last)
+            return False
+        else:
+            if x > 0:
+                self.f_off.add_prefill(x, last)
+            self.f_off.add_decode(1, prompt)
+        room.free_kv -= need
+        room.slots -= 1
+        self.admitted.append(Admission(q.request_id, min(prompt - ctx0, self.chunk_limit)))
+        return True
 
-        predicted = model.predict_features(f) if model is not None and f.tokens else 0.0
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "admission %s: in_flight=%s admitted=%s preempted=%s peak=%.6f",
-                self.name,
-                len(s.running),
-                len(admitted),
-                len(room.preempted),
-                predicted,
-            )
-        return StepPlan(
-            scheduled=(),
-            admitted=tuple(admitted),
-            preempted=tuple(room.preempted),
-            predicted_step_s=predicted,
-            budget_s=reported_budget,
-        )
+
+def _chunk_limit(lim: EngineLimits) -> int:
+    """The largest prefill chunk one request gets in a step (vLLM's chunking rule)."""
+    cap = lim.max_num_batched_tokens
+    t = lim.long_prefill_token_threshold
+    return t if 0 < t < cap else cap
 
 
 def _first_context(q: QueuedRequest) -> int:

@@ -83,8 +83,11 @@ def burst_workload() -> tuple[tuple[SimRequest, ...], tuple[SimRequest, ...], fl
     t0, span = later[0].arrival_s, later[-1].arrival_s - later[0].arrival_s
     squeeze = (BURST_S * (want - 1) / want) / span
     extra = tuple(
-        replace(r, request_id=f"burst-{r.request_id}",
-                arrival_s=BURST_AT_S + (r.arrival_s - t0) * squeeze)
+        replace(
+            r,
+            request_id=f"burst-{r.request_id}",
+            arrival_s=BURST_AT_S + (r.arrival_s - t0) * squeeze,
+        )
         for r in later
     )
     online = tuple(sorted(base + extra, key=lambda r: r.arrival_s))
@@ -100,10 +103,14 @@ def run(
     targets: tuple[float, float] | None,
     model: object,
 ) -> tuple[BurstRun, Simulator]:
-    wl = (Workload(online, horizon_s=HORIZON_S) if policy == "online-only"
-          else Workload(online, offline, offline_backlog=True, horizon_s=HORIZON_S))
-    sim = Simulator(wl, SimConfig(engine=engine, policy=policy, budget_s=budget_s),
-                    latency_model=model)  # type: ignore[arg-type]
+    wl = (
+        Workload(online, horizon_s=HORIZON_S)
+        if policy == "online-only"
+        else Workload(online, offline, offline_backlog=True, horizon_s=HORIZON_S)
+    )
+    sim = Simulator(
+        wl, SimConfig(engine=engine, policy=policy, budget_s=budget_s), latency_model=model
+    )  # type: ignore[arg-type]
     eng = sim.engine
     waiting: set[str] = set()
     starved: dict[str, int] = {}
@@ -153,8 +160,12 @@ def run(
             continue
         ttft = rec.first[rid] - rec.arrival[rid]
         ttfts.append(ttft)
-        if targets and rid in rec.done and ttft <= targets[0] and rec.max_gap.get(rid, 0.0) <= \
-                targets[1]:
+        if (
+            targets
+            and rid in rec.done
+            and ttft <= targets[0]
+            and rec.max_gap.get(rid, 0.0) <= targets[1]
+        ):
             ok += 1
     return BurstRun(
         policy,
@@ -187,21 +198,34 @@ def test_offline_yields_within_one_iteration_and_burst_slo_vs_online_only() -> N
     gap_t = 1.1 * float(np.percentile([rec.max_gap.get(i, 0.0) for i in ids], 99))
 
     runs = {
-        pol: run(pol, online, offline, engine, budget if pol == "budget" else None,
-                 (ttft_t, gap_t), model)[0]
+        pol: run(
+            pol,
+            online,
+            offline,
+            engine,
+            budget if pol == "budget" else None,
+            (ttft_t, gap_t),
+            model,
+        )[0]
         for pol in ("online-only", "budget", "naive")
     }
-    print(f"\nburst: {in_burst} requests in {BURST_S:.0f}s = {ratio:.2f}x the mean rate "
-          f"{mean_rate:.3f}/s; budget {budget * 1e3:.1f} ms; targets TTFT {ttft_t:.3f}s, "
-          f"largest gap {gap_t:.3f}s")
-    print(f"{'policy':<12} {'yield max':>9} {'>1 iter':>7} {'attain':>7} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'off tok/s':>9} {'off@burst':>9} {'preempt':>7} {'busy':>5}")
+    print(
+        f"\nburst: {in_burst} requests in {BURST_S:.0f}s = {ratio:.2f}x the mean rate "
+        f"{mean_rate:.3f}/s; budget {budget * 1e3:.1f} ms; targets TTFT {ttft_t:.3f}s, "
+        f"largest gap {gap_t:.3f}s"
+    )
+    print(
+        f"{'policy':<12} {'yield max':>9} {'>1 iter':>7} {'attain':>7} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'off tok/s':>9} {'off@burst':>9} {'preempt':>7} {'busy':>5}"
+    )
     for r in runs.values():
         vals = list(r.yield_iters.values())
-        print(f"{r.policy:<12} {max(vals):>9} {sum(v > 1 for v in vals):>7} "
-              f"{r.attainment:>7.3f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
-              f"{r.offline_tokens_per_s:>9.1f} "
-              f"{r.offline_in_flight_at_burst:>9} {r.preemptions:>7} {r.busy:>5.2f}")
+        print(
+            f"{r.policy:<12} {max(vals):>9} {sum(v > 1 for v in vals):>7} "
+            f"{r.attainment:>7.3f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
+            f"{r.offline_tokens_per_s:>9.1f} "
+            f"{r.offline_in_flight_at_burst:>9} {r.preemptions:>7} {r.busy:>5.2f}"
+        )
 
     hygen = runs["budget"]
     assert hygen.offline_in_flight_at_burst > 0, "offline must be running when the burst hits"
@@ -214,19 +238,26 @@ def test_offline_yields_within_one_iteration_and_burst_slo_vs_online_only() -> N
     assert hygen.ttft_p50_s <= 1.5 * runs["online-only"].ttft_p50_s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the admission planner predicts an offline request's whole prefill and admits it only "
-    "if that fits the budget; with the operator's budget for the example SLOs (54 ms) a long "
-    "prompt is never admitted, even on an idle engine, and its job stalls (reported to the "
-    "dispatcher/planner owners: chunk the prediction, or admit on an idle engine)",
-)
 def test_offline_with_long_prompts_runs_under_a_tight_budget() -> None:
+    # The operator's budget for the example SLOs (54 ms) is below one full prefill
+    # chunk of an arXiv prompt (the engine here has no per-request chunk cap, so a
+    # ~3k-token prompt takes a 2,048-token chunk, ~159 ms). The planner used to
+    # admit no such request at all, even on an idle engine, and the job stalled;
+    # the progress rule admits one when nothing is in flight.
     engine = EngineConfig()
     model = profile_latency_model(engine, seed=0)
     offline = arxiv.load(limit=200)  # arXiv summarisation lengths: prompts up to 4k tokens
-    res = simulate(Workload((), offline, offline_backlog=True, horizon_s=30.0),
-                   SimConfig(engine=engine, policy="budget", budget_s=0.054), latency_model=model)
-    print(f"\nbudget 54 ms, idle engine, arXiv backlog: offline "
-          f"{res.metrics.offline.tokens_per_s:.1f} tok/s, {res.dispatcher.submitted} submitted")
+    assert full_step_s(engine, model) > 0.054
+    res = simulate(
+        Workload((), offline, offline_backlog=True, horizon_s=30.0),
+        SimConfig(engine=engine, policy="budget", budget_s=0.054),
+        latency_model=model,
+    )
+    print(
+        f"\nbudget 54 ms, idle engine, arXiv backlog: offline "
+        f"{res.metrics.offline.tokens_per_s:.1f} tok/s, {res.dispatcher.submitted} submitted, "
+        f"{res.metrics.offline.finished} finished"
+    )
     assert res.metrics.offline.tokens_per_s > 0
+    assert res.metrics.offline.finished >= 5
+    assert res.dispatcher.preemptions == 0  # nothing online to yield to

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slipstream_scheduler.admission import build_planner
 from slipstream_scheduler.dispatcher import (
@@ -20,7 +22,7 @@ from slipstream_scheduler.dispatcher import (
     UnknownRequestError,
 )
 from slipstream_scheduler.latency import FeatureSet, LinearLatencyModel
-from slipstream_scheduler.planner import PlannerMode
+from slipstream_scheduler.planner import InFlight, PlannerMode
 from slipstream_scheduler.psm import PsmParams, PsmQueue
 from slipstream_scheduler.sim.workload import unique_block_hashes
 from slipstream_scheduler.types import BatchItem, EngineLimits, Phase, RequestClass
@@ -136,10 +138,27 @@ def test_preempted_offline_keeps_its_output_and_resumes_first() -> None:
 def test_budget_holds_offline_back_when_the_step_would_exceed_it() -> None:
     # a 2000-token offline prefill predicts 5 + 40 = 45 ms > 20 ms budget
     d = _disp("budget", budget=0.020)
+    d.arrive(_inc("on1", ON, prompt=50), 0.0)
     d.arrive(_inc("big", OFF, prompt=2000), 0.0)
-    assert not d.decide(0.0).submit
+    assert [s.request_id for s in d.decide(0.0).submit] == ["on1"]
+    d.progress("on1", 1, 0.1)
+    assert not d.decide(0.1).submit  # online work in flight: the budget holds
     d.set_budget(0.100)
-    assert [s.request_id for s in d.decide(0.0).submit] == ["big"]
+    assert [s.request_id for s in d.decide(0.2).submit] == ["big"]
+
+
+def test_a_long_prompt_starts_on_an_idle_engine_under_a_tight_budget() -> None:
+    # The progress rule: on an idle engine one offline request may exceed the
+    # budget (else a budget below one prefill chunk stalls the job for good).
+    d = _disp("budget", budget=0.020)
+    for i in range(3):
+        d.arrive(_inc(f"big{i}", OFF, prompt=2000), 0.0)
+    assert [s.request_id for s in d.decide(0.0).submit] == ["big0"]
+    assert not d.decide(0.0)  # big0 is in flight: the budget holds
+    d.progress("big0", 1, 0.1)
+    assert not d.decide(0.1)
+    d.finished("big0", 50, 0.2)
+    assert [s.request_id for s in d.decide(0.2).submit] == ["big1"]
 
 
 def test_static_cap_bounds_offline_in_flight() -> None:
@@ -290,14 +309,108 @@ def test_online_arrival_preempts_offline_until_the_next_step_fits_the_budget() -
 
 
 def test_online_prefill_over_the_budget_preempts_every_offline_request() -> None:
-    d = _idle_disp(0.00712)
-    for i in range(3):
-        d.arrive(_inc(f"off{i}", OFF, prompt=500), float(i))
-    assert len(d.decide(3.0).submit) == 3
-    for i in range(3):
-        d.progress(f"off{i}", 2, 4.0)
-    # a 1000-token online prefill alone predicts 25 ms, over the 7.12 ms budget
-    d.arrive(_inc("on1", ON, prompt=1000), 5.0)
-    dec = d.decide(5.0)
-    assert [s.request_id for s in dec.submit] == ["on1"]
-    assert {a.request_id for a in dec.abort} == {"off0", "off1", "off2"}
+    def run(params: dict[str, object] | None) -> set[str]:
+        d = _disp(
+            "budget", budget=0.00712, cfg=DispatcherConfig(idle_budget_s=0.060), params=params
+        )
+        for i in range(3):
+            d.arrive(_inc(f"off{i}", OFF, prompt=500), float(i))
+        assert len(d.decide(3.0).submit) == 3
+        for i in range(3):
+            d.progress(f"off{i}", 2, 4.0)
+        # a 1000-token online prefill alone predicts 25 ms, over the 7.12 ms budget
+        d.arrive(_inc("on1", ON, prompt=1000), 5.0)
+        dec = d.decide(5.0)
+        assert [s.request_id for s in dec.submit] == ["on1"]
+        return {a.request_id for a in dec.abort}
+
+    assert run(None) == {"off0", "off1", "off2"}
+    # keep_offline_margin: the three decodes add 0.15 ms, within what the budget
+    # leaves them beside the online decode (7.12 - 5.05 ms): they stay
+    assert run({"keep_offline_margin": True}) == set()
+
+
+def _context_model() -> LinearLatencyModel:
+    # 5 ms + 0.02 ms per prefill token + 0.05 ms per decode + attention: 1e-8 s per
+    # prefill token per context token (a chunk late in a long prompt costs more)
+    coef = (0.005, 2e-5, 0.0, 0.0, 5e-5, 0.0, 0.0, 1e-8)
+    return LinearLatencyModel(FeatureSet.CONTEXT_CHUNK, coef)
+
+
+def test_steady_online_arrivals_do_not_churn_long_offline_prompts() -> None:
+    # vLLM chunks prompts at 256 tokens; offline prompts are 3,000 tokens. The
+    # first chunk (context 0) fits the budget beside an online decode, the last
+    # (context 2,744) does not. Admission must price what the next plan keeps,
+    # else every plan admits what the one before aborted (the demo's 86k aborts).
+    model = _context_model()
+    lim = EngineLimits(max_num_seqs=64, long_prefill_token_threshold=256)
+    planner = build_planner("budget", latency_model=model, mode=PlannerMode.ADMISSION)
+    d = Dispatcher(DispatcherConfig(), planner, limits=lim, kv_blocks=100_000, budget_s=0.0125)
+    for i in range(8):
+        d.arrive(_inc(f"off{i}", OFF, prompt=3000), 0.0)
+    t = 1.0
+    for k in range(20):  # online arrivals, each decoding while the next arrives
+        d.arrive(_inc(f"on{k}", ON, prompt=64), t)
+        for _ in range(64):  # the sidecar's loop: decide until quiet
+            dec = d.decide(t)
+            if not dec:
+                break
+            for a in dec.abort:
+                d.aborted(a.request_id, t)
+            for sub in dec.submit:
+                if sub.request_id.startswith("on"):
+                    d.progress(sub.request_id, 1, t)
+        t += 1.0
+        if k:
+            d.finished(f"on{k - 1}", 5, t)
+    st = d.stats()
+    assert st.preemptions <= 8, st
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 10_000)), max_size=80))
+def test_incremental_in_flight_sums_match_a_full_rebuild(ops: list[tuple[int, int]]) -> None:
+    # The dispatcher keeps its in-flight view as running sums; planning from them
+    # must equal planning from a snapshot of every request rebuilt from scratch.
+    model = _context_model()
+    lim = EngineLimits(max_num_seqs=12, long_prefill_token_threshold=64)
+    planner = build_planner("budget", latency_model=model, mode=PlannerMode.ADMISSION)
+    d = Dispatcher(DispatcherConfig(), planner, limits=lim, kv_blocks=400, budget_s=0.02)
+    n = 0
+    t = 0.0
+    for op, x in ops:
+        t += 0.01
+        inflight = [r for r in d._inflight.values() if not r.aborting]
+        if op == 0:
+            cls = ON if x % 3 == 0 else OFF
+            d.arrive(_inc(f"r{n}", cls, prompt=1 + x % 400, out=20), t)
+            n += 1
+        elif op == 1:
+            dec = d.decide(t)
+            for a in dec.abort:
+                d.aborted(a.request_id, t)
+        elif op == 2 and inflight:
+            rec = inflight[x % len(inflight)]
+            d.progress(rec.request_id, rec.generated - rec.resume_from + 1 + x % 3, t)
+        elif op == 3 and inflight:
+            rec = inflight[x % len(inflight)]
+            d.finished(rec.request_id, rec.generated - rec.resume_from, t)
+        elif op == 4 and inflight:
+            d.failed(inflight[x % len(inflight)].request_id, t)
+        fast = d._in_flight_sums()
+        full = InFlight.of(tuple(d._running_view()))
+        assert (fast.count, fast.online_n, fast.online_ctx, fast.offline_n, fast.offline_ctx) == (
+            full.count,
+            full.online_n,
+            full.online_ctx,
+            full.offline_n,
+            full.offline_ctx,
+        )
+        assert list(fast.prefilling) == list(full.prefilling)
+        assert sorted(fast.offline(), key=str) == sorted(full.offline(), key=str)
+        on_q = [d._queued_view(d._recs[r]) for r in d.online_queue.head(8, t)]
+        off_q = [d._queued_view(d._recs[r]) for r in d.offline_queue.head(8, t)]
+        kw = {"free_kv_blocks": d.est_free_kv_blocks, "limits": lim, "budget_s": 0.01}
+        a = planner.plan_in_flight(fast, online_queue=on_q, offline_queue=off_q, **kw)
+        b = planner.plan_in_flight(full, online_queue=on_q, offline_queue=off_q, **kw)
+        assert a == b

@@ -95,6 +95,9 @@ class SimMetrics:
     steps: int
     timeline: Timeline
     samples: dict[str, FloatArray] = field(default_factory=dict, compare=False, repr=False)
+    discarded_kv_tokens: int = 0  # KV tokens (computed + generated) dropped by dispatcher aborts
+    max_request_preemptions: int = 0  # most dispatcher aborts of any one request
+    prefill_tokens_computed: int = 0  # engine prefill tokens computed, recompute included
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (raw samples left out)."""
@@ -129,6 +132,8 @@ class Recorder:
         self.tbt: dict[RequestClass, list[float]] = {c: [] for c in RequestClass}
         self.tokens: dict[RequestClass, int] = {c: 0 for c in RequestClass}
         self.preemptions: dict[RequestClass, int] = {c: 0 for c in RequestClass}
+        self.aborts: dict[str, int] = {}  # dispatcher aborts per request
+        self.discarded_kv_tokens = 0
         # per-step timeline: end time, duration, online tokens, offline tokens
         self.step_end: list[float] = []
         self.step_dur: list[float] = []
@@ -177,6 +182,12 @@ class Recorder:
     def preempted(self, request_id: str) -> None:
         self.preemptions[self.cls[request_id]] += 1
 
+    def aborted(self, request_id: str, kv_tokens: int) -> None:
+        """A dispatcher abort that dropped ``kv_tokens`` tokens of KV (computed + generated)."""
+        self.preempted(request_id)
+        self.aborts[request_id] = self.aborts.get(request_id, 0) + 1
+        self.discarded_kv_tokens += kv_tokens
+
     def summary(
         self,
         duration_s: float,
@@ -184,6 +195,7 @@ class Recorder:
         prefix_hit_rate: float,
         engine_preemptions: int,
         dispatcher_preemptions: int,
+        prefill_tokens_computed: int = 0,
         ttft_target_s: float | None = None,
         tbt_target_s: float | None = None,
         bin_s: float | None = None,
@@ -239,6 +251,9 @@ class Recorder:
             steps=len(self.step_dur),
             timeline=self._timeline(duration_s, bin_s),
             samples=samples,
+            discarded_kv_tokens=self.discarded_kv_tokens,
+            max_request_preemptions=max(self.aborts.values(), default=0),
+            prefill_tokens_computed=prefill_tokens_computed,
         )
 
     def _timeline(self, duration_s: float, bin_s: float | None) -> Timeline:

@@ -404,10 +404,12 @@ class Simulator:
                     break
                 for ab in dec.abort:
                     lv = live_map[ab.request_id]
+                    view = eng.inspect(lv.engine_id)
                     eng.abort(lv.engine_id)
                     del by_eid[lv.engine_id]
                     disp.aborted(ab.request_id, now)
-                    rec.preempted(ab.request_id)
+                    lost = view.computed_tokens + view.generated_tokens if view else 0
+                    rec.aborted(ab.request_id, lost)
                     self._dispatcher_preemptions += 1
                     self._after_abort(lv)
                 for sub in dec.submit:
@@ -480,6 +482,7 @@ class Simulator:
             prefix_hit_rate=hit,
             engine_preemptions=st.preemptions,
             dispatcher_preemptions=self._dispatcher_preemptions,
+            prefill_tokens_computed=st.computed_prefill_tokens,
             ttft_target_s=cfg.ttft_target_s,
             tbt_target_s=cfg.tbt_target_s,
         )
