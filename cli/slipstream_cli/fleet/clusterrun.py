@@ -44,7 +44,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream_cli.cluster import ApiError, LocalCluster
+from slipstream_cli.cluster import ApiError, ClusterError, LocalCluster
 from slipstream_cli.fleet.workload import (
     FleetPlan,
     batch_lines,
@@ -242,20 +242,35 @@ class FleetRun:
             for _ in pool.map(fn, items):
                 pass
 
+    def _read(self, path: str, attempts: int = 4) -> Any:
+        """GET ``path``; a time-out or refused read is retried (a loaded API server can take
+        longer than one read's 30 s), the last failure raised."""
+        for attempt in range(attempts):
+            try:
+                return self.rest.request("GET", path, timeout=60.0)
+            except ApiError:
+                raise
+            except (ClusterError, OSError) as exc:  # time-outs and refused connections
+                if attempt == attempts - 1:
+                    raise
+                logger.warning("GET %s failed (%s); retrying", path, exc)
+                time.sleep(2.0)
+        raise AssertionError("unreachable")
+
     def _list(self, plural: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         spaces = [None] if self.clusterwide else self.namespaces
         for ns in spaces:
             where = f"/namespaces/{ns}" if ns else ""
-            answer = self.rest.request("GET", f"/apis/slipstream.dev/v1alpha1{where}/{plural}")
+            answer = self._read(f"/apis/slipstream.dev/v1alpha1{where}/{plural}")
             items.extend(answer.get("items", []))
         return [i for i in items if i["metadata"]["namespace"] in self.namespaces]
 
     def _running_pods(self) -> int:
         count = 0
         for ns in self.namespaces:
-            answer = self.rest.request(
-                "GET", f"/api/v1/namespaces/{ns}/pods?labelSelector=slipstream.dev%2Fservice")
+            answer = self._read(
+                f"/api/v1/namespaces/{ns}/pods?labelSelector=slipstream.dev%2Fservice")
             count += sum(1 for p in answer["items"]
                          if (p.get("status") or {}).get("phase") == "Running")
         return count
