@@ -5,7 +5,14 @@ Gittins index) of their predicted cost distribution::
 
     G(D) = inf_{Δ>0}  E[min(X, Δ)] / P(X ≤ Δ),        X ~ D, smaller runs first
 
-with the per-request cost ``C = O²/2 + I·O`` (``I`` input, ``O`` output tokens).
+with the per-request cost ``C = O²/2 + I·O`` (``I`` input, ``O`` output tokens):
+SageSched's ``memory`` cost, the KV memory a request holds integrated over its
+decode steps, which is what a request costs when KV memory bounds the batch.
+``cost="output"`` selects ``C = O``, the decode steps a request occupies, which
+is what it costs when a slot cap (the sidecar's in-flight limit, or
+``max_num_seqs``) bounds the batch and a step takes about the same time
+whatever the contexts. Both are increasing in ``O`` for a fixed ``I``, so every
+rule below holds for either.
 For a discrete distribution with sorted atoms ``c_1 < … < c_m``, cumulative
 probabilities ``F_j`` and partial sums ``S_j = Σ_{i≤j} p_i c_i``, the infimum is
 attained at an atom, so ``G = min_j (S_j + c_j (1 − F_j)) / F_j``: one sort, two
@@ -32,14 +39,19 @@ reorder a queue or preempt (``ordering.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
 
+CostKind = Literal["memory", "output"]
+"""``memory``: ``C = O²/2 + I·O`` (SageSched); ``output``: ``C = O`` (decode steps)."""
+
 __all__ = [
     "DEFAULT_REFRESH_EVERY_TOKENS",
+    "CostKind",
     "GittinsTracker",
     "gittins_rank",
     "gittins_rank_sorted",
@@ -52,9 +64,13 @@ DEFAULT_REFRESH_EVERY_TOKENS = 200
 """SageSched's bucket size: refresh a request's rank every 200 output tokens."""
 
 
-def request_cost(input_tokens: float, output_tokens: float | FloatArray) -> FloatArray:
-    """``C = O²/2 + I·O`` for one input length and one or many output lengths."""
+def request_cost(
+    input_tokens: float, output_tokens: float | FloatArray, cost: CostKind = "memory"
+) -> FloatArray:
+    """``C = O²/2 + I·O`` (``memory``) or ``C = O`` (``output``) for one or many lengths."""
     o = np.asarray(output_tokens, dtype=np.float64)
+    if cost == "output":
+        return np.array(o, dtype=np.float64)
     return np.asarray(0.5 * o * o + float(input_tokens) * o, dtype=np.float64)
 
 
@@ -109,11 +125,12 @@ def remaining_cost_sample(
     input_tokens: int,
     generated_tokens: int,
     fallback_sorted: FloatArray | None = None,
+    cost: CostKind = "memory",
 ) -> FloatArray:
     """Ascending remaining costs ``C(O) − C(o)`` over the surviving samples (all > 0)."""
     alive = surviving_lengths(sorted_lengths, generated_tokens, fallback_sorted)
-    attained = float(request_cost(input_tokens, float(generated_tokens)))
-    return request_cost(input_tokens, alive) - attained
+    attained = float(request_cost(input_tokens, float(generated_tokens), cost))
+    return request_cost(input_tokens, alive, cost) - attained
 
 
 @dataclass(slots=True)

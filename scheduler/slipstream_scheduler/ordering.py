@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from slipstream_scheduler.gittins import (
     DEFAULT_REFRESH_EVERY_TOKENS,
+    CostKind,
     gittins_rank_sorted,
     remaining_cost_sample,
     request_cost,
@@ -131,10 +132,10 @@ class RequestView:
     def _fallback(self) -> FloatArray | None:
         return self.fallback if self.fallback.shape[0] else None
 
-    def remaining_costs(self) -> FloatArray:
+    def remaining_costs(self, cost: CostKind = "memory") -> FloatArray:
         """Ascending ``C(O) − C(o)`` over the samples still possible (outliving rule applied)."""
         return remaining_cost_sample(
-            self.lengths, self.input_tokens, self.generated_tokens, self._fallback()
+            self.lengths, self.input_tokens, self.generated_tokens, self._fallback(), cost
         )
 
     def predicted_mean_tokens(self) -> float:
@@ -209,6 +210,11 @@ class SjfParams(BaseModel):
         default="mean_cost",
         description="'mean_cost' = E[O²/2 + I·O]; 'cost_of_mean' = C(E[O]). Default 'mean_cost'.",
     )
+    cost: CostKind = Field(
+        default="memory",
+        description="'memory' = O²/2 + I·O (SageSched: KV memory bounds the batch); 'output' = "
+        "O (decode steps: a slot cap bounds the batch). Default 'memory'.",
+    )
 
 
 class SjfOrdering:
@@ -219,9 +225,10 @@ class SjfOrdering:
         self.params = params if params is not None else SjfParams()
 
     def key(self, view: RequestView) -> float:
+        cost = self.params.cost
         if self.params.key == "cost_of_mean":
-            return float(request_cost(view.input_tokens, view.predicted_mean_tokens()))
-        return float(view.remaining_costs().mean())
+            return float(request_cost(view.input_tokens, view.predicted_mean_tokens(), cost))
+        return float(view.remaining_costs(cost).mean())
 
     def refresh_needed(self, view: RequestView) -> bool:
         return view.keyed_at_tokens < 0
@@ -252,6 +259,11 @@ class TrailParams(BaseModel):
     max_preemptions: int = Field(
         default=1, ge=0, description="Per-request preemption cap. Default 1."
     )
+    cost: CostKind = Field(
+        default="memory",
+        description="'memory' = O²/2 + I·O (SageSched: KV memory bounds the batch); 'output' = "
+        "O (decode steps: a slot cap bounds the batch). Default 'memory'.",
+    )
 
 
 class TrailOrdering:
@@ -264,7 +276,7 @@ class TrailOrdering:
         self.preemptive = self.params.max_preemptions > 0
 
     def key(self, view: RequestView) -> float:
-        return float(view.remaining_costs().mean())
+        return float(view.remaining_costs(self.params.cost).mean())
 
     def refresh_needed(self, view: RequestView) -> bool:
         return _bucket_crossed(view, self.params.refresh_every_tokens)
@@ -299,6 +311,11 @@ class GittinsParams(BaseModel):
     max_preemptions: int = Field(
         default=2, ge=0, description="Per-request preemption cap. Default 2."
     )
+    cost: CostKind = Field(
+        default="memory",
+        description="'memory' = O²/2 + I·O (SageSched: KV memory bounds the batch); 'output' = "
+        "O (decode steps: a slot cap bounds the batch). Default 'memory'.",
+    )
 
 
 class GittinsOrdering:
@@ -311,7 +328,7 @@ class GittinsOrdering:
         self.preemptive = self.params.max_preemptions > 0
 
     def key(self, view: RequestView) -> float:
-        return gittins_rank_sorted(view.remaining_costs())
+        return gittins_rank_sorted(view.remaining_costs(self.params.cost))
 
     def refresh_needed(self, view: RequestView) -> bool:
         return _bucket_crossed(view, self.params.refresh_every_tokens)

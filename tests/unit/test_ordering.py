@@ -178,3 +178,23 @@ def test_keyed_queue_compacts_stale_entries() -> None:
 def test_a_zero_preemption_cap_makes_an_ordering_non_preemptive(name: str) -> None:
     assert make_ordering(name).preemptive is True
     assert make_ordering(name, {"max_preemptions": 0}).preemptive is False
+
+
+def test_output_cost_ranks_by_decode_steps_for_every_size_based_ordering() -> None:
+    # Same output samples, very different prompts: the memory cost puts the short
+    # prompt first, the output cost (decode steps) ties them and keeps arrival order.
+    long_prompt = RequestView.create("long", 0.0, 4000, [100.0, 300.0])
+    short_prompt = RequestView.create("short", 1.0, 10, [100.0, 300.0])
+    for name in ("sjf", "trail", "gittins"):
+        memory = make_ordering(name)
+        output = make_ordering(name, {"cost": "output"})
+        assert order(memory, [long_prompt, short_prompt]) == ["short", "long"]
+        assert output.key(long_prompt) == output.key(short_prompt)
+    sjf = make_ordering("sjf", {"cost": "output"})
+    assert sjf.key(short_prompt) == pytest.approx(200.0)  # E[O]
+    git = make_ordering("gittins", {"cost": "output"})
+    at = replace(short_prompt, generated_tokens=150)
+    assert git.key(at) == pytest.approx(gittins_rank(np.array([100.0, 300.0]), 150.0))
+    assert float(request_cost(4000, 7.0, "output")) == 7.0
+    with pytest.raises(ValidationError):
+        make_ordering("gittins", {"cost": "kv"})

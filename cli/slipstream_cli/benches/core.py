@@ -11,7 +11,8 @@ a warm-up), in microseconds. Inputs come from the real data in
   Azure conversation trace's prompt lengths;
 * ``predict_us``: one prediction from the incremental ``BatchFeatures``
   accumulator (the planner's path); baselines: ``predict(batch)`` re-summing a
-  256-decode batch, and a numpy feature-vector dot product;
+  256-decode batch, and a numpy feature-vector dot product; as extras, the
+  same prediction and the chunk solver of the opt-in token-curve model;
 * ``length_predict_us``: ``SemanticHistoryPredictor.predict`` with its full
   10,000-record history filled from Alpaca prompts and their real answer
   lengths (cycled: the dev file holds 4,000), embedding excluded; the
@@ -51,6 +52,7 @@ from slipstream_scheduler.admission import build_planner
 from slipstream_scheduler.latency import (
     FEATURE_NAMES,
     BatchFeatures,
+    FeatureSet,
     LatencyModelMeta,
     LinearLatencyModel,
     fit,
@@ -161,6 +163,7 @@ class FittedModel:
     model: LinearLatencyModel
     source: str
     kfold: dict[str, float]
+    curve: LinearLatencyModel | None = None  # the token-curve set fitted on the same rows
 
 
 def _random_batch(
@@ -228,8 +231,19 @@ def fitted_model(lengths: Sequence[tuple[int, int]], seed: int, rows: int = 3000
             )
     except ImportError:  # the engine model is another package's work in progress
         logger.warning("engine GPU timing model not importable; using the stand-in")
-    result = fit([(b, timing(b)) for b in batches], meta=meta, seed=seed)
-    return FittedModel(result.model, source, {k.value: v for k, v in result.kfold.items()})
+    rows_fit = [(b, timing(b)) for b in batches]
+    result = fit(rows_fit, meta=meta, seed=seed)
+    # The token-curve model (opt-in, slower to fit): on part of the rows, two folds,
+    # only to time its prediction and its chunk solver.
+    curve = fit(
+        rows_fit[:1500], feature_sets=[FeatureSet.CONTEXT_CHUNK_CURVE], folds=2, seed=seed
+    ).model
+    return FittedModel(
+        result.model,
+        source,
+        {k.value: v for k, v in result.kfold.items()},
+        curve if curve.feature_set.has_curve else None,
+    )
 
 
 # ----------------------------------------------------------------------------- snapshot
@@ -335,6 +349,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ratios["max_prefill_bisect_vs_closed_form"] = (
         extra["max_prefill_bisect_us"] / extra["max_prefill_us"]
     )
+    if fm.curve is not None:
+        cm = fm.curve
+        extra["predict_curve_us"] = time_us(
+            lambda: cm.predict_features(f), rounds=rounds, inner=inner
+        )
+        curve_budget = cm.predict_features(f) * 1.5
+        extra["max_prefill_curve_us"] = time_us(
+            lambda: cm.max_prefill_tokens(f, 300, curve_budget, 2048), rounds=rounds, inner=inner
+        )
+        ratios["predict_curve_vs_hinge"] = extra["predict_curve_us"] / results["predict_us"]
 
     # -- plan
     snap = bench_snapshot(lengths, seed)

@@ -22,6 +22,7 @@ Deliberately left out: offline work (see ``bench colocation``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import time
@@ -38,12 +39,23 @@ from slipstream_cli.workloads import alpaca_eval
 from slipstream_scheduler.dispatcher import DispatcherConfig, OrderingQueue
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.lengths import HashingEmbedder, SemanticHistoryPredictor
-from slipstream_scheduler.ordering import make_ordering
+from slipstream_scheduler.ordering import Ordering, make_ordering
 from slipstream_scheduler.sim.simulator import SimConfig, SimResult, simulate
 from slipstream_scheduler.sim.workload import SimRequest, Workload
 from slipstream_scheduler.types import RequestClass
 
-ORDERINGS = ("fcfs", "sjf", "trail", "gittins")
+ORDERINGS = ("fcfs", "sjf", "trail", "gittins", "gittins-np")
+
+VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
+    "fcfs": ("fcfs", {}),
+    "sjf": ("sjf", {}),
+    "trail": ("trail", {}),
+    "gittins": ("gittins", {}),
+    # What the sidecar ships: Gittins ranks, no displacement of in-flight requests.
+    "gittins-np": ("gittins", {"max_preemptions": 0}),
+    "trail-np": ("trail", {"max_preemptions": 0}),
+}
+"""Bench name -> (core ordering, params). ``cost`` is added for every ordering but FCFS."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests per run")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     parser.add_argument("--inflight", type=int, default=32, help="online requests in the engine")
-    parser.add_argument("--orderings", nargs="+", default=list(ORDERINGS))
+    parser.add_argument("--orderings", nargs="+", default=list(ORDERINGS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--costs",
+        nargs="+",
+        default=["memory"],
+        choices=["memory", "output"],
+        help="request cost the size-based orderings rank by: memory = O²/2 + I·O (SageSched), "
+        "output = O (decode steps; what an in-flight cap makes scarce). Each cost is run "
+        "for every ordering alike.",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="arrival seeds (default: --seed)"
+    )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
     parser.add_argument("--seed", type=int, default=0)
@@ -104,9 +128,14 @@ def _with_arrivals(reqs: list[SimRequest], rate: float, seed: int) -> tuple[SimR
     )
 
 
+def _ordering(name: str, cost: str) -> Ordering:
+    base, params = VARIANTS[name]
+    return make_ordering(base, params if base == "fcfs" else {**params, "cost": cost})
+
+
 def _run(  # noqa: PLR0917
     online: tuple[SimRequest, ...],
-    ordering: str,
+    ordering: Ordering,
     engine: EngineConfig,
     cap: int,
     seed: int,
@@ -115,7 +144,7 @@ def _run(  # noqa: PLR0917
 ) -> SimResult:
     dim = HashingEmbedder().dim
     predictor = SemanticHistoryPredictor(dim)
-    queue = OrderingQueue(make_ordering(ordering), predictor)
+    queue = OrderingQueue(ordering, predictor)
     cfg = SimConfig(
         engine=engine,
         policy="online-only",
@@ -132,16 +161,66 @@ def _run(  # noqa: PLR0917
     )
 
 
+def _label(row: dict[str, Any]) -> str:
+    return row["ordering"] if row["cost"] == "-" else f"{row['ordering']} ({row['cost']})"
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean over seeds of each (load, ordering, cost): the figures the verdict compares."""
+    keys = sorted({(r["load"], r["ordering"], r["cost"]) for r in rows})
+    out = []
+    for load, ordering, cost in keys:
+        group = [r for r in rows if (r["load"], r["ordering"], r["cost"]) == (load, ordering, cost)]
+        out.append(
+            {
+                "load": load,
+                "ordering": ordering,
+                "cost": cost,
+                "seeds": len(group),
+                **{
+                    k: float(np.mean([r[k] for r in group]))
+                    for k in ("mean_ttlt_s", "p99_ttlt_s", "ttft_p99_s", "ttft_mean_s", "reorders")
+                },
+            }
+        )
+    return out
+
+
+def verdicts(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each Gittins variant and cost against the best non-Gittins ordering (any cost) per load."""
+    out = []
+    for load in sorted({r["load"] for r in summary}):
+        at = [r for r in summary if r["load"] == load]
+        others = [r for r in at if not r["ordering"].startswith("gittins")]
+        if not others:
+            continue
+        best = min(others, key=lambda r: r["mean_ttlt_s"])
+        for r in at:
+            if r["ordering"].startswith("gittins"):
+                out.append(
+                    {
+                        "load": load,
+                        "ordering": r["ordering"],
+                        "cost": r["cost"],
+                        "best_other": _label(best),
+                        "gittins_vs_best_other_mean_ttlt": 1.0
+                        - r["mean_ttlt_s"] / best["mean_ttlt_s"],
+                    }
+                )
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 120))
     t0 = time.perf_counter()
     engine = EngineConfig(model=args.model, gpu=args.gpu)
+    seeds = args.seeds if args.seeds else [args.seed]
     reqs = build_requests(args.prompts, args.requests, args.seed)
     rows: list[dict[str, Any]] = []
     with RichProgress(console) as bar:
         sat = _run(
             tuple(reqs),
-            "fcfs",
+            _ordering("fcfs", "memory"),
             engine,
             args.inflight,
             args.seed,
@@ -150,17 +229,20 @@ def run(args: argparse.Namespace) -> int:
         )
         capacity = sat.metrics.online.finished / sat.metrics.duration_s
         console.print(f"capacity with {args.inflight} in flight: {capacity:.2f} req/s")
-        for load in args.loads:
-            online = _with_arrivals(reqs, load * capacity, args.seed)
+        for seed, load, cost in itertools.product(seeds, args.loads, args.costs):
+            online = _with_arrivals(reqs, load * capacity, seed)
             for name in args.orderings:
+                if name == "fcfs" and cost != args.costs[0]:
+                    continue  # FCFS ignores the cost: one run per load and seed
                 tw = time.perf_counter()
-                res = _run(
-                    online, name, engine, args.inflight, args.seed, bar, f"{name} load {load}"
-                )
+                label = f"{name} ({cost}) load {load} seed {seed}"
+                res = _run(online, _ordering(name, cost), engine, args.inflight, seed, bar, label)
                 on = res.metrics.online
                 rows.append(
                     {
                         "ordering": name,
+                        "cost": "-" if name == "fcfs" else cost,
+                        "seed": seed,
                         "load": load,
                         "arrival_rate_per_s": load * capacity,
                         "mean_ttlt_s": on.ttlt.mean,
@@ -173,28 +255,36 @@ def run(args: argparse.Namespace) -> int:
                     }
                 )
     table = Table(title=f"online ordering, AlpacaEval answers, {args.inflight} in flight")
-    for col in ("load", "ordering", "mean TTLT s", "p99 TTLT s", "p99 TTFT s", "reorders"):
+    for col in (
+        "load",
+        "ordering",
+        "cost",
+        "seed",
+        "mean TTLT s",
+        "p99 TTLT s",
+        "p99 TTFT s",
+        "reorders",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r['load']:.2f}",
             r["ordering"],
+            r["cost"],
+            str(r["seed"]),
             f"{r['mean_ttlt_s']:.2f}",
             f"{r['p99_ttlt_s']:.2f}",
             f"{r['ttft_p99_s']:.2f}",
             str(r["reorders"]),
         )
     console.print(table)
-    verdict = []
-    for load in args.loads:
-        at = {r["ordering"]: r for r in rows if r["load"] == load}
-        if "gittins" in at and len(at) > 1:
-            best_other = min(v["mean_ttlt_s"] for k, v in at.items() if k != "gittins")
-            gain = 1.0 - at["gittins"]["mean_ttlt_s"] / best_other
-            verdict.append({"load": load, "gittins_vs_best_other_mean_ttlt": gain})
-            console.print(
-                f"load {load}: Gittins mean TTLT vs the best other: {gain:+.1%} (positive: lower)"
-            )
+    summary = summarise(rows)
+    verdict = verdicts(summary)
+    for v in verdict:
+        console.print(
+            f"load {v['load']}: {v['ordering']} ({v['cost']}) mean TTLT vs the best other "
+            f"({v['best_other']}): {v['gittins_vs_best_other_mean_ttlt']:+.1%} (positive: lower)"
+        )
     doc = {
         "schema": "slipstream.bench.ordering/v1",
         "prompts": str(args.prompts or alpaca_eval.ALPACA_EVAL_FILE),
@@ -203,7 +293,10 @@ def run(args: argparse.Namespace) -> int:
         "capacity_req_per_s": capacity,
         "model": args.model,
         "gpu": args.gpu,
+        "seeds": seeds,
+        "costs": args.costs,
         "rows": rows,
+        "summary": summary,
         "gittins_vs_best_other": verdict,
         "wall_s": time.perf_counter() - t0,
     }
@@ -211,19 +304,20 @@ def run(args: argparse.Namespace) -> int:
     args.json.write_text(json.dumps(doc, indent=2) + "\n")
     groups = [f"load {x}" for x in args.loads]
     stem = args.json.with_suffix("")
+    labels = sorted({_label(r) for r in summary}, key=lambda k: (k.split(" ")[0], k))
     plots.grouped_bars(
         groups,
-        {o: [r["mean_ttlt_s"] for r in rows if r["ordering"] == o] for o in args.orderings},
+        {k: [r["mean_ttlt_s"] for r in summary if _label(r) == k] for k in labels},
         Path(f"{stem}-ttlt.png"),
         ylabel="mean TTLT (s)",
-        title="mean time to last token per ordering and load",
+        title="mean time to last token per ordering and load (mean over seeds)",
     )
     plots.grouped_bars(
         groups,
-        {o: [r["ttft_p99_s"] for r in rows if r["ordering"] == o] for o in args.orderings},
+        {k: [r["ttft_p99_s"] for r in summary if _label(r) == k] for k in labels},
         Path(f"{stem}-ttft.png"),
         ylabel="p99 TTFT (s)",
-        title="p99 time to first token per ordering and load",
+        title="p99 time to first token per ordering and load (mean over seeds)",
     )
     console.print(f"wrote {args.json}")
     return 0
