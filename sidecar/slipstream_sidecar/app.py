@@ -20,6 +20,7 @@ from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, laten
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.predictor import PromptLengths, make_embedder
 from slipstream_sidecar.proxy import Proxy, ProxyState
 from slipstream_sidecar.settings import SidecarSettings
 from slipstream_sidecar.shards import EngineWatch, ShardProgress, ShardRunner, ShardSpec, ShardState
@@ -98,7 +99,13 @@ class Sidecar:
             settings.budget_s, settings.ordering, model, idle_budget_s=settings.idle_budget_s
         )
         self._restore_config()
-        self.dispatcher = build_dispatcher(settings, self.brain)
+        self.lengths = PromptLengths(
+            make_embedder(settings.length_predictor),
+            history=settings.length_history,
+            embed_chars=settings.length_embed_chars,
+            metrics=self.metrics,
+        )
+        self.dispatcher = build_dispatcher(settings, self.brain, self.lengths)
         self.controller = Controller(self.dispatcher, self.metrics, tick_s=settings.tick_s)
         self.controller.latency_model = self.brain.latency_model
         self.proxy_state = ProxyState()
@@ -109,6 +116,7 @@ class Sidecar:
             self.proxy_state,
             tokenize=settings.online_prompt_tokens == "tokenize",
             block_size=settings.block_size,
+            lengths=self.lengths,
         )
         self.watch = EngineWatch()
         self.shards: dict[str, ShardRunner] = {}
@@ -135,6 +143,7 @@ class Sidecar:
             await asyncio.gather(self._ready_task, return_exceptions=True)
         await self.controller.stop()
         await self.engine.close()
+        self.lengths.close()
 
     async def _watch_engine(self) -> None:
         while True:

@@ -6,9 +6,9 @@ the configured ordering, the offline queue, the engine limits. The decisions
 themselves are the dispatcher's.
 
 Orderings come from the core's registry (``slipstream_scheduler.ordering``);
-the online length predictor is the input-length history predictor (no prompt
-embeddings in the sidecar: that would need the ``[semantic]`` extra), fed by
-every finished online request through the dispatcher.
+the online length predictor is the sidecar's prompt-text history
+(``predictor.py``), fed by every finished online request through the
+dispatcher.
 
 Deliberately left out: gRPC types (``grpc_server.py`` converts them) and I/O.
 """
@@ -67,10 +67,6 @@ def latency_model_from_spec(
     )
 
 
-def _length_predictor() -> LengthPredictor:
-    return InputLengthHistoryPredictor()
-
-
 def sidecar_ordering(name: str) -> Ordering:
     """The named ordering as the sidecar runs it: keys only, never displacement.
 
@@ -102,8 +98,13 @@ def build_offline_queue() -> PsmOfflineQueue:
     return PsmOfflineQueue(PsmQueue(PsmParams(block_size=1)))
 
 
-def build_dispatcher(settings: SidecarSettings, cfg: BrainConfig) -> Dispatcher:
-    predictor = _length_predictor()
+def build_dispatcher(
+    settings: SidecarSettings, cfg: BrainConfig, predictor: LengthPredictor | None = None
+) -> Dispatcher:
+    """The dispatcher of ``cfg``; the online length predictor defaults to the input-length
+    history (the sidecar passes its :class:`~slipstream_sidecar.predictor.PromptLengths`)."""
+    if predictor is None:
+        predictor = InputLengthHistoryPredictor()
     limits = EngineLimits(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,

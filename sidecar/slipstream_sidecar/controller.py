@@ -186,6 +186,9 @@ class Controller:
         self.observed_step_s += 0.05 * (gap_s - self.observed_step_s)
 
     def finished(self, ticket: Ticket, output_tokens: int) -> None:
+        """The stream ended normally after ``output_tokens`` (left in ``ticket.generated``)."""
+        if ticket.state == _GRANTED:
+            ticket.generated = output_tokens
         if self._leave(ticket):
             self.dispatcher.finished(ticket.request_id, output_tokens, self.now())
             self._schedule_pump()

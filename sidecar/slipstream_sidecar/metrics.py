@@ -104,6 +104,25 @@ class SidecarMetrics:
             "slipstream_shards",
             "Shards known to this sidecar, by state.", ["state"], registry=r,
         )
+        self.length_predictions = Counter(
+            "slipstream_length_predictions_total",
+            "Online output-length predictions, by source: text (similar past prompts) or "
+            "input (past requests of similar input length; no embedding was needed).",
+            ["source"], registry=r,
+        )
+        self.length_history = Gauge(
+            "slipstream_length_history_records",
+            "Finished online requests in the length predictor's history, by history.",
+            ["history"], registry=r,
+        )
+        self.length_dropped = Counter(
+            "slipstream_length_learn_dropped_total",
+            "Finished requests the text history skipped because its worker was behind.",
+            registry=r,
+        )
+        for src in ("text", "input"):
+            self.length_predictions.labels(src)
+            self.length_history.labels(src)
         for c in CLASSES:
             for fam in (self.ttft, self.tbt, self.e2e, self.admitted, self.preemptions,
                         self.output_tokens, self.queued, self.in_flight):

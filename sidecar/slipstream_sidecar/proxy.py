@@ -58,6 +58,7 @@ from slipstream_sidecar.engine import EngineClient, TokenRatio, prompt_chars
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
 from slipstream_sidecar.logging_filters import install_payload_filter
 from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.predictor import PromptLengths, Vector, prompt_text
 from slipstream_sidecar.sse import EventScanner
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Proxy:
         *,
         tokenize: bool = True,
         block_size: int = 16,
+        lengths: PromptLengths | None = None,
     ) -> None:
         self.engine = engine
         self.controller = controller
@@ -105,6 +107,7 @@ class Proxy:
         self.state = state
         self._tokenize = tokenize
         self._bs = block_size
+        self.lengths = lengths
         self._ttft = metrics.ttft.labels("online")
         self._tbt = metrics.tbt.labels("online")
         self._e2e = metrics.e2e.labels("online")
@@ -138,6 +141,8 @@ class Proxy:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.controller.refresh_gauges()
+        if self.lengths is not None:
+            self.lengths.refresh_gauges()
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
@@ -173,6 +178,9 @@ class Proxy:
         # NOTE: clients cannot raise their own priority; the dispatcher sets it.
         body.pop("priority", None)
         asked = body.get("max_tokens") or body.get("max_completion_tokens")
+        lengths = self.lengths
+        text = prompt_text(body) if lengths is not None and lengths.uses_text else None
+        vector = None
         fast = self._estimate_now(body, asked)
         if fast is not None:
             prompt_tokens, max_tokens = fast
@@ -181,6 +189,12 @@ class Proxy:
             self._exact_pending += 1
             try:
                 prompt_tokens, hashes = await self._measure(body, raw)
+                max_tokens = self._max_tokens(asked, prompt_tokens)
+                if text is not None and not self.controller.online_fits_now(
+                    prompt_tokens + max_tokens
+                ):
+                    # It may be held: its place in the order needs its predicted lengths.
+                    vector = await self._embed(text, prompt_tokens)
             except EngineUnavailableError as exc:
                 return error_response(503, str(exc), "ServiceUnavailableError")
             except EngineError as exc:
@@ -189,11 +203,16 @@ class Proxy:
                 return _passthrough(exc.status, exc.body, "application/json")
             finally:
                 self._exact_pending -= 1
-            max_tokens = self._max_tokens(asked, prompt_tokens)
         rid = f"on-{_PREFIX}-{next(_ids)}"
         ticket = self.controller.register(
             Incoming(
-                rid, RequestClass.ONLINE, prompt_tokens, max_tokens, arrival, block_hashes=hashes
+                rid,
+                RequestClass.ONLINE,
+                prompt_tokens,
+                max_tokens,
+                arrival,
+                vector=vector,
+                block_hashes=hashes,
             )
         )
         outcome = "cancelled"
@@ -212,8 +231,19 @@ class Proxy:
         finally:
             if outcome != "ok":
                 self.controller.failed(ticket)
+            elif text is not None and vector is None and lengths is not None:
+                # Admitted without an embedding: the text history learns it in the background.
+                lengths.learn(text, prompt_tokens, ticket.generated)
             self.metrics.finished.labels("online", outcome).inc()
             self._e2e.observe(self.controller.now() - arrival)
+
+    async def _embed(self, text: str, prompt_tokens: int) -> Vector | None:
+        assert self.lengths is not None
+        try:
+            return await self.lengths.embed_and_predict(text, prompt_tokens)
+        except Exception as exc:  # the ordering falls back to the input length
+            log.warning("prompt embedding failed (%s); keyed by input length", type(exc).__name__)
+            return None
 
     def _max_tokens(self, asked: object, prompt_tokens: int) -> int:
         if isinstance(asked, int) and asked >= 1:

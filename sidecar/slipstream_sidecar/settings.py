@@ -69,6 +69,21 @@ class SidecarSettings(BaseSettings):
     budget_s: float | None = Field(
         default=None, gt=0, description="Initial per-iteration latency budget (s); None: none."
     )
+    length_predictor: Literal["text", "semantic", "input"] = Field(
+        default="text",
+        description="Online output-length predictor (the ordering's input): 'text' predicts "
+        "from the lengths of past similar prompts with the dependency-free hashing embedder; "
+        "'semantic' the same with MiniLM embeddings (needs the [semantic] extra; without it "
+        "'text' is used, with a warning); 'input' from past requests of similar input length.",
+    )
+    length_history: int = Field(
+        default=10_000, ge=1, description="Finished online requests the predictor keeps."
+    )
+    length_embed_chars: int = Field(
+        default=1024,
+        ge=1,
+        description="Characters of a prompt (from its start) the predictor embeds (chars).",
+    )
     online_prompt_tokens: Literal["tokenize", "estimate"] = Field(
         default="tokenize",
         description="How online prompt lengths are measured: the engine's /tokenize (exact, one "
