@@ -37,7 +37,10 @@ Persistence is a JSON *string* with a schema version and model / GPU /
 engine-settings metadata; reading and writing files is the caller's job.
 Version 2 adds the hinge (``knee_tokens`` and the ``tokens_over_knee``
 coefficient); version 1 documents (no hinge) are still read, as the same model
-with a zero hinge, so no migration is needed.
+with a zero hinge, so no migration is needed. Version 3 adds the optional token
+curve (feature set ``context+chunk+curve``: the last coefficient scales a fitted
+monotone piecewise-linear curve of the step's token count instead of the hinge;
+opt-in in :func:`fit`); a model without a curve is still written as version 2.
 
 Deliberately left out: file I/O, online refitting from live step timings, and
 any feature that needs more than the batch composition (GPU clocks, TP
@@ -69,7 +72,9 @@ from slipstream_scheduler.types import BatchItem, Phase
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 3
-"""Version of the JSON document written by :meth:`LinearLatencyModel.to_json`."""
+"""Newest version :meth:`LinearLatencyModel.to_json` writes: 3 for a model with a token
+curve. A model without one is written as version 2, so builds that predate the curve
+(an operator or sidecar mid-rollout) still read it."""
 
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 """Versions :meth:`LinearLatencyModel.from_json` reads (1: the eight linear columns only;
@@ -676,7 +681,7 @@ class LinearLatencyModel:
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "kind": MODEL_KIND,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION if self.token_curve else 2,
             "feature_set": self.feature_set.value,
             "coefficients": dict(zip(FEATURE_NAMES, self.coefficients, strict=True)),
             "knee_tokens": self.knee_tokens,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from rich.console import Console
 from rich.table import Table
 
@@ -40,11 +41,13 @@ from slipstream_scheduler.dispatcher import DispatcherConfig, OrderingQueue
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.lengths import HashingEmbedder, SemanticHistoryPredictor
 from slipstream_scheduler.ordering import Ordering, make_ordering
+from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.sim.simulator import SimConfig, SimResult, simulate
 from slipstream_scheduler.sim.workload import SimRequest, Workload
 from slipstream_scheduler.types import RequestClass
 
 ORDERINGS = ("fcfs", "sjf", "trail", "gittins", "gittins-np")
+FloatArray = npt.NDArray[np.float64]
 
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "fcfs": ("fcfs", {}),
@@ -78,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=None, help="arrival seeds (default: --seed)"
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="an upper bound, not a deployable setting: every ordering is told each "
+        "request's true output length instead of the semantic predictor's sample",
     )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
@@ -128,6 +137,40 @@ def _with_arrivals(reqs: list[SimRequest], rate: float, seed: int) -> tuple[SimR
     )
 
 
+class OracleLengths:
+    """A ``LengthPredictor`` that knows the answer: the request's vector holds its true length.
+
+    Only for ``--oracle`` runs, which show how much mean TTLT a perfect
+    prediction could save under each ordering (the headroom a predictor works in).
+    """
+
+    def predict(self, vector: npt.NDArray[np.float32] | None, input_tokens: int) -> FloatArray:
+        if vector is None:
+            raise ValueError("oracle runs give every request its true length as its vector")
+        return np.array([float(vector[0])], dtype=np.float64)
+
+    def observe(
+        self, vector: npt.NDArray[np.float32] | None, input_tokens: int, output_tokens: int
+    ) -> None:
+        return None
+
+
+def oracle_requests(reqs: list[SimRequest]) -> list[SimRequest]:
+    """The same requests with their true output length as their vector."""
+    return [
+        SimRequest(
+            r.request_id,
+            r.cls,
+            r.arrival_s,
+            r.prompt_tokens,
+            r.output_tokens,
+            group=r.group,
+            vector=np.array([float(r.output_tokens)], dtype=np.float32),
+        )
+        for r in reqs
+    ]
+
+
 def _ordering(name: str, cost: str) -> Ordering:
     base, params = VARIANTS[name]
     return make_ordering(base, params if base == "fcfs" else {**params, "cost": cost})
@@ -141,9 +184,11 @@ def _run(  # noqa: PLR0917
     seed: int,
     bar: RichProgress,
     label: str,
+    oracle: bool = False,
 ) -> SimResult:
-    dim = HashingEmbedder().dim
-    predictor = SemanticHistoryPredictor(dim)
+    predictor: LengthPredictor = (
+        OracleLengths() if oracle else SemanticHistoryPredictor(HashingEmbedder().dim)
+    )
     queue = OrderingQueue(ordering, predictor)
     cfg = SimConfig(
         engine=engine,
@@ -216,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=args.model, gpu=args.gpu)
     seeds = args.seeds if args.seeds else [args.seed]
     reqs = build_requests(args.prompts, args.requests, args.seed)
+    if args.oracle:
+        reqs = oracle_requests(reqs)
     rows: list[dict[str, Any]] = []
     with RichProgress(console) as bar:
         sat = _run(
@@ -236,7 +283,16 @@ def run(args: argparse.Namespace) -> int:
                     continue  # FCFS ignores the cost: one run per load and seed
                 tw = time.perf_counter()
                 label = f"{name} ({cost}) load {load} seed {seed}"
-                res = _run(online, _ordering(name, cost), engine, args.inflight, seed, bar, label)
+                res = _run(
+                    online,
+                    _ordering(name, cost),
+                    engine,
+                    args.inflight,
+                    seed,
+                    bar,
+                    label,
+                    oracle=args.oracle,
+                )
                 on = res.metrics.online
                 rows.append(
                     {
@@ -294,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "gpu": args.gpu,
         "seeds": seeds,
+        "predictor": "oracle (true lengths)" if args.oracle else "semantic history (hashing)",
         "costs": args.costs,
         "rows": rows,
         "summary": summary,
