@@ -156,6 +156,7 @@ class TrialRecord:
     budget_s: float
     met: bool
     worst: str = ""
+    idle_budget_s: float | None = None  # the idle budget in force in this trial, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +166,8 @@ class SearchResult:
     ``feasible`` is False when even ``floor_s`` (the online-only budget) misses
     an SLO; the budget is then the floor. ``provisional`` marks a stand-in
     answer (the analytic one) while the real search still runs. ``note`` is a
-    one-line summary for events and conditions.
+    one-line summary for events and conditions. ``idle_budget_s``: the idle
+    budget found by a two-knob search (None: not searched, or none meets the SLOs).
     """
 
     budget_s: float
@@ -176,6 +178,7 @@ class SearchResult:
     provisional: bool = False
     trials: tuple[TrialRecord, ...] = ()
     note: str = ""
+    idle_budget_s: float | None = None
 
     def summary(self, limit: int = 8) -> str:
         """One line: source, verdict and up to ``limit`` trials (for events and conditions)."""
@@ -184,10 +187,14 @@ class SearchResult:
             head += f" ({self.note})"
         if not self.feasible:
             head += ": no budget meets the SLOs, online-only budget"
+        if self.idle_budget_s is not None:
+            head += f"; idle budget {self.idle_budget_s * 1000:.1f}ms"
         if not self.trials:
             return head
         shown = ", ".join(
-            f"{t.budget_s * 1000:.1f}ms {'met' if t.met else 'missed'}"
+            f"{t.budget_s * 1000:.1f}ms"
+            + ("" if t.idle_budget_s is None else f"/idle {t.idle_budget_s * 1000:.1f}ms")
+            + f" {'met' if t.met else 'missed'}"
             + (f" [{t.worst}]" if t.worst else "")
             for t in self.trials[:limit]
         )

@@ -52,12 +52,13 @@ from slipstream_operator.budgets import (
 from slipstream_operator.calibration import scaled
 from slipstream_operator.profiles import slugs
 from slipstream_scheduler.budget import Observed, Slo, search_budget
+from slipstream_scheduler.dispatcher import DispatcherConfig
 from slipstream_scheduler.engine.gpu import available_profiles
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.sim.simulator import SimConfig, simulate
 from slipstream_scheduler.sim.workload import SimRequest, Workload
-from slipstream_scheduler.types import EngineLimits, RequestClass
+from slipstream_scheduler.types import BatchItem, EngineLimits, Phase, RequestClass
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,15 @@ class SimSearchParams(BaseModel):
         gt=1,
         description="Loads are rounded to powers of this ratio (rate, prompt and output means) "
         "before searching, so a steady service hits the cache. Default: 1.25.",
+    )
+    search_idle: bool = Field(
+        default=False,
+        description="Also search the idle budget (the step limit while no online request is "
+        "in flight; the two-knob search of docs/benchmarks/colocation.md) before the online "
+        "budget, which is then searched with it in force from the cheapest step up. Off by "
+        "default: the operator cannot push an idle budget yet (ConfigureCall has no field for "
+        "it), and an online budget searched with an idle budget the pods do not run would be "
+        "too loose. Default: false.",
     )
     cache_entries: int = Field(
         default=256, ge=1, description="Searched results kept (LRU). Default: 256."
@@ -279,7 +289,7 @@ class SimulatedSearch:
         deadline = time.monotonic() + self.params.max_wall_s
         records: list[TrialRecord] = []
 
-        def trial(budget_s: float) -> Observed:
+        def trial(budget_s: float, idle_s: float | None = None) -> Observed:
             if time.monotonic() > deadline:
                 raise SearchTimeoutError(f"past {self.params.max_wall_s:g} s")
             config = SimConfig(
@@ -289,14 +299,28 @@ class SimulatedSearch:
                 seed=self.params.seed,
                 max_steps=self.params.max_steps,
                 backlog_depth=self.params.offline_requests,
+                dispatcher=DispatcherConfig(idle_budget_s=idle_s),
             )
             observed = simulate(workload, config, latency_model=self.model).observed()
             met = all(observed.get(x.key, math.nan) <= (x.limit_s or 0.0) for x in slos)
-            records.append(TrialRecord(budget_s * s, met, _worst(observed, slos, s)))
+            idle = None if idle_s is None else idle_s * s
+            records.append(TrialRecord(budget_s * s, met, _worst(observed, slos, s), idle))
             return observed
 
+        idle: float | None = None
         try:
-            found = search_budget(trial, slos, lo, hi, iterations=self.params.iterations)
+            if self.params.search_idle:
+                # First knob: the idle budget, the online budget held at the cheapest step
+                # (no offline work next to online work); then the online budget with it.
+                cheapest = self.model.predict([BatchItem(Phase.DECODE, 1, 1)])
+                idle_found = search_budget(
+                    lambda b: trial(cheapest, b), slos, lo, hi, iterations=self.params.iterations
+                )
+                idle = idle_found.value
+                lo = min(lo, cheapest)
+            found = search_budget(
+                lambda b: trial(b, idle), slos, lo, hi, iterations=self.params.iterations
+            )
         except SearchTimeoutError as exc:
             logger.warning("simulated budget search stopped after %d trials: %s", len(records), exc)
             return SearchResult(
@@ -317,6 +341,7 @@ class SimulatedSearch:
             source="simulated",
             feasible=feasible,
             trials=tuple(records),
+            idle_budget_s=None if idle is None else idle * s,
             note=f"{rate:.3g} rps, prompt {load.mean_prompt_tokens:.0f}, "
             f"output {load.mean_output_tokens:.0f} tokens, {workload.horizon_s or 0:.0f} s "
             f"sample, {self.params.headroom:.0%} headroom",

@@ -127,3 +127,19 @@ def test_background_searches_fall_back_where_nothing_can_be_simulated() -> None:
     off = BudgetSearches(PARAMS.model_copy(update={"enabled": False}))
     assert off.search_for(subject())(SLOTargets(tbt_p99_s=0.1), LOAD).note == ""
     assert off.searches_started == 0
+
+
+def test_the_two_knob_search_finds_an_idle_budget_and_searches_the_online_one_with_it() -> None:
+    params = PARAMS.model_copy(update={"search_idle": True})
+    targets = SLOTargets(tbt_mean_s=0.05, ttft_p99_s=1.0)
+    result = SimulatedSearch(MODEL, ENGINE, params)(targets, LOAD)
+    assert result.idle_budget_s is not None
+    assert result.floor_s <= result.idle_budget_s <= result.ceiling_s
+    assert all(t.idle_budget_s is not None for t in result.trials)
+    # The online budget's trials all ran with the idle budget that was found.
+    online = [t for t in result.trials if t.idle_budget_s == result.idle_budget_s]
+    assert any(abs(t.budget_s - result.budget_s) < 1e-12 and t.met for t in online)
+    assert "idle budget" in result.summary()
+    # Off (the default): no idle budget is searched or reported.
+    plain = SimulatedSearch(MODEL, ENGINE, PARAMS)(targets, LOAD)
+    assert plain.idle_budget_s is None and all(t.idle_budget_s is None for t in plain.trials)
