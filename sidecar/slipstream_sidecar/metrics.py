@@ -24,6 +24,10 @@ _TBT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
 )
+_OVERHEAD_BUCKETS = (
+    50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 10e-3,
+    25e-3, 50e-3, 100e-3, 250e-3, 1.0,
+)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -47,6 +51,13 @@ class SidecarMetrics:
             "slipstream_request_duration_seconds",
             "Time from arrival at the sidecar to the last byte, per class.",
             ["class"], buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.proxy_overhead = Histogram(
+            "slipstream_proxy_overhead_seconds",
+            "Time an online request spends in the sidecar on its way to its first token, by "
+            "stage: to_engine (arrival to sending it to the engine, including any time held "
+            "for admission) and relay (the engine's first chunk in, to written to the client).",
+            ["stage"], buckets=_OVERHEAD_BUCKETS, registry=r,
         )
         self.admitted = Counter(
             "slipstream_requests_admitted_total",
@@ -120,6 +131,8 @@ class SidecarMetrics:
             "Finished requests the text history skipped because its worker was behind.",
             registry=r,
         )
+        for stage in ("to_engine", "relay"):
+            self.proxy_overhead.labels(stage)
         for src in ("text", "input"):
             self.length_predictions.labels(src)
             self.length_history.labels(src)

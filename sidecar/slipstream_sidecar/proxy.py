@@ -109,6 +109,8 @@ class Proxy:
         self._bs = block_size
         self.lengths = lengths
         self._ttft = metrics.ttft.labels("online")
+        self._to_engine = metrics.proxy_overhead.labels("to_engine")
+        self._relay = metrics.proxy_overhead.labels("relay")
         self._tbt = metrics.tbt.labels("online")
         self._e2e = metrics.e2e.labels("online")
         self._tokens = metrics.output_tokens.labels("online")
@@ -220,6 +222,7 @@ class Proxy:
             grant = await ticket.granted()
             body["priority"] = grant.priority
             data = json.dumps(body, separators=(",", ":")).encode()
+            self._to_engine.observe(self.controller.now() - arrival)
             if body.get("stream"):
                 resp, outcome = await self._stream(request, path, data, ticket)
             else:
@@ -336,15 +339,19 @@ class Proxy:
             now = self.controller.now
             progress = self.controller.progress
             counted = reported = 0
+            relayed = False
             exact: int | None = None
             last = ticket.arrival_s
             try:
                 async for chunk in upstream.content.iter_any():
+                    t = now()
                     try:
                         await write(chunk)
                     except ConnectionError:
                         return resp, "cancelled"  # the client went away; upstream is closed
-                    t = now()
+                    if not relayed:
+                        relayed = True
+                        self._relay.observe(now() - t)
                     for ev in scanner.feed(chunk):
                         if ev.usage is not None:
                             ct = ev.usage.get("completion_tokens")

@@ -113,6 +113,10 @@ def test_ready_follows_the_engine(tmp_path: Path) -> None:
     eng = engine_proc(tmp_path, name="engine-ready").start()
     sc = sidecar_proc(tmp_path, eng.url, name="sidecar-ready").start()
     try:
+        # /health answers before the first engine check has finished on a loaded host.
+        deadline = time.monotonic() + 10
+        while get(sc.url + "/ready")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert get(sc.url + "/ready")[0] == 200
         eng.kill()
         deadline = time.monotonic() + 10

@@ -25,7 +25,14 @@ the last (``os.sched_setaffinity``; on a shared host this separates them from
 each other, not from other work). ``--baseline-sidecar DIR`` adds one more
 path, a sidecar whose package is imported from ``DIR`` first on
 ``PYTHONPATH`` (an older checkout's ``sidecar/``), so before/after comparisons
-come from one run. The order of the paths rotates from block to block.
+come from one run. The order of the paths rotates from block to block, and
+each repeat's own added TTFT (its sidecar block minus its direct block) is
+kept, so the spread between repeats shows what the host can resolve. From
+each sidecar that exports ``slipstream_proxy_overhead_seconds`` the bench also
+reads, per block, the time requests spent in the sidecar's own code on the way
+to their first token (arrival to the engine request; first chunk to the
+client): a figure that excludes the process hops and engine-step alignment
+that dominate the end-to-end difference on a shared host.
 Timings are printed and written (``--json``), never asserted. uvloop is used
 by the sidecar only if it is installed.
 
@@ -39,6 +46,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -214,6 +222,46 @@ async def _rps(base: str, seconds: float, clients: int, session: aiohttp.ClientS
     return done / (time.perf_counter() - t0)
 
 
+_BUCKET = re.compile(
+    r"^slipstream_proxy_overhead_seconds_(bucket|sum|count)"
+    r'\{(?:le="([^"]+)",)?stage="(\w+)"\} (\S+)$',
+    re.M,
+)
+
+
+async def _overhead(session: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
+    """The sidecar's ``slipstream_proxy_overhead_seconds`` series now: {stage: {key: value}}
+    (keys ``sum``, ``count`` and each bucket's ``le``); empty for a sidecar without it."""
+    async with session.get(base + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, dict[str, float]] = {}
+    for kind, le, stage, value in _BUCKET.findall(text):
+        out.setdefault(stage, {})[le if kind == "bucket" else kind] = float(value)
+    return out
+
+
+def _overhead_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+                      into: dict[str, dict[str, float]]) -> None:
+    for stage, series in after.items():
+        acc = into.setdefault(stage, {})
+        for key, value in series.items():
+            acc[key] = acc.get(key, 0.0) + value - before.get(stage, {}).get(key, 0.0)
+
+
+def _overhead_ms(acc: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    """Mean, and the bucket bounds holding the 50th and 99th percentiles, in ms."""
+    out: dict[str, dict[str, float | None]] = {}
+    for stage, series in acc.items():
+        n = series.get("count", 0.0)
+        bounds = sorted((float(k), v) for k, v in series.items() if k not in ("sum", "count"))
+        row: dict[str, float | None] = {"n": n, "mean_ms": 1e3 * series["sum"] / n if n else None}
+        for q in (0.5, 0.99):
+            le = next((b for b, c in bounds if n and c >= q * n), None)
+            row[f"p{round(q * 100)}_le_ms"] = None if le is None else 1e3 * le
+        out[stage] = row
+    return out
+
+
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) ``pid`` has used so far."""
     try:
@@ -248,17 +296,27 @@ async def _measure(
                 await _closed_loop(base, bodies, 8, 2, s)
         for c in args.concurrency:
             per: dict[str, list[Sample]] = {name: [] for name in paths}
+            blocks: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
             cpu: dict[str, dict[str, float]] = {n: dict.fromkeys(pids, 0.0) for n in paths}
+            over: dict[str, dict[str, dict[str, float]]] = {n: {} for n in paths}
             per_stream = max(args.rounds, 40 // c)
             names = list(paths)
             for rep in range(args.repeats):
                 k = rep % len(names)
                 for name in names[k:] + names[:k]:
                     before = {p: _cpu_s(pid) for p, pid in pids.items()}
-                    per[name] += await _closed_loop(paths[name], bodies, c, per_stream, s)
+                    o0 = await _overhead(s, paths[name]) if name != "direct" else {}
+                    got = await _closed_loop(paths[name], bodies, c, per_stream, s)
                     for p, pid in pids.items():
                         cpu[name][p] += _cpu_s(pid) - before[p]
+                    if name != "direct":
+                        _overhead_summary(o0, await _overhead(s, paths[name]), over[name])
+                    per[name] += got
+                    blocks[name].append(_summary(got))
             summ: dict[str, dict[str, Any]] = {name: _summary(v) for name, v in per.items()}
+            for name in paths:
+                if over[name]:
+                    summ[name]["overhead"] = _overhead_ms(over[name])
             for name, v in summ.items():
                 v["cpu_ms_per_request"] = {
                     p: 1e3 * t / len(per[name])
@@ -277,6 +335,14 @@ async def _measure(
                 } | {
                     f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"]
                     for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+                } | {
+                    # Each repeat's own difference (its sidecar block minus its direct
+                    # block): the spread says what this host can resolve.
+                    f"added_{m}_ms_per_repeat": [
+                        b[f"{m}_ms"] - bd[f"{m}_ms"]
+                        for b, bd in zip(blocks[name], blocks["direct"], strict=True)
+                    ]
+                    for m in ("ttft_p50", "ttft_p99")
                 }
             results["concurrency"][str(c)] = row
             print(
@@ -426,6 +492,10 @@ def run(args: argparse.Namespace) -> int:
         "cpu_ms_per_request": {
             c: {name: v["cpu_ms_per_request"] for name, v in conc[c]["paths"].items()} for c in conc
         },
+        "added_ttft_p99_ms_per_repeat": {
+            c: conc[c]["sidecar"]["added_ttft_p99_ms_per_repeat"] for c in conc
+        },
+        "sidecar_overhead_ms": {c: conc[c]["paths"]["sidecar"].get("overhead") for c in conc},
         "detail": conc,
         "setup": {
             "engine": f"{MODEL} on {args.gpu} (engine model)",
