@@ -23,6 +23,8 @@ from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 
+_SWITCH_INTERVAL_S = 0.001
+
 # flag -> (settings field, type, help)
 _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--engine": ("engine", str, "engine base URL (default http://127.0.0.1:8001)"),
@@ -40,6 +42,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--latency-model": ("latency_model_file", Path, "latency model JSON (slipstream profile)"),
     "--offline-priority": ("offline_priority", int, "vLLM priority of offline requests"),
     "--online-prompt-tokens": ("online_prompt_tokens", str, "tokenize | estimate"),
+    "--length-predictor": ("length_predictor", str, "text (default) | semantic | input"),
 }
 
 
@@ -57,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"slipstream sidecar: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    # NOTE: helper threads (gRPC, the length predictor's worker) run Python too; the event
+    # loop waits for the GIL at most this long (default 5 ms, a whole TTFT budget's worth).
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     run_loop: Callable[[Coroutine[Any, Any, int]], int] = asyncio.run
     try:
         import uvloop  # type: ignore[import-not-found,unused-ignore]

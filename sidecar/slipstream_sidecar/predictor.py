@@ -26,7 +26,9 @@ finishes, its prompt text is embedded in the background and its output length
 added to the text history (:meth:`learn`). The input-length history is
 updated on the loop (microseconds). Prompts are embedded from their first
 ``embed_chars`` characters, which bounds the worker's time holding the GIL per
-prompt. Learning work beyond ``max_backlog`` queued items is dropped (counted).
+prompt, and the worker gives the GIL up between items (the process also sets a
+1 ms switch interval, ``__main__.py``), so the event loop waits at most about a
+millisecond for it. Learning work beyond ``max_backlog`` queued items is dropped (counted).
 
 Prompt text is never logged; it lives only until its embedding is computed.
 
@@ -40,6 +42,7 @@ import asyncio
 import importlib.util
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -212,6 +215,7 @@ class PromptLengths:
             log.warning("length history update failed (%s)", type(exc).__name__)
         finally:
             self._backlog.release()
+            time.sleep(0)  # let the event loop take the GIL between two items
 
     def _embed(self, text: str) -> Vector:
         assert self._embedder is not None
