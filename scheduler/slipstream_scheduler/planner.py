@@ -452,10 +452,9 @@ class TwoPhasePlanner:
         may_preempt = rules.preempt_for_online
         online_blocked = False  # an online request is left waiting for a slot or KV
         if rules.admit_online:
-            for q in islice(online_queue, rules.queue_window):
-                if not fill.admit(q, _INF, online=True, preempt=may_preempt):
-                    online_blocked = True
-                    break
+            online_blocked = fill.admit_run(
+                online_queue, rules.queue_window, online=True, preempt=may_preempt
+            )
 
         if bounded and model is not None and fill.online_present and may_preempt:
             # Offline work never takes the predicted peak over the budget: preempt the
@@ -486,13 +485,15 @@ class TwoPhasePlanner:
             )
         ):
             cap = rules.offline_cap
-            in_flight_off = in_flight.offline_n - len(fill.room.preempted)
-            for q in islice(offline_queue, rules.queue_window):
-                if cap is not None and in_flight_off >= cap:
-                    break
-                if not fill.admit(q, budget if bounded else _INF, online=False, model=model):
-                    break
-                in_flight_off += 1
+            if cap is not None:
+                cap -= in_flight.offline_n - len(fill.room.preempted)
+            fill.admit_run(
+                offline_queue,
+                rules.queue_window if cap is None else min(rules.queue_window, max(cap, 0)),
+                online=False,
+                model=model if bounded else None,
+                budget=budget,
+            )
 
         predicted = model.predict_features(f) if model is not None and f.tokens else 0.0
         if logger.isEnabledFor(logging.DEBUG):
@@ -680,60 +681,88 @@ class _AdmissionFill:
         self.room.free_kv += _blocks(computed + victim.generated_tokens, self.bs)
         return True
 
-    def admit(
+    def admit_run(
         self,
-        q: QueuedRequest,
-        budget: float,
+        queue: Sequence[QueuedRequest],
+        window: int,
         *,
         online: bool,
         preempt: bool = False,
         model: LinearLatencyModel | None = None,
+        budget: float = _INF,
     ) -> bool:
-        """Admit ``q`` if it fits; False: stop this queue here (order is policy order).
+        """Admit the first ``window`` requests of ``queue`` in order while each fits.
 
-        The candidate is priced as the dispatcher will price it once in flight
-        (its *last* chunk plus its decode), so a request admitted now is not
-        preempted by the next plan for the same peak (no admit/abort ping-pong).
-        Online requests preempt offline ones for a slot or KV when ``preempt``;
-        offline requests must keep the peak within ``budget``, except one on an
-        idle engine (the progress rule, :meth:`may_exceed`: a budget below one
-        prefill chunk would otherwise stall the offline queue for good).
+        Returns True when it stopped at one that did not fit (the rest wait: the
+        queue is in policy order). Each candidate is priced as the dispatcher will
+        price it once in flight (its *last* chunk plus its decode), so a request
+        admitted now is not preempted by the next plan for the same peak (no
+        admit/abort ping-pong). Online requests preempt offline ones for a slot or
+        KV when ``preempt``; offline requests must keep the peak within ``budget``
+        (when ``model`` is given), except one on an idle engine (the progress
+        rule, :meth:`may_exceed`: a budget below one prefill chunk would otherwise
+        stall the offline queue for good). One loop for both classes, with the
+        accumulators updated in place (this is the planner's hot path).
         """
         room, bs, f = self.room, self.bs, self.f
-        prompt = q.prompt_tokens
-        ctx0 = q.cached_tokens if q.cached_tokens < prompt else prompt - 1
-        need = _blocks(prompt + 1, bs) - ctx0 // bs
-        while (room.slots <= 0 or need > room.free_kv) and preempt:
-            if not self.preempt_one():
-                break
-        if room.slots <= 0 or need > room.free_kv:
-            return False
-        last = max(prompt - self.chunk_limit, ctx0)
-        x = min(prompt - last, self.cap_tokens - f.tokens)
-        if x > 0:
-            f.add_prefill(x, last)
-        f.add_decode(1, prompt)
-        if online:
-            self.f_ond.add_decode(1, prompt)
-            self.online_present = True
-        elif (
-            model is not None
-            and budget < _INF
-            and model.predict_features(f) > budget
-            and not self.may_exceed()
-        ):
-            f.remove_decode(1, prompt)
-            if x > 0:
-                f.remove_prefill(x, last)
-            return False
-        else:
-            if x > 0:
-                self.f_off.add_prefill(x, last)
-            self.f_off.add_decode(1, prompt)
-        room.free_kv -= need
-        room.slots -= 1
-        self.admitted.append(Admission(q.request_id, min(prompt - ctx0, self.chunk_limit)))
-        return True
+        part = self.f_ond if online else self.f_off
+        chunk_limit, cap_tokens = self.chunk_limit, self.cap_tokens
+        admitted = self.admitted
+        for q in islice(queue, window):
+            prompt = q.prompt_tokens
+            ctx0 = q.cached_tokens
+            if ctx0 >= prompt:
+                ctx0 = prompt - 1
+            need = (prompt + bs) // bs - ctx0 // bs  # blocks of prompt + 1, less the cached
+            if room.slots <= 0 or need > room.free_kv:
+                while preempt and (room.slots <= 0 or need > room.free_kv):
+                    if not self.preempt_one():
+                        break
+                if room.slots <= 0 or need > room.free_kv:
+                    return True
+            last = prompt - chunk_limit
+            last = last if last > ctx0 else ctx0
+            x = prompt - last
+            left = cap_tokens - f.tokens
+            x = x if x < left else left
+            x = x if x > 0 else 0
+            chunk = 1 if x else 0
+            f.s_p += x
+            f.n_p += chunk
+            f.p_c += x * last
+            f.n_d += 1
+            f.s_d_tok += 1
+            f.s_d_ctx += prompt
+            f.tokens += x + 1
+            if (
+                model is not None
+                and model.predict_features(f) > budget
+                and not (self.count == 0 and not admitted)
+            ):
+                f.s_p -= x
+                f.n_p -= chunk
+                f.p_c -= x * last
+                f.n_d -= 1
+                f.s_d_tok -= 1
+                f.s_d_ctx -= prompt
+                f.tokens -= x + 1
+                return True
+            if online:
+                self.online_present = True
+            else:  # the offline part of the peak (the online part keeps decodes only)
+                part.s_p += x
+                part.n_p += chunk
+                part.p_c += x * last
+                part.tokens += x
+            part.n_d += 1
+            part.s_d_tok += 1
+            part.s_d_ctx += prompt
+            part.tokens += 1
+            room.free_kv -= need
+            room.slots -= 1
+            first = prompt - ctx0
+            admitted.append(Admission(q.request_id, first if first < chunk_limit else chunk_limit))
+        return False
 
 
 def _chunk_limit(lim: EngineLimits) -> int:
