@@ -380,6 +380,13 @@ def summary_row(run: PolicyRun, scn: Scenario) -> dict[str, Any]:
         "prefix_hit_rate": m.prefix_hit_rate,
         "preemptions_engine": m.engine_preemptions,
         "preemptions_dispatcher": m.dispatcher_preemptions,
+        "offline_finished": off.finished,
+        "preemptions_per_offline_finished": (
+            m.dispatcher_preemptions / off.finished if off.finished else None
+        ),
+        "max_request_preemptions": m.max_request_preemptions,
+        "discarded_kv_tokens": m.discarded_kv_tokens,
+        "prefill_tokens_computed": m.prefill_tokens_computed,
         "budget_s": run.budget_s,
         "idle_budget_s": run.idle_budget_s,
         "static_cap": run.static_cap,
@@ -429,6 +436,7 @@ def rows_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
         "TBT mean ms",
         "online tok/s",
         "offline tok/s",
+        "aborts/offline req",
         "busy",
         "knob",
     ):
@@ -450,6 +458,9 @@ def rows_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
             _ms(r["tbt_mean_s"]),
             f"{r['online_tokens_per_s']:.0f}",
             f"{r['offline_tokens_per_s']:.0f}",
+            "-"
+            if r.get("preemptions_per_offline_finished") is None
+            else f"{r['preemptions_per_offline_finished']:.2f}",
             f"{r['busy_fraction']:.2f}",
             knob,
         )
@@ -570,7 +581,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"virtual {m.duration_s:.0f} s, {m.steps} steps, wall {wall:.1f} s; "
         f"online requests {m.online.requests}, offline finished {m.offline.finished}; "
-        f"prefix hit rate {m.prefix_hit_rate:.3f}"
+        f"prefix hit rate {m.prefix_hit_rate:.3f}; offline aborts {m.dispatcher_preemptions} "
+        f"(most for one request {m.max_request_preemptions}), KV tokens dropped by them "
+        f"{m.discarded_kv_tokens}"
     )
     doc = {
         "schema": SCHEMA,
@@ -586,6 +599,12 @@ def run(args: argparse.Namespace) -> int:
         "slo_checks": pr.checks(scn) if scn.slos else [],
         "summary": row,
         "metrics": m.to_dict(),
+        "dispatcher": {
+            "submitted": pr.result.dispatcher.submitted,
+            "resumed": pr.result.dispatcher.resumed,
+            "preemptions": pr.result.dispatcher.preemptions,
+            "plans": pr.result.dispatcher.plans,
+        },
         "search": search_doc(pr.search),
         "wall_s": wall,
     }
