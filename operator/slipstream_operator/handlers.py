@@ -77,7 +77,7 @@ from slipstream_operator.observe import (
     promql_queries,
     stats_from_prometheus,
 )
-from slipstream_operator.profiles import find_profile
+from slipstream_operator.profiles import Profile, find_profile
 from slipstream_operator.reconcile_job import (
     CandidatePod,
     JobMemory,
@@ -226,6 +226,7 @@ class Handlers:
         kube.widen_connection_pool(api, settings.kube_threads)
         self._file_pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
         self._placing: dict[str, asyncio.Lock] = {}
+        self._profiles: dict[tuple[str, str], tuple[Profile | None, float]] = {}
         self.kube_calls = 0
         """Blocking Kubernetes client calls made (applies and Secret reads)."""
 
@@ -250,6 +251,18 @@ class Handlers:
     def _search_for(self, subject: SearchSubject) -> BudgetSearch:
         # Simulated in a worker thread and cached; analytic (provisional) meanwhile.
         return self.budget_searches.search_for(subject)
+
+    def _profile(self, model: str, gpu: str, now_s: float) -> Profile | None:
+        """The latency profile for (model, gpu), read from disk once per ``apply_resync_s``.
+
+        Kept in memory so that a tick reads no file, and so that the same model object (and
+        hence the same budget search) serves every tick until the profile is read again.
+        """
+        kept = self._profiles.get((model, gpu))
+        if kept is None or now_s - kept[1] >= self.settings.apply_resync_s:
+            kept = (find_profile(model, gpu, self.settings.profiles_dir), now_s)
+            self._profiles[(model, gpu)] = kept
+        return kept[0]
 
     async def _token(self, ref: ObjectRef, now_s: float) -> str:
         """The service's control token: from memory, read from its Secret once per resync.
@@ -327,7 +340,7 @@ class Handlers:
                           message="; ".join(problems), now=now)
             return
         token = await self._token(ref, now_s)
-        profile = find_profile(spec.model, spec.engine.gpu_type, self.settings.profiles_dir)
+        profile = self._profile(spec.model, spec.engine.gpu_type, now_s)
         pods = sorted(pods_index.get((namespace, name), ()), key=lambda p: p.name)
         history = self.state.histories.setdefault(uid, {})
         gone = set(history) - {p.name for p in pods}
