@@ -19,7 +19,13 @@ batch, and on every :meth:`Dispatcher.decide` asks the :class:`Planner`
 Algorithm note: ``decide`` is event-driven. It re-plans only when something
 the plan depends on changed (an arrival, a finish, a first token, an abort,
 a budget change) and there is something to admit; token progress alone only
-updates the running estimate. One plan per call at most.
+updates the running estimate. One plan per call at most. The estimate is
+kept incrementally (per class: requests in flight and the sum of their
+prompt + generated tokens; the requests still in prefill, in order), so a
+plan costs O(queue lookahead + requests in prefill) with a
+:class:`~slipstream_scheduler.planner.TwoPhasePlanner` in ADMISSION mode;
+the in-flight offline requests are listed only when something must be
+preempted. Any other :class:`Planner` gets a full snapshot.
 
 Deliberately left out: I/O, clocks (every call takes ``now_s``), the HTTP
 streams themselves, the engine's internals (chunk positions, actual KV use,

@@ -35,19 +35,39 @@ It walks the work in a fixed order and keeps a
     predicts that *peak* iteration: each in-flight request counted as a
     steady-state decode (context = its current context, or its prompt while
     still in prefill) plus, for requests in prefill, their next chunk (clipped
-    in order to the token cap). A candidate is admitted when the peak with its
-    first chunk *and* its steady-state decode stays within the budget. That
-    counts a prefilling request twice (chunk and decode), which is deliberately
-    conservative by one decode token per prefilling request. Online requests
-    are admitted without a budget check (holding them in the sidecar would only
-    add queueing; the engine serves them first by priority); when slots or KV
-    are then short, or online work is present and the peak exceeds the
-    budget, in-flight offline requests are preempted (the sidecar aborts and
-    later resumes them) until the peak fits; when the online part alone
-    exceeds the budget (an online prefill chunk) every offline request goes,
-    since offline work may never take the step over the budget. Offline
-    decodes that fit next to online decodes stay. ``StepPlan.scheduled`` is
-    empty.
+    in order to the token cap). The input is :class:`InFlight` (running sums
+    the dispatcher keeps incrementally, :meth:`TwoPhasePlanner.plan_in_flight`)
+    or a snapshot (one pass builds the sums).
+
+    * **Pricing a candidate.** A queued request is priced exactly as the next
+      plan will price it once in flight: its *last* chunk (context = prompt
+      minus one chunk, never below its expected prefix-cache hit) plus its
+      steady-state decode. Pricing the first chunk (context 0) admitted
+      requests that the next plan found over the budget and preempted, then
+      admitted again: the admit/abort ping-pong behind the demo's 86,299
+      offline aborts.
+    * **Online** requests are admitted without a budget check (holding them
+      in the sidecar would only add queueing; the engine serves them first by
+      priority). When slots or KV are short, in-flight offline requests are
+      preempted, **cheapest first** (in prefill first, since a chunk costs as
+      much as a hundred decodes and its progress is unknown; then the fewest
+      tokens held; then the latest arrival). An online request that still does
+      not fit stops the online queue, and then no offline request is admitted
+      in that plan (the room its preemptions freed is the online request's).
+    * **Preemption for the budget.** With online work present and the peak
+      over the budget, offline requests are preempted cheapest first until it
+      fits. When the online part alone exceeds the budget (an online prefill
+      chunk) every offline request goes (HyGen's rule); with
+      ``keep_offline_margin`` offline work may instead add to that step what
+      the budget leaves it beside the online decodes (fewer aborts, longer
+      online prefill steps: off by default, see ``docs/reliability.md``).
+    * **Offline** candidates are admitted while the peak stays within the
+      budget, except by the **progress rule**: on an idle engine (nothing in
+      flight) one offline request is admitted even if its chunk alone exceeds
+      the budget; otherwise a budget below one prefill chunk would stall the
+      offline queue for good.
+
+    ``StepPlan.scheduled`` is empty.
 
 Both modes look at no more than ``queue_window`` entries of each queue, stop at
 the first queued request that cannot be admitted (queues are in policy order:
