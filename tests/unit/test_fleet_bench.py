@@ -38,3 +38,14 @@ def test_splice_replaces_only_the_results_block() -> None:
     assert "| old |" not in again and "| new |" in again
     assert again.startswith("# Fleet\n\nwhy\n") and again.endswith("\nafter\n")
     assert splice("", "| t |\n") == f"{BEGIN}\n| t |\n{END}\n"
+
+
+def test_baseline_rows_are_shown_but_never_the_headline() -> None:
+    before = dict(_scale(500), operator="before", baseline=True)
+    after = dict(_scale(100), operator="after")
+    result = summary([before, after], None)
+    assert result["nodes"] == 100  # the baseline's larger scale is not the result
+    table = markdown(result)
+    assert "| operator | nodes |" in table
+    assert "| before | 500 | 250 |" in table and "| after | 100 | 50 |" in table
+    assert "| operator" not in markdown(summary([_scale(100)], None))

@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated node counts, smallest first")
     parser.add_argument("--interval", type=float, default=5.0,
                         help="operator reconcile interval, s (default 5, the operator's)")
+    parser.add_argument("--label", default="",
+                        help="tag each scale row with this operator label (kept in the JSON)")
     parser.add_argument("--operator-threads", type=int, default=0,
                         help="experiment: the operator's default thread pool size "
                         "(0: unchanged, min(32, CPUs + 4))")
@@ -113,6 +115,8 @@ def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]
                            operator_threads=args.operator_threads)
             row.update(run.run().to_dict())
             row["operator_threads"] = args.operator_threads or None
+            if args.label:
+                row["operator"] = args.label
             row["ok"] = True
         except (ClusterError, FleetRunError, OSError) as exc:
             logger.warning("scale %d nodes failed: %s", nodes, exc)
@@ -210,7 +214,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summary(scales: list[dict[str, Any]], sim: dict[str, Any] | None) -> dict[str, Any]:
-    reached = [s for s in scales if s.get("ok")]
+    """The issue's keys from the largest scale reached (rows marked ``baseline``, kept for
+    comparison, never count), and every row under ``scales``."""
+    reached = [s for s in scales if s.get("ok") and not s.get("baseline")]
     top = reached[-1] if reached else {}
     keys = ("nodes", "services", "pods", "shards", "ready_s", "status_lag_p99_s",
             "operator_cpu_cores", "operator_rss_mb", "api_rps")
@@ -222,16 +228,20 @@ def summary(scales: list[dict[str, Any]], sim: dict[str, Any] | None) -> dict[st
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["| nodes | services | pods | jobs | shards | pods Running s | ready s | "
+    labelled = any(s.get("operator") for s in result["scales"])
+    lines = [("| operator " if labelled else "")
+             + "| nodes | services | pods | jobs | shards | pods Running s | ready s | "
              "lag p50 s | lag p99 s | op CPU steady | op CPU ramp | RSS MB | API rps steady | "
-             "API rps ramp |", "|" + "---|" * 14]
+             "API rps ramp |", "|" + "---|" * (15 if labelled else 14)]
     for s in result["scales"]:
+        first = f"| {s.get('operator') or ''} " if labelled else ""
         if not s.get("ok"):
-            lines.append(f"| {s['nodes']} | {s['services']} | {s['pods']} | {s['jobs']} | "
+            lines.append(f"{first}| {s['nodes']} | {s['services']} | {s['pods']} | {s['jobs']} | "
                          f"{s['shards']} | failed: {s.get('error', '')[:80]} |||||||||")
             continue
         lines.append(
-            f"| {s['nodes']} | {s['services']} | {s['pods']} | {s['jobs']} | {s['shards']} | "
+            f"{first}| {s['nodes']} | {s['services']} | {s['pods']} | {s['jobs']} | "
+            f"{s['shards']} | "
             f"{s['pods_running_s']} | {s['ready_s']} | {s['status_lag_p50_s']} | "
             f"{s['status_lag_p99_s']} | {s['operator_cpu_cores']} | {s['ramp']['cpu_cores']} | "
             f"{s['operator_rss_mb']} | {s['api_rps']} | {s['ramp']['api_rps']} |")
