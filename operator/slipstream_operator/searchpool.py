@@ -84,6 +84,7 @@ class BudgetSearches:
         self._cache: OrderedDict[tuple[Hashable, ...], SearchResult] = OrderedDict()
         self._running: dict[tuple[Hashable, ...], Future[SearchResult]] = {}
         self.searches_started = 0
+        self.searches_superseded = 0
 
     def search_for(self, subject: SearchSubject) -> BudgetSearch:
         """The search the reconciler calls for ``subject``."""
@@ -127,6 +128,7 @@ class BudgetSearches:
             return hit
         running = self._running.get(key)
         if running is None:
+            self._drop_superseded(key, (*subject.key, targets))
             engine = EngineConfig(
                 model=engine_name,
                 gpu=subject.gpu.lower(),
@@ -139,10 +141,13 @@ class BudgetSearches:
             self._running[key] = running
             self.searches_started += 1
             logger.info(
-                "simulated budget search started for %s on %s at %.3g rps",
+                "simulated budget search queued for %s on %s at %.3g rps, prompt %.0f, "
+                "output %.0f tokens",
                 subject.model_name,
                 subject.gpu,
                 sample.arrival_rate_rps,
+                sample.mean_prompt_tokens,
+                sample.mean_output_tokens,
             )
         if running.done():
             del self._running[key]
@@ -162,6 +167,18 @@ class BudgetSearches:
             self._store(key, result)
             return result
         return replace(analytic(targets, load), provisional=True, note="simulated search running")
+
+    def _drop_superseded(self, key: tuple[Hashable, ...], owner: tuple[Hashable, ...]) -> None:
+        """Cancel queued (not started) searches of ``owner`` for other load buckets.
+
+        A service whose load ramps up moves through several buckets in a few reconciles;
+        only the newest is worth searching. A search already running finishes and is cached.
+        """
+        width = len(owner)
+        for other, future in list(self._running.items()):
+            if other != key and other[:width] == owner and future.cancel():
+                del self._running[other]
+                self.searches_superseded += 1
 
     def _submit(
         self, job: SimulatedSearch, targets: SLOTargets, load: LoadStats

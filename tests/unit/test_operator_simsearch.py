@@ -6,6 +6,7 @@ Small seeded samples (20 virtual seconds of Llama-2-7B on an A100 at 2 requests/
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -143,3 +144,22 @@ def test_the_two_knob_search_finds_an_idle_budget_and_searches_the_online_one_wi
     # Off (the default): no idle budget is searched or reported.
     plain = SimulatedSearch(MODEL, ENGINE, PARAMS)(targets, LOAD)
     assert plain.idle_budget_s is None and all(t.idle_budget_s is None for t in plain.trials)
+
+
+def test_a_ramping_load_searches_only_its_newest_bucket() -> None:
+    gate = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(gate.wait)  # the worker is busy: the searches below stay queued
+        searches = BudgetSearches(PARAMS, executor=pool)
+        run = searches.search_for(subject())
+        targets = SLOTargets(tbt_mean_s=0.05)
+        for rate in (1.0, 2.0, 4.0):
+            assert run(targets, LoadStats(rate, 1000.0, 200.0)).provisional
+        assert searches.searches_started == 3 and searches.searches_superseded == 2
+        # Another SLO of the same service is not superseded by this one's load.
+        assert run(SLOTargets(tbt_mean_s=0.04), LOAD).provisional
+        assert searches.searches_superseded == 2
+        gate.set()
+        assert searches.wait_idle(120.0)
+        assert run(targets, LoadStats(4.0, 1000.0, 200.0)).source == "simulated"
+        assert run(targets, LoadStats(1.0, 1000.0, 200.0)).provisional  # never searched
