@@ -245,6 +245,7 @@ class Handlers:
         """Stop the executors (running calls finish; nothing new starts)."""
         self._kube_pool.shutdown(wait=False, cancel_futures=True)
         self._file_pool.shutdown(wait=False, cancel_futures=True)
+        self.budget_searches.close()
 
     # ------------------------------------------------------------------ InferenceService
 
