@@ -13,8 +13,10 @@ factor is what a systematic error of a well-shaped model looks like. Rule
 (:func:`observe`):
 
 * each reconcile adds one ratio ``observed / predicted`` per pod that reports
-  both (> 0) *and* runs the configuration generation carrying the current
-  scale (pods still on older coefficients would measure the old model);
+  both (> 0), has requests in flight (an idle pod predicts the empty batch
+  while its observed time is a smoothed memory of past token gaps) *and* runs
+  the configuration generation carrying the current scale (pods still on older
+  coefficients would measure the old model);
 * once ``window`` ratios are in and their median is off by more than
   ``threshold`` (|median - 1| > threshold), the scale is multiplied by the
   median (clamped to [``min_scale``, ``max_scale``]), the window is cleared
@@ -85,6 +87,7 @@ class StepSample:
     predicted_s: float
     observed_s: float
     generation: int
+    busy: bool = True  # requests in flight (samples of idle pods are ignored)
 
 
 def scaled(model: LinearLatencyModel, factor: float) -> LinearLatencyModel:
@@ -105,7 +108,10 @@ def observe(
     fresh = [
         s.observed_s / s.predicted_s
         for s in samples
-        if s.predicted_s > 0 and s.observed_s > 0 and s.generation >= cal.since_generation
+        if s.busy
+        and s.predicted_s > 0
+        and s.observed_s > 0
+        and s.generation >= cal.since_generation
     ]
     ratios = (cal.ratios + tuple(fresh))[-params.window :]
     if len(ratios) < params.window:

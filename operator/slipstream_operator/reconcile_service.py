@@ -360,7 +360,8 @@ def reconcile_service(
     refit: float | None = None
     if base_model is not None:
         samples = [StepSample(p.sidecar.predicted_step_s, p.sidecar.observed_step_s,
-                              p.sidecar.generation)
+                              p.sidecar.generation,
+                              busy=p.sidecar.online_in_flight + p.sidecar.offline_in_flight > 0)
                    for p in observed.pods if p.ready and p.sidecar is not None]
         before = cal.scale
         cal, refit = observe(cal, samples, calibration or CalibrationParams())

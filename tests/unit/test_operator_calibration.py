@@ -59,11 +59,12 @@ def test_the_scale_compounds_and_is_clamped() -> None:
     assert refit is None and cal.scale == PARAMS.max_scale
 
 
-def test_pods_on_older_generations_and_unknown_timings_do_not_count() -> None:
+def test_pods_on_older_generations_idle_pods_and_unknown_timings_do_not_count() -> None:
     cal = Calibration(scale=1.5, since_generation=4)
     stale = samples(2.0, 6, generation=3)
     unknown = [StepSample(0.0, 0.05, 4), StepSample(0.04, 0.0, 4)]
-    cal, refit = observe(cal, stale + unknown, PARAMS)
+    idle = [StepSample(0.008, 0.03, 4, busy=False) for _ in range(6)]
+    cal, refit = observe(cal, stale + unknown + idle, PARAMS)
     assert refit is None and cal.ratios == ()
 
 

@@ -228,7 +228,7 @@ def timed_pod(name: str, generation: int, predicted: float, observed_s: float) -
     return PodView(name, "127.1.0.9", True,
                    SidecarStatus(generation=generation, engine_ready=True, draining=False,
                                  spare_capacity=0.5, budget_s=None, predicted_step_s=predicted,
-                                 observed_step_s=observed_s))
+                                 observed_step_s=observed_s, online_in_flight=3))
 
 
 def test_slow_steps_refit_the_model_push_scaled_coefficients_and_search_again() -> None:
