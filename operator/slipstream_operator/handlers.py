@@ -227,6 +227,8 @@ class Handlers:
         self._file_pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
         self._placing: dict[str, asyncio.Lock] = {}
         self._profiles: dict[tuple[str, str], tuple[Profile | None, float]] = {}
+        self._resyncing: dict[str, asyncio.Future[None]] = {}
+        self._refreshing: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.kube_calls = 0
         """Blocking Kubernetes client calls made (applies and Secret reads)."""
 
@@ -253,6 +255,28 @@ class Handlers:
         # Simulated in a worker thread and cached; analytic (provisional) meanwhile.
         return self.budget_searches.search_for(subject)
 
+    async def _resync(self, uid: str, ref: ObjectRef, token: str,
+                      children: list[dict[str, Any]], now_s: float) -> None:
+        """Re-apply unchanged children (puts back deleted or edited ones); errors are logged,
+        and the next due tick tries again.
+
+        The token is read from its Secret first: when someone rotated it, nothing is applied
+        (that would put the old token back); the next tick renders the children with the new
+        one and applies them as changed.
+        """
+        try:
+            if await self._read_token(ref, now_s) != token:
+                logger.info("control token of %s/%s changed; re-rendering", ref.namespace,
+                            ref.name)
+                return
+            for child in children:
+                await self._kube(kube.apply, self.api, child)
+                self.applied.applied(child, now_s)
+        except (client.ApiException, OSError) as exc:
+            logger.warning("resync of %s failed: %s", uid, exc)
+        finally:
+            self._resyncing.pop(uid, None)
+
     def _profile(self, model: str, gpu: str, now_s: float) -> Profile | None:
         """The latency profile for (model, gpu), read from disk once per ``apply_resync_s``.
 
@@ -273,8 +297,25 @@ class Handlers:
         """
         key = (ref.namespace, ref.name)
         kept = self.state.tokens.get(key)
-        if kept is not None and now_s - kept[1] < self.settings.apply_resync_s:
+        if kept is not None:
+            if (now_s - kept[1] >= kube.spread("/".join(key), self.settings.apply_resync_s)
+                    and key not in self._refreshing):
+                self._refreshing[key] = asyncio.ensure_future(self._refresh_token(ref, now_s))
             return kept[0]
+        return await self._read_token(ref, now_s)
+
+    async def _refresh_token(self, ref: ObjectRef, now_s: float) -> None:
+        """Re-read a kept token in the background (a rotated Secret is picked up)."""
+        try:
+            await self._read_token(ref, now_s)
+        except (client.ApiException, OSError) as exc:
+            logger.warning("re-reading the token of %s/%s failed: %s", ref.namespace, ref.name,
+                           exc)
+        finally:
+            self._refreshing.pop((ref.namespace, ref.name), None)
+
+    async def _read_token(self, ref: ObjectRef, now_s: float) -> str:
+        key = (ref.namespace, ref.name)
         secret = names(ref)["secret"]
         read = await self._kube(kube.read_secret_value, self.api, ref.namespace, secret,
                                 TOKEN_KEY)
@@ -383,10 +424,17 @@ class Handlers:
             previous_status=previous, now=now, now_s=now_s, params=self.settings.budget,
             search_for=self._search_for, calibration=self.settings.calibration,
         )
-        for child in outcome.children:
-            if self.applied.due(child, now_s):
-                await self._kube(kube.apply, self.api, child)
-                self.applied.applied(child, now_s)
+        # Changed children are applied now, in order (the Secret before the Deployment). A
+        # resync of unchanged ones runs in the background, so it never delays the status.
+        changed = [c for c in outcome.children if self.applied.changed(c)]
+        for child in changed:
+            await self._kube(kube.apply, self.api, child)
+            self.applied.applied(child, now_s)
+        stale = [c for c in outcome.children
+                 if c not in changed and self.applied.resync_due(c, now_s)]
+        if stale and uid not in self._resyncing:
+            self._resyncing[uid] = asyncio.ensure_future(
+                self._resync(uid, ref, token, stale, now_s))
         by_name = {v.name: v for v in views}
 
         async def push(pod_name: str, call: Any) -> int:

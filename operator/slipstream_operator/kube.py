@@ -194,22 +194,39 @@ class _Applied:
     at_s: float
 
 
+def spread(key: str, period_s: float) -> float:
+    """``period_s`` stretched by a fixed fraction in [0, 0.5) taken from a hash of ``key``, so
+    that periodic work of many objects started together does not stay in step."""
+    fraction = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") / 2**32
+    return period_s * (1.0 + 0.5 * fraction)
+
+
 class AppliedChildren:
     """What was last applied per child (kind, namespace, name), and when.
 
-    :meth:`due` says whether a rendered child must be sent: it never was, it changed, or
-    ``resync_s`` seconds have passed since it was (a re-apply puts back a deleted child or a
-    user's edit). Record a child with :meth:`applied` only after the API server took it.
+    :meth:`changed` says whether a rendered child must be sent now: it never was, or it
+    changed. :meth:`resync_due` says whether an unchanged child is due for a re-apply (which
+    puts back a deleted child or a user's edit): ``resync_s`` seconds, stretched per child by
+    :func:`spread`, have passed since it was applied. Record a child with :meth:`applied`
+    only after the API server took it.
     """
 
     def __init__(self, resync_s: float) -> None:
         self.resync_s = resync_s
         self._last: dict[tuple[str, str, str], _Applied] = {}
 
-    def due(self, obj: Mapping[str, Any], now_s: float) -> bool:
+    def changed(self, obj: Mapping[str, Any]) -> bool:
         last = self._last.get(child_key(obj))
-        return (last is None or last.digest != child_digest(obj)
-                or now_s - last.at_s >= self.resync_s)
+        return last is None or last.digest != child_digest(obj)
+
+    def resync_due(self, obj: Mapping[str, Any], now_s: float) -> bool:
+        key = child_key(obj)
+        last = self._last.get(key)
+        return last is None or now_s - last.at_s >= spread("/".join(key), self.resync_s)
+
+    def due(self, obj: Mapping[str, Any], now_s: float) -> bool:
+        """Changed, or due for a resync."""
+        return self.changed(obj) or self.resync_due(obj, now_s)
 
     def applied(self, obj: Mapping[str, Any], now_s: float) -> None:
         self._last[child_key(obj)] = _Applied(child_digest(obj), now_s)

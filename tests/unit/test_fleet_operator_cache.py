@@ -51,13 +51,28 @@ def test_a_child_is_applied_when_new_changed_or_due_for_resync() -> None:
     assert not applied.due(child, 1.0)
     assert not applied.due(_deployment(), 59.9)  # an equal rendering (a new dict) is not sent
     assert applied.due(_deployment(replicas=3), 1.0)  # changed
-    assert applied.due(child, 60.0)  # resync: puts back a deleted or edited child
-    applied.applied(child, 60.0)
-    assert not applied.due(child, 61.0)
+    assert applied.changed(_deployment(replicas=3)) and not applied.changed(child)
+    # Resync (puts back a deleted or edited child) after 60-90 s, a fixed spread per child.
+    period = kube.spread("Deployment/ns/svc", 60.0)
+    assert 60.0 <= period < 90.0
+    assert not applied.resync_due(child, period - 0.01)
+    assert applied.resync_due(child, period) and applied.due(child, period)
+    applied.applied(child, 90.0)
+    assert not applied.due(child, 91.0)
     # Another child of the same name but another kind or namespace is tracked separately.
     other = dict(_deployment(), kind="Service")
-    assert applied.due(other, 61.0)
-    assert applied.due(_deployment(namespace="other"), 61.0)
+    assert applied.due(other, 91.0)
+    assert applied.due(_deployment(namespace="other"), 91.0)
+
+
+def test_spread_keeps_periodic_work_of_many_objects_out_of_step() -> None:
+    periods = [kube.spread(f"ns/svc-{i}", 60.0) for i in range(500)]
+    assert all(60.0 <= p < 90.0 for p in periods)
+    assert kube.spread("ns/svc-1", 60.0) == periods[1]  # fixed per key
+    # Spread over the half period: every 3-second slot is used, none holds 1.6x its share.
+    slots = [int((p - 60.0) // 3) for p in periods]
+    assert set(slots) == set(range(10))
+    assert max(slots.count(k) for k in set(slots)) < 80
 
 
 def test_forget_drops_a_deleted_owners_children() -> None:
