@@ -28,7 +28,10 @@ updated on the loop (microseconds). Prompts are embedded from their first
 ``embed_chars`` characters, which bounds the worker's time holding the GIL per
 prompt, and the worker gives the GIL up between items (the process also sets a
 1 ms switch interval, ``__main__.py``), so the event loop waits at most about a
-millisecond for it. Learning work beyond ``max_backlog`` queued items is dropped (counted).
+millisecond for it. Finished requests are handed to the worker in batches
+(``learn_batch`` or every ``learn_delay_s``), not one by one: each hand-over
+wakes a thread and moves the GIL. Beyond ``max_backlog`` batches waiting,
+learning is dropped (counted).
 
 Prompt text is never logged; it lives only until its embedding is computed.
 
@@ -120,7 +123,9 @@ class PromptLengths:
         *,
         history: int = 10_000,
         embed_chars: int = 1024,
-        max_backlog: int = 256,
+        max_backlog: int = 16,
+        learn_batch: int = 64,
+        learn_delay_s: float = 0.25,
         metrics: SidecarMetrics | None = None,
     ) -> None:
         self.by_input = InputLengthHistoryPredictor(InputLengthParams(window=history))
@@ -134,6 +139,11 @@ class PromptLengths:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="slipstream-lengths")
         self._chars = embed_chars
         self._backlog = threading.BoundedSemaphore(max_backlog)
+        # Finished requests waiting to be learned: (text or None, vector or None, in, out).
+        self._learn: list[tuple[str | None, Vector | None, int, int]] = []
+        self._learn_batch = learn_batch
+        self._learn_delay_s = learn_delay_s
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._ready: dict[int, FloatArray] = {}
         self._metrics = metrics if metrics is not None else SidecarMetrics()
         self._by_text_count = self._metrics.length_predictions.labels("text")
@@ -144,6 +154,9 @@ class PromptLengths:
         return self.by_text is not None
 
     def close(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -164,7 +177,7 @@ class PromptLengths:
     def observe(self, vector: Vector | None, input_tokens: int, output_tokens: int) -> None:
         self.by_input.observe(None, input_tokens, output_tokens)
         if vector is not None and self.by_text is not None:
-            self._submit(self.by_text.observe, vector, input_tokens, output_tokens)
+            self._queue_learn((None, vector, input_tokens, output_tokens))
 
     def refresh_gauges(self) -> None:
         hist = self._metrics.length_history
@@ -174,6 +187,7 @@ class PromptLengths:
     async def settled(self) -> None:
         """Wait until the worker has done everything submitted so far."""
         if self._pool is not None:
+            self._flush()
             await asyncio.get_running_loop().run_in_executor(self._pool, _nothing)
 
     # -- the proxy's side ---------------------------------------------------------------------
@@ -196,16 +210,41 @@ class PromptLengths:
     def learn(self, text: str, input_tokens: int, output_tokens: int) -> None:
         """A finished request that carried no vector: add it to the text history later."""
         if self._pool is not None:
-            self._submit(self._embed_observe, text[: self._chars], input_tokens, output_tokens)
+            self._queue_learn((text[: self._chars], None, input_tokens, output_tokens))
+
+    def _queue_learn(self, item: tuple[str | None, Vector | None, int, int]) -> None:
+        # NOTE: batched: one hand-over to the worker per ``learn_batch`` items or
+        # ``learn_delay_s``, not one per request. Each hand-over wakes the worker
+        # thread and passes the GIL back and forth (docs/benchmarks/sidecar.md).
+        self._learn.append(item)
+        if len(self._learn) >= self._learn_batch:
+            self._flush()
+        elif self._flush_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._flush()
+                return
+            self._flush_timer = loop.call_later(self._learn_delay_s, self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if not self._learn:
+            return
+        items, self._learn = self._learn, []
+        if not self._submit(self._learn_many, items):
+            self._metrics.length_dropped.inc(len(items))
 
     # -- the worker thread --------------------------------------------------------------------
 
-    def _submit(self, fn: Any, *args: Any) -> None:
+    def _submit(self, fn: Any, *args: Any) -> bool:
         assert self._pool is not None
         if not self._backlog.acquire(blocking=False):
-            self._metrics.length_dropped.inc()
-            return
+            return False
         self._pool.submit(self._run, fn, *args)
+        return True
 
     def _run(self, fn: Any, *args: Any) -> None:
         try:
@@ -215,7 +254,6 @@ class PromptLengths:
             log.warning("length history update failed (%s)", type(exc).__name__)
         finally:
             self._backlog.release()
-            time.sleep(0)  # let the event loop take the GIL between two items
 
     def _embed(self, text: str) -> Vector:
         assert self._embedder is not None
@@ -226,6 +264,9 @@ class PromptLengths:
         vector = self._embed(text)
         return vector, self.by_text.predict(vector, input_tokens).copy()
 
-    def _embed_observe(self, text: str, input_tokens: int, output_tokens: int) -> None:
+    def _learn_many(self, items: list[tuple[str | None, Vector | None, int, int]]) -> None:
         assert self.by_text is not None
-        self.by_text.observe(self._embed(text), input_tokens, output_tokens)
+        for text, given, input_tokens, output_tokens in items:
+            vector = given if given is not None else self._embed(text or "")
+            self.by_text.observe(vector, input_tokens, output_tokens)
+            time.sleep(0)  # let the event loop take the GIL between two prompts

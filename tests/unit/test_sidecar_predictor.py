@@ -144,7 +144,7 @@ class _GatedEmbedder:
 async def test_learning_beyond_the_backlog_is_dropped_not_queued() -> None:
     emb = _GatedEmbedder()
     metrics = SidecarMetrics()
-    lengths = PromptLengths(emb, max_backlog=2, metrics=metrics)
+    lengths = PromptLengths(emb, max_backlog=2, learn_batch=1, metrics=metrics)
     try:
         for topic in TOPICS[:5]:
             lengths.learn(_essay(topic), 12, 400)
