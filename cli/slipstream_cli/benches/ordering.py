@@ -67,20 +67,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompts", type=Path, help="AlpacaEval-format .jsonl.gz (default: shared)"
     )
     parser.add_argument("--requests", type=int, default=2000, help="requests per run")
-    parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9])
-    parser.add_argument("--inflight", type=int, default=32, help="online requests in the engine")
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.7, 0.8, 0.9])
+    parser.add_argument(
+        "--inflight",
+        type=int,
+        default=8,
+        help="online requests in the engine (default 8: with 32, requests hardly queue "
+        "below full load and every ordering gives the same result)",
+    )
     parser.add_argument("--orderings", nargs="+", default=list(ORDERINGS), choices=list(VARIANTS))
     parser.add_argument(
         "--costs",
         nargs="+",
-        default=["memory"],
+        default=["memory", "output"],
         choices=["memory", "output"],
         help="request cost the size-based orderings rank by: memory = O²/2 + I·O (SageSched), "
         "output = O (decode steps; what an in-flight cap makes scarce). Each cost is run "
         "for every ordering alike.",
     )
     parser.add_argument(
-        "--seeds", type=int, nargs="+", default=None, help="arrival seeds (default: --seed)"
+        "--seeds", type=int, nargs="+", default=[0, 1], help="arrival seeds (default 0 1)"
     )
     parser.add_argument(
         "--oracle",
@@ -90,7 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the request order and the capacity run"
+    )
 
 
 def build_requests(path: Path | None, n: int, seed: int) -> list[SimRequest]:
@@ -259,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 120))
     t0 = time.perf_counter()
     engine = EngineConfig(model=args.model, gpu=args.gpu)
-    seeds = args.seeds if args.seeds else [args.seed]
+    seeds = args.seeds
     reqs = build_requests(args.prompts, args.requests, args.seed)
     if args.oracle:
         reqs = oracle_requests(reqs)
