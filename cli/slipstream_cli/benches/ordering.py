@@ -281,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             bar,
             "capacity (fcfs, all at t=0)",
+            oracle=args.oracle,
         )
         capacity = sat.metrics.online.finished / sat.metrics.duration_s
         console.print(f"capacity with {args.inflight} in flight: {capacity:.2f} req/s")
