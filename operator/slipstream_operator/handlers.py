@@ -650,14 +650,19 @@ class Handlers:
         emit the events of one reconcile."""
         memory = outcome.memory
 
-        async def revoke(pod_name: str, shard_id: str) -> None:
+        async def revoke(pod_name: str, shard_id: str) -> str | None:
             try:
                 await self.control.revoke(addresses[pod_name], shard_id)
             except SidecarError as exc:
                 logger.warning("%s", exc)
+                return None
+            return shard_id
 
-        await asyncio.gather(*(revoke(p, s) for p, s in outcome.revoke if p in addresses))
-        self._release_preempted(namespace, name, [s for _, s in outcome.revoke])
+        revoked = await asyncio.gather(*(revoke(p, s) for p, s in outcome.revoke
+                                         if p in addresses))
+        # Only a revoke the pod confirmed frees the shard: one that failed may still be
+        # running there, and placing it again would run it twice.
+        self._release_preempted(namespace, name, [s for s in revoked if s is not None])
         defaults = json.dumps(spec.request_defaults.body_fields())
 
         async def assign(pod_name: str, shard: Any) -> bool:
