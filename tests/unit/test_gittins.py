@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from slipstream_scheduler.gittins import (
     GittinsTracker,
     gittins_rank,
+    gittins_rank_sorted,
     remaining_cost_sample,
     request_cost,
     surviving_lengths,
@@ -130,3 +131,16 @@ def test_tracker_outlives_everything_and_still_ranks() -> None:
     assert r == pytest.approx(float(request_cost(0, 100) - request_cost(0, 50)))
     with pytest.raises(ValueError):
         GittinsTracker.create(input_tokens=0, lengths=[1], refresh_every_tokens=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(1.0, 1e7), min_size=1, max_size=64))
+def test_small_samples_take_a_loop_with_the_same_arithmetic_as_the_numpy_form(
+    xs: list[float],
+) -> None:
+    costs = np.sort(np.asarray(xs, dtype=np.float64))
+    m = costs.shape[0]
+    f = np.arange(1, m + 1, dtype=np.float64) / m
+    want = float(np.min((np.cumsum(costs) / m + costs * (1.0 - f)) / f))
+    assert gittins_rank_sorted(costs) == want
+    assert gittins_rank(list(xs)) == want
