@@ -115,7 +115,8 @@ def gittins_rank(costs: FloatArray | list[float], attained: float = 0.0) -> floa
     distribution); ``GittinsTracker`` applies the outliving rule.
     """
     if len(costs) <= _SMALL_SAMPLE:
-        alive = sorted(float(c) - attained for c in costs if c > attained)
+        values = costs.tolist() if isinstance(costs, np.ndarray) else costs
+        alive = sorted(float(c) - attained for c in values if c > attained)
         return _rank_sorted_list(alive) if alive else None
     c = np.sort(np.asarray(costs, dtype=np.float64))
     start = int(np.searchsorted(c, attained, side="right"))
