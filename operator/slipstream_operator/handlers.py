@@ -272,7 +272,7 @@ class Handlers:
             for child in children:
                 await self._kube(kube.apply, self.api, child)
                 self.applied.applied(child, now_s)
-        except (client.ApiException, OSError) as exc:
+        except Exception as exc:  # a background task: log whatever it was, retry when due
             logger.warning("resync of %s failed: %s", uid, exc)
         finally:
             self._resyncing.pop(uid, None)
@@ -308,7 +308,7 @@ class Handlers:
         """Re-read a kept token in the background (a rotated Secret is picked up)."""
         try:
             await self._read_token(ref, now_s)
-        except (client.ApiException, OSError) as exc:
+        except Exception as exc:  # a background task: log whatever it was, retry when due
             logger.warning("re-reading the token of %s/%s failed: %s", ref.namespace, ref.name,
                            exc)
         finally:
