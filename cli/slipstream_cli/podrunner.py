@@ -71,7 +71,8 @@ ENGINE_FLAGS: dict[str, bool] = {
 # Engine limits the sidecar must know (settings field <- engine flag).
 SIDECAR_LIMITS = {"MAX_NUM_SEQS": "--max-num-seqs",
                   "MAX_NUM_BATCHED_TOKENS": "--max-num-batched-tokens",
-                  "BLOCK_SIZE": "--block-size"}
+                  "BLOCK_SIZE": "--block-size",
+                  "LONG_PREFILL_TOKEN_THRESHOLD": "--long-prefill-token-threshold"}
 ServiceAccountKubeconfig = Callable[[str, str, Path], Path]
 
 

@@ -70,7 +70,7 @@ from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.observe import WindowStats
 from slipstream_operator.searchpool import SearchSubject
 from slipstream_operator.sidecar_client import ConfigureCall, SidecarStatus
-from slipstream_operator.simsearch import engine_limits
+from slipstream_operator.simsearch import engine_limit_args, engine_limits
 from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 
 SERVICE_LABEL = "slipstream.dev/service"
@@ -218,6 +218,10 @@ def children(
         {"name": "SLIPSTREAM_SIDECAR_ORDERING", "value": spec.scheduling.ordering.value},
         {"name": "SLIPSTREAM_SIDECAR_AUTH_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_KEY}"},
     ]
+    # The sidecar prices batches as the engine forms them: it gets the engine's batching
+    # flags that the spec sets (the rest keep vLLM's defaults on both sides).
+    sidecar_env += [{"name": f"SLIPSTREAM_SIDECAR_{name.upper()}", "value": str(value)}
+                    for name, value in engine_limit_args(spec.engine.args).items()]
     if storage_roots:
         # pydantic-settings reads a list setting from the environment as JSON.
         sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_STORAGE_ROOTS",

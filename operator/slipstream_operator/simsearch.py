@@ -169,22 +169,35 @@ def engine_model_name(model: str, gpu: str) -> str | None:
     return next((s for s in slugs(model) if s in shipped), None)
 
 
-def engine_limits(args: Sequence[str]) -> EngineLimits:
-    """vLLM's batching limits from the engine's command line (defaults where absent)."""
+# vLLM's batching flags -> the EngineLimits field (and sidecar setting) of the same meaning.
+ENGINE_LIMIT_FLAGS = {
+    "--max-num-seqs": "max_num_seqs",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--block-size": "block_size",
+    "--long-prefill-token-threshold": "long_prefill_token_threshold",
+}
+
+
+def engine_limit_args(args: Sequence[str]) -> dict[str, int]:
+    """The batching limits given on the engine's command line (``--flag value`` or
+    ``--flag=value``; the last occurrence wins, as in vLLM's parser), by EngineLimits field.
+    Flags left out keep vLLM's default, which depends on the vLLM version and the GPU."""
     values: dict[str, int] = {}
-    flags = {
-        "--max-num-seqs": "max_num_seqs",
-        "--max-num-batched-tokens": "max_num_batched_tokens",
-        "--block-size": "block_size",
-    }
     items = list(args)
     for i, arg in enumerate(items):
         name, eq, value = arg.partition("=")
-        if name in flags:
+        if name in ENGINE_LIMIT_FLAGS:
             raw = value if eq else (items[i + 1] if i + 1 < len(items) else "")
-            if raw.isdigit() and int(raw) > 0:
-                values[flags[name]] = int(raw)
-    return EngineLimits(**values)
+            field_name = ENGINE_LIMIT_FLAGS[name]
+            floor = 0 if field_name == "long_prefill_token_threshold" else 1
+            if raw.isdigit() and int(raw) >= floor:
+                values[field_name] = int(raw)
+    return values
+
+
+def engine_limits(args: Sequence[str]) -> EngineLimits:
+    """vLLM's batching limits from the engine's command line (defaults where absent)."""
+    return EngineLimits(**engine_limit_args(args))
 
 
 def bucket(value: float, ratio: float) -> float:

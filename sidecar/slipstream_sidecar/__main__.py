@@ -36,6 +36,9 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model", str, "served model name (default: the engine's first)"),
     "--max-num-seqs": ("max_num_seqs", int, "the engine's --max-num-seqs"),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "the engine's token cap"),
+    "--block-size": ("block_size", int, "the engine's --block-size"),
+    "--long-prefill-token-threshold": (
+        "long_prefill_token_threshold", int, "the engine's per-request prefill chunk cap"),
     "--kv-blocks": ("kv_blocks", int, "KV blocks the engine has"),
     "--ordering": ("ordering", str, "initial online ordering (gittins, fcfs)"),
     "--budget-s": ("budget_s", float, "initial per-iteration latency budget, seconds"),

@@ -109,6 +109,7 @@ def build_dispatcher(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         block_size=settings.block_size,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
     )
     return Dispatcher(
         DispatcherConfig(

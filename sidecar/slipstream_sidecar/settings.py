@@ -48,6 +48,12 @@ class SidecarSettings(BaseSettings):
         default=2048, ge=1, description="vLLM --max-num-batched-tokens (tokens per iteration)."
     )
     block_size: int = Field(default=16, ge=1, description="vLLM KV block size (tokens).")
+    long_prefill_token_threshold: int = Field(
+        default=0,
+        ge=0,
+        description="vLLM --long-prefill-token-threshold (tokens of one request's prefill per "
+        "iteration); 0: no per-request cap, as vLLM's default with one partial prefill.",
+    )
     kv_blocks: int = Field(
         default=8192, ge=1, description="KV blocks the engine has (vLLM logs '# GPU blocks')."
     )

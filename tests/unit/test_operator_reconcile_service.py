@@ -294,3 +294,21 @@ def test_an_unattainable_slo_pushes_the_online_only_budget_and_says_so() -> None
     assert conds["BudgetReady"]["status"] == "True"
     assert conds["BudgetReady"]["reason"] == "SLOUnattainable"
     assert "no budget meets the SLOs" in conds["BudgetReady"]["message"]
+
+
+def test_the_sidecar_gets_the_engine_batching_flags_the_spec_sets() -> None:
+    def sidecar_env(args: list[str]) -> dict[str, str]:
+        deployment = run(observed(()), s=spec(engine={"image": "vllm/vllm-openai:v0.11.0",
+                                                      "args": args})).children[2]
+        containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+        return {e["name"]: e["value"] for e in containers["sidecar"]["env"]
+                if e["name"].startswith("SLIPSTREAM_SIDECAR_")}
+
+    env = sidecar_env(["--max-num-seqs", "64", "--max-num-batched-tokens=4096",
+                       "--long-prefill-token-threshold", "512", "--max-num-seqs=128"])
+    assert env["SLIPSTREAM_SIDECAR_MAX_NUM_SEQS"] == "128"  # the last one wins, as in vLLM
+    assert env["SLIPSTREAM_SIDECAR_MAX_NUM_BATCHED_TOKENS"] == "4096"
+    assert env["SLIPSTREAM_SIDECAR_LONG_PREFILL_TOKEN_THRESHOLD"] == "512"
+    assert "SLIPSTREAM_SIDECAR_BLOCK_SIZE" not in env
+    # Flags the spec leaves out keep vLLM's defaults on both sides.
+    assert not {k for k in sidecar_env(["--enable-prefix-caching"]) if "MAX_NUM" in k}

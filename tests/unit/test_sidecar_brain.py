@@ -48,3 +48,10 @@ def test_set_ordering_rekeys_held_requests() -> None:
     # SJF keys by expected cost: the short prompt now goes first.
     q.set_ordering(sidecar_ordering("sjf"))
     assert q.head(2, 3.0) == ["late", "early"]
+
+
+def test_the_dispatcher_prices_prefills_with_the_engine_long_prefill_cap() -> None:
+    settings = SidecarSettings(long_prefill_token_threshold=512)
+    dispatcher = build_dispatcher(settings, BrainConfig(budget_s=None, ordering="fcfs",
+                                                        latency_model=None))
+    assert dispatcher.limits.long_prefill_token_threshold == 512
