@@ -98,6 +98,10 @@ def needed_from_code() -> set[tuple[str, str, str]]:
             for verb in ("list", "watch", "patch"):
                 needs.add(("slipstream.dev", resource, verb))
             needs.add(("slipstream.dev", f"{resource}/status", "patch"))
+        # Watch-only kopf handlers on core resources (indexes): list and watch, no patch.
+        for resource in re.findall(r"kopf\.(?:index|on\.event)\(\s*\"\",\s*\"v1\","
+                                   r"\s*\"(\w+)\"", text):
+            needs |= {("", resource, "list"), ("", resource, "watch")}
         if "kopf.event(" in text:
             needs.add(("", "events", "create"))
         if re.search(r"\"blockOwnerDeletion\":\s*True", text):

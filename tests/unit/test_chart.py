@@ -50,6 +50,7 @@ NEEDED_NAMESPACED: frozenset[tuple[str, str, str]] = frozenset(
         ("", "secrets", "create"),
         ("", "secrets", "patch"),
         ("", "pods", "list"),
+        ("", "pods", "watch"),
         ("", "events", "create"),
     }
 )
