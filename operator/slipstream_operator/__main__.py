@@ -101,7 +101,10 @@ async def _main(args: argparse.Namespace) -> int:
 
         api = client.ApiClient()
     control = GrpcSidecarControl(timeout_s=settings.sidecar_timeout_s)
-    async with aiohttp.ClientSession() as http:
+    # One connection per pod kept open across ticks (the default pool of 100 would make
+    # most of a large fleet's /metrics scrapes reconnect every tick).
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=2)
+    async with aiohttp.ClientSession(connector=connector) as http:
         handlers = Handlers(settings, api, control, http)
         registry = build_registry(handlers)
         operator_metrics = metrics.OperatorMetrics()
@@ -125,6 +128,7 @@ async def _main(args: argparse.Namespace) -> int:
         finally:
             if server is not None:
                 server.close()
+            handlers.close()
             await control.close()
     return 0
 

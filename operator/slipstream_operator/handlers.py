@@ -820,8 +820,14 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
             token_key=TOKEN_KEY, selector=f"{SERVICE_LABEL}={name}",
             timeout_s=handlers.settings.delete_drain_timeout_s,
             loopback_only=handlers.settings.loopback_only)
+        # Forget what the ticks kept for it: its state, the children's applied digests,
+        # the token, and its pods' cached sidecar replies.
         handlers.state.services.pop(uid, None)
-        handlers.state.histories.pop(uid, None)
+        pods = set(handlers.state.histories.pop(uid, None) or ())
+        handlers.applied.forget(namespace, set(names(ObjectRef(name, namespace, uid, 0)).values()))
+        handlers.state.tokens.pop((namespace, name), None)
+        if pods:
+            handlers.control.forget_pods(pods)
         logger.info("InferenceService %s/%s deleted: %s", namespace, name, report.summary())
         kopf.event(body, type="Normal" if report.complete else "Warning",
                    reason="Drained" if report.complete else "DrainIncomplete",
