@@ -300,8 +300,11 @@ def _reason_for(metric: str) -> str:
 
 def _configure_call(
     generation: int, budget_s: float | None, targets: SLOTargets, spec: InferenceServiceSpec,
-    model: LinearLatencyModel | None,
+    model: LinearLatencyModel | None, *, idle_budget_s: float | None = None,
 ) -> ConfigureCall:
+    """The Configure call for ``generation``. The idle budget is always sent (0: none, the
+    budget applies always), so a pod never keeps one the operator no longer means; with
+    co-location off both are 0: no offline work at all."""
     coefficients: dict[str, float] = {}
     kind = ""
     knee = 0
@@ -322,6 +325,7 @@ def _configure_call(
         latency_kind=kind,
         latency_coefficients=coefficients,
         latency_knee_tokens=knee,
+        idle_budget_s=(idle_budget_s or 0.0) if spec.scheduling.co_location else 0.0,
     )
 
 
@@ -333,6 +337,7 @@ def _fingerprint(call: ConfigureCall) -> str:
         "kind": call.latency_kind,
         "coefficients": sorted(call.latency_coefficients.items()),
         "knee": call.latency_knee_tokens,
+        "idle": None if call.idle_budget_s is None else round(call.idle_budget_s, 6),
     }
     return hashlib.blake2b(json.dumps(doc).encode(), digest_size=8).hexdigest()
 
@@ -408,6 +413,7 @@ def reconcile_service(
             events.append(("Normal", f"Budget{budget.reason}",
                            f"iteration budget {format_duration(budget.budget_s)}"))
     budget_s = budget.budget_s if budget is not None else None
+    idle_budget_s = budget.searched.idle_budget_s if budget is not None else None
 
     # -- configuration generation ----------------------------------------------------------
     pods = observed.pods
@@ -417,14 +423,16 @@ def reconcile_service(
          int((previous_status.get("budget") or {}).get("configGeneration", 0))]
         + [p.sidecar.generation for p in pods if p.sidecar is not None]
     )
-    call = _configure_call(floor_gen, budget_s, targets, spec, model)
+    call = _configure_call(floor_gen, budget_s, targets, spec, model,
+                           idle_budget_s=idle_budget_s)
     fingerprint = _fingerprint(call)
     generation = memory.config_generation
     computed_at = memory.computed_at or rfc3339(now)
     if fingerprint != memory.config_fingerprint:
         generation = floor_gen + 1
         computed_at = rfc3339(now)
-        call = _configure_call(generation, budget_s, targets, spec, model)
+        call = _configure_call(generation, budget_s, targets, spec, model,
+                               idle_budget_s=idle_budget_s)
     pushes = tuple((p.name, call) for p in ready
                    if p.sidecar is not None and p.sidecar.generation < generation)
     if refit is not None:

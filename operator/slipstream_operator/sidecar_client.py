@@ -79,6 +79,9 @@ class ConfigureCall:
     latency_kind: str = ""
     latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
     latency_knee_tokens: int = 0
+    # Step limit while the pod has no online work (seconds; inf: unbounded). 0 clears it (the
+    # budget applies always); None leaves the sidecar's value as it is.
+    idle_budget_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +221,8 @@ class GrpcSidecarControl:
         )
         if call.budget_s is not None:
             request.budget_s = call.budget_s
+        if call.idle_budget_s is not None:
+            request.idle_budget_s = call.idle_budget_s
         reply = await self._call(address, "Configure", request)
         assert isinstance(reply, pb.ConfigureResponse)
         return int(reply.generation)

@@ -146,13 +146,11 @@ class SimSearchParams(BaseModel):
         "before searching, so a steady service hits the cache. Default: 1.25.",
     )
     search_idle: bool = Field(
-        default=False,
+        default=True,
         description="Also search the idle budget (the step limit while no online request is "
         "in flight; the two-knob search of docs/benchmarks/colocation.md) before the online "
-        "budget, which is then searched with it in force from the cheapest step up. Off by "
-        "default: the operator cannot push an idle budget yet (ConfigureCall has no field for "
-        "it), and an online budget searched with an idle budget the pods do not run would be "
-        "too loose. Default: false.",
+        "budget, which is then searched with it in force from the cheapest step up; both are "
+        "pushed to the pods (Configure's idle_budget_s). Default: true.",
     )
     cache_entries: int = Field(
         default=256, ge=1, description="Searched results kept (LRU). Default: 256."
@@ -345,7 +343,9 @@ class SimulatedSearch:
                 note=f"simulation stopped after {len(records)} trials, {exc}",
             )
         feasible = found.value is not None
-        budget = (found.value if found.value is not None else lo) * s
+        # Unattainable: the online-only budget (the analytic floor), also with two knobs,
+        # whose online search starts below it.
+        budget = found.value * s if found.value is not None else analytic.floor_s
         rate = max(load.arrival_rate_rps, self.params.min_rate_rps)
         return SearchResult(
             budget_s=budget,

@@ -122,3 +122,28 @@ def test_drain_stops_new_work(stack: tuple[Proc, Proc, Path]) -> None:
         urllib.request.urlopen(req, timeout=10)
     assert info.value.code == 503
     info.value.close()
+
+
+async def test_the_operator_client_pushes_the_idle_budget_to_a_real_sidecar(
+    stack: tuple[Proc, Proc, Path],
+) -> None:
+    from slipstream_operator.sidecar_client import ConfigureCall, GrpcSidecarControl, PodAddress
+
+    _, sc, _ = stack
+    address = PodAddress("pod-0", "127.0.0.1", sc.extra_ports["grpc"], TOKEN)
+    control = GrpcSidecarControl(timeout_s=10.0)
+    try:
+        assert await control.configure(
+            address, ConfigureCall(generation=3, budget_s=0.05, idle_budget_s=0.25)) == 3
+        ch, stub = control_stub(sc.extra_ports["grpc"])
+        with ch:
+            st = stub.Status(pb.StatusRequest(), metadata=bearer(TOKEN))
+            assert st.idle_budget_s == pytest.approx(0.25)
+            assert st.budget_s == pytest.approx(0.05)
+            # 0 clears it: the online budget then applies always.
+            await control.configure(address, ConfigureCall(generation=4, budget_s=0.05,
+                                                           idle_budget_s=0.0))
+            st = stub.Status(pb.StatusRequest(), metadata=bearer(TOKEN))
+            assert not st.HasField("idle_budget_s")
+    finally:
+        await control.close()

@@ -312,3 +312,28 @@ def test_the_sidecar_gets_the_engine_batching_flags_the_spec_sets() -> None:
     assert "SLIPSTREAM_SIDECAR_BLOCK_SIZE" not in env
     # Flags the spec leaves out keep vLLM's defaults on both sides.
     assert not {k for k in sidecar_env(["--enable-prefix-caching"]) if "MAX_NUM" in k}
+
+
+class TwoKnobs:
+    def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
+        return SearchResult(budget_s=0.04, floor_s=0.03, ceiling_s=0.15, source="simulated",
+                            trials=(TrialRecord(0.04, True, "tbt-p99 90ms/100ms", 0.2),),
+                            idle_budget_s=0.2)
+
+
+def test_the_searched_idle_budget_is_pushed_and_a_change_of_it_is_a_new_generation() -> None:
+    def tick(s: InferenceServiceSpec, memory: ServiceMemory, search: Any) -> Any:
+        return reconcile_service(REF, s, observed((pod("a"),), window()), memory,
+                                 previous_status={}, now=T0, now_s=0.0, params=PARAMS,
+                                 search_for=lambda subject: search)
+
+    first = tick(spec(), ServiceMemory(), TwoKnobs())
+    call = first.pushes[0][1]
+    assert call.budget_s == pytest.approx(0.04) and call.idle_budget_s == pytest.approx(0.2)
+    # The analytic answer has no idle budget: 0 is sent, so a pod drops one it had.
+    analytic = tick(spec(), ServiceMemory(), AnalyticSearch(MODEL))
+    assert analytic.pushes[0][1].idle_budget_s == 0.0
+    # Co-location off: no offline work, idle or not.
+    off = tick(spec(scheduling={"ordering": "fcfs", "coLocation": False}), ServiceMemory(),
+               TwoKnobs())
+    assert off.pushes[0][1].budget_s == 0.0 and off.pushes[0][1].idle_budget_s == 0.0

@@ -141,8 +141,9 @@ def test_the_two_knob_search_finds_an_idle_budget_and_searches_the_online_one_wi
     online = [t for t in result.trials if t.idle_budget_s == result.idle_budget_s]
     assert any(abs(t.budget_s - result.budget_s) < 1e-12 and t.met for t in online)
     assert "idle budget" in result.summary()
-    # Off (the default): no idle budget is searched or reported.
-    plain = SimulatedSearch(MODEL, ENGINE, PARAMS)(targets, LOAD)
+    # Off: no idle budget is searched or reported.
+    off = PARAMS.model_copy(update={"search_idle": False})
+    plain = SimulatedSearch(MODEL, ENGINE, off)(targets, LOAD)
     assert plain.idle_budget_s is None and all(t.idle_budget_s is None for t in plain.trials)
 
 
