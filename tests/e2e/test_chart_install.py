@@ -61,9 +61,10 @@ def can_i_list(cluster: LocalCluster, namespace: str, account: str,
     return granted
 
 
-def adopt_crds(cluster: LocalCluster, release: str, namespace: str) -> None:
+def adopt_crds(cluster: LocalCluster, release: str, namespace: str) -> list[str]:
     """Hand CRDs left by an earlier release (kept on uninstall) or by `kubectl apply` to
-    ``release``: Helm's adoption annotations (docs/operations.md)."""
+    ``release``: Helm's adoption annotations (docs/operations.md). Returns the adopted
+    CRDs' names."""
     present = run(cluster, cluster.kubectl, "get", "crd", *CRDS, "-o", "name",
                   check=False).stdout.split()
     for crd in present:
@@ -72,6 +73,7 @@ def adopt_crds(cluster: LocalCluster, release: str, namespace: str) -> None:
             f"meta.helm.sh/release-namespace={namespace}")
         run(cluster, cluster.kubectl, "label", "--overwrite", crd,
             "app.kubernetes.io/managed-by=Helm")
+    return present
 
 
 BASELINE_ACCOUNT_RULES = {
@@ -92,7 +94,10 @@ def test_install_upgrade_rbac_uninstall(cluster: LocalCluster, namespace: str, m
     chart = tmp_path / "slipstream"
     shutil.copytree(CHART, chart)
     sets = ["--set", f"operator.watchNamespaces={mode}", "--set", "operator.replicas=0"]
-    adopt_crds(cluster, release, namespace)
+    # Fields another manager set (a client-side `kubectl apply` of crds/, as other tests
+    # do) conflict with Helm's server-side apply on upgrade: the documented adoption
+    # takes them over once with --force-conflicts.
+    force = ["--force-conflicts"] if adopt_crds(cluster, release, namespace) else []
     run(cluster, cluster.helm, "install", release, str(chart), "-n", namespace, *sets)
     try:
         crds = json.loads(run(cluster, cluster.kubectl, "get", "crd", *CRDS,
@@ -128,7 +133,8 @@ def test_install_upgrade_rbac_uninstall(cluster: LocalCluster, namespace: str, m
         doc["spec"]["versions"][0]["additionalPrinterColumns"].append(
             {"name": "Upgraded", "type": "string", "jsonPath": ".status.phase"})
         path.write_text(yaml.safe_dump(doc))
-        run(cluster, cluster.helm, "upgrade", release, str(chart), "-n", namespace, *sets)
+        run(cluster, cluster.helm, "upgrade", release, str(chart), "-n", namespace, *sets,
+            *force)
         crd = json.loads(run(cluster, cluster.kubectl, "get", "crd", CRDS[1],
                              "-o", "json").stdout)
         columns = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
