@@ -368,26 +368,21 @@ call (a reply asked for while the change was in flight is not kept either). At m
             if self._flying.get(key, (None, 0))[0] is future:
                 del self._flying[key]
 
-    async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
+    async def _change(self, address: PodAddress, call: Callable[[], Awaitable[T]]) -> T:
+        """A call that changes the pod: its cached reply is dropped before and after (a
+        Status that started meanwhile may predate the change)."""
         self.forget(address)
         try:
             async with self._semaphore:
-                return await self.inner.configure(address, call)
+                return await call()
         finally:
-            self.forget(address)  # a Status that started meanwhile may predate the change
+            self.forget(address)
+
+    async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
+        return await self._change(address, lambda: self.inner.configure(address, call))
 
     async def assign(self, address: PodAddress, shard: ShardAssignment) -> bool:
-        self.forget(address)
-        try:
-            async with self._semaphore:
-                return await self.inner.assign(address, shard)
-        finally:
-            self.forget(address)  # a Status that started meanwhile may predate the change
+        return await self._change(address, lambda: self.inner.assign(address, shard))
 
     async def revoke(self, address: PodAddress, shard_id: str) -> bool:
-        self.forget(address)
-        try:
-            async with self._semaphore:
-                return await self.inner.revoke(address, shard_id)
-        finally:
-            self.forget(address)  # a Status that started meanwhile may predate the change
+        return await self._change(address, lambda: self.inner.revoke(address, shard_id))
