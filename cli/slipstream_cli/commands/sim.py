@@ -261,19 +261,14 @@ def search_policy_budget(
     tight TBT limit when offline decodes fill it.
     """
     model = scn.model()
-    lo, hi = online_only_step_s(scn.engine, model), full_step_s(scn.engine, model)
+    lo = online_only_step_s(scn.engine, model)
     if idle_budget_s is not None:
         lo = floor_step_s(scn.engine, model)
-    base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
-    return search_budget(
+    return _bisect_knob(
+        scn, lo,
         lambda b: scn.run(
             policy, budget_s=b, idle_budget_s=idle_budget_s, tag=f" budget={b * 1000:.1f}ms"
         ).observed(),
-        scn.slos,
-        lo,
-        hi,
-        baseline=base,
-        iterations=7,
     )
 
 
@@ -288,18 +283,21 @@ def search_idle_budget(scn: Scenario, policy: str) -> SearchResult:
     The TTFT SLO usually governs it.
     """
     model = scn.model()
-    lo, hi = online_only_step_s(scn.engine, model), full_step_s(scn.engine, model)
     floor = floor_step_s(scn.engine, model)
-    base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
-    return search_budget(
+    return _bisect_knob(
+        scn, online_only_step_s(scn.engine, model),
         lambda b: scn.run(
             policy, budget_s=floor, idle_budget_s=b, tag=f" idle={b * 1000:.1f}ms"
         ).observed(),
-        scn.slos,
-        lo,
-        hi,
-        baseline=base,
-        iterations=7,
+    )
+
+
+def _bisect_knob(scn: Scenario, lo: float, run: Callable[[float], Observed]) -> SearchResult:
+    """One knob bisected from ``lo`` up to a full token-cap step against the SLOs (relative
+    SLOs against the scenario's online-only baseline)."""
+    base = scn.baseline_observed() if any(s.tolerance is not None for s in scn.slos) else None
+    return search_budget(
+        run, scn.slos, lo, full_step_s(scn.engine, scn.model()), baseline=base, iterations=7
     )
 
 
