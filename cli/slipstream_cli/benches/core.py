@@ -389,6 +389,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     extra["plan_admission_admitted"] = float(len(admission.plan(snap_b).admitted))
     ratios["plan_budget_vs_naive"] = results["plan_us"] / extra["plan_naive_us"]
     ratios["plan_vs_target_200us"] = results["plan_us"] / PLAN_TARGET_US
+    ratios["plan_admission_vs_target_200us"] = extra["plan_admission_us"] / PLAN_TARGET_US
     ratios["predict_vs_target_5us"] = results["predict_us"] / PREDICT_TARGET_US
     extra["plan_scheduled"] = float(len(plan.scheduled))
     extra["plan_admitted"] = float(len(plan.admitted))
