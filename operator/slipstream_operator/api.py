@@ -51,6 +51,9 @@ Duration = Annotated[str, StringConstraints(pattern=DURATION_PATTERN, max_length
 Uri = Annotated[str, StringConstraints(pattern=URI_PATTERN, min_length=8, max_length=2048)]
 Quantity = int | str
 
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/slipstream-dev/slipstream:0.1.0"
+"""The sidecar image when neither ``spec.sidecar.image`` nor the operator's setting names one."""
+
 
 def parse_duration(text: str) -> float:
     """Seconds in a duration string (``"600ms"`` -> 0.6). Raises ValueError on bad input."""
@@ -274,9 +277,12 @@ class ResourceRequirements(ApiModel):
 class SidecarSpec(ApiModel):
     """The Slipstream sidecar container of each replica."""
 
-    image: str = Field(
-        default="ghcr.io/slipstream-dev/slipstream:0.1.0",
-        description="Sidecar image. Default: ghcr.io/slipstream-dev/slipstream:0.1.0.",
+    image: str | None = Field(
+        default=None,
+        description="Sidecar image. Unset: the operator's default (the chart's sidecar.image, "
+        "env SLIPSTREAM_OPERATOR_SIDECAR_IMAGE; " + DEFAULT_SIDECAR_IMAGE + " unless "
+        "changed), so one setting moves every service that does not name its own.",
+        min_length=1,
         max_length=512,
     )
     http_port: int = Field(
@@ -292,7 +298,10 @@ class SidecarSpec(ApiModel):
         le=65535,
     )
     resources: ResourceRequirements = Field(
-        default_factory=ResourceRequirements, description="Sidecar container resources."
+        default_factory=ResourceRequirements,
+        description="Sidecar container resources. Empty (no requests and no limits): the "
+        "operator's default (the chart's sidecar.resources, env "
+        "SLIPSTREAM_OPERATOR_SIDECAR_RESOURCES; none unless set).",
     )
 
 

@@ -26,9 +26,12 @@ online-only budget misses it in simulation) makes ``BudgetReady`` say
 Pod shape: vLLM listens on 127.0.0.1:8001 inside the pod (only the sidecar
 reaches it) and runs ``--scheduling-policy priority``; the sidecar serves the
 OpenAI API on ``httpPort`` (the Service's target) and control gRPC on
-``grpcPort`` (dialled by the operator on the pod IP). The Deployment keeps
-its default rolling update; the operator's own Deployment is the one with
-``strategy: Recreate``.
+``grpcPort`` (dialled by the operator on the pod IP). The sidecar's image and
+resources are ``spec.sidecar``'s when set, else the operator's cluster-wide
+defaults (``ServiceObserved.sidecar_image`` / ``sidecar_resources``, from its
+settings, i.e. the chart's ``sidecar.image`` / ``sidecar.resources``). The
+Deployment keeps its default rolling update; the operator's own Deployment is
+the one with ``strategy: Recreate``.
 
 Deliberately left out: applying anything (``handlers``), autoscaling (replicas
 are the user's), and Ingress/Gateway objects (route to the Service or an
@@ -46,8 +49,10 @@ from typing import Any
 
 from slipstream_operator.api import (
     API_VERSION,
+    DEFAULT_SIDECAR_IMAGE,
     ConditionStatus,
     InferenceServiceSpec,
+    ResourceRequirements,
     format_duration,
 )
 from slipstream_operator.budgets import (
@@ -131,6 +136,10 @@ class ServiceObserved:
     window_label: str = "5m"
     window_source: str = "sidecar"  # or "prometheus"
     storage_roots: tuple[str, ...] = ()  # passed to the sidecars; empty: no scoping
+    # The operator's sidecar defaults (settings sidecar_image / sidecar_resources), for a spec
+    # that leaves spec.sidecar.image unset or spec.sidecar.resources empty.
+    sidecar_image: str = DEFAULT_SIDECAR_IMAGE
+    sidecar_resources: ResourceRequirements = field(default_factory=ResourceRequirements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,9 +185,15 @@ def _meta(ref: ObjectRef, name: str) -> dict[str, Any]:
 
 def children(
     ref: ObjectRef, spec: InferenceServiceSpec, token: str, model: LinearLatencyModel | None,
-    *, storage_roots: tuple[str, ...] = (),
+    *, storage_roots: tuple[str, ...] = (), sidecar_image: str = DEFAULT_SIDECAR_IMAGE,
+    sidecar_resources: ResourceRequirements | None = None,
 ) -> tuple[dict[str, Any], ...]:
-    """Secret, ConfigMap, Deployment and Service for the spec."""
+    """Secret, ConfigMap, Deployment and Service for the spec.
+
+    The sidecar container runs ``spec.sidecar.image``, else ``sidecar_image`` (the operator's
+    default), with ``spec.sidecar.resources`` unless both its requests and limits are empty,
+    else ``sidecar_resources``.
+    """
     n = names(ref)
     secret = {
         "apiVersion": "v1",
@@ -229,7 +244,9 @@ def children(
     if model is not None:
         path = f"{CONFIG_MOUNT}/latency.json"
         sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_LATENCY_MODEL_FILE", "value": path})
-    sidecar_resources = spec.sidecar.resources.wire()
+    own = spec.sidecar.resources
+    resources = (own if own.requests or own.limits or sidecar_resources is None
+                 else sidecar_resources).wire()
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -253,7 +270,7 @@ def children(
                         },
                         {
                             "name": "sidecar",
-                            "image": spec.sidecar.image,
+                            "image": spec.sidecar.image or sidecar_image,
                             "args": ["sidecar"],
                             "env": sidecar_env,
                             "ports": [
@@ -264,7 +281,7 @@ def children(
                                 "httpGet": {"path": "/ready", "port": "http"},
                                 "periodSeconds": 5,
                             },
-                            "resources": sidecar_resources,
+                            "resources": resources,
                             "volumeMounts": [
                                 {"name": "control-token", "mountPath": TOKEN_MOUNT,
                                  "readOnly": True},
@@ -536,7 +553,9 @@ def reconcile_service(
     )
     return ServiceOutcome(
         children=children(ref, spec, observed.token, model,
-                          storage_roots=observed.storage_roots),
+                          storage_roots=observed.storage_roots,
+                          sidecar_image=observed.sidecar_image,
+                          sidecar_resources=observed.sidecar_resources),
         status=status,
         pushes=pushes,
         memory=new_memory,

@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from slipstream_operator.api import DEFAULT_SIDECAR_IMAGE, ResourceRequirements
 from slipstream_operator.budgets import BudgetParams
 from slipstream_operator.calibration import CalibrationParams
 from slipstream_operator.simsearch import SimSearchParams
@@ -115,6 +116,21 @@ class OperatorSettings(BaseSettings):
         ge=1,
         description="Sidecar control calls (Status, Configure, AssignShard, RevokeShard) in "
         "flight at once, across all objects. Default: 64.",
+    )
+    sidecar_image: str = Field(
+        default=DEFAULT_SIDECAR_IMAGE,
+        min_length=1,
+        max_length=512,
+        description="Image of the sidecar container of every InferenceService that does not "
+        "set spec.sidecar.image (the chart sets it from sidecar.image, by default the "
+        f"operator's own image). Default: {DEFAULT_SIDECAR_IMAGE}.",
+    )
+    sidecar_resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Requests and limits (Kubernetes quantities) of the sidecar container of "
+        "every InferenceService whose spec.sidecar.resources is empty; a service that sets "
+        "either requests or limits keeps its own whole. From the environment as JSON, e.g. "
+        '{"requests": {"cpu": "500m", "memory": "512Mi"}}. Default: none.',
     )
     budget: BudgetParams = Field(
         default_factory=lambda: BudgetParams.model_validate({}),

@@ -8,8 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from slipstream_operator.api import InferenceServiceSpec
+from slipstream_operator.api import DEFAULT_SIDECAR_IMAGE, InferenceServiceSpec
 from slipstream_operator.budgets import (
     AnalyticSearch,
     BudgetParams,
@@ -30,6 +31,7 @@ from slipstream_operator.reconcile_service import (
     reconcile_service,
 )
 from slipstream_operator.searchpool import SearchSubject
+from slipstream_operator.settings import OperatorSettings
 from slipstream_operator.sidecar_client import SidecarStatus
 from slipstream_scheduler.latency import FeatureSet, LinearLatencyModel
 
@@ -222,6 +224,50 @@ def test_storage_roots_reach_the_sidecar_only_when_configured() -> None:
     roots = ("file:///store", "s3://batch")
     env = sidecar_env(replace(observed(()), storage_roots=roots))
     assert json.loads(env["SLIPSTREAM_SIDECAR_STORAGE_ROOTS"]) == list(roots)
+
+
+def sidecar_container(out: Any) -> dict[str, Any]:
+    deployment = next(c for c in out.children if c["kind"] == "Deployment")
+    (sidecar,) = [c for c in deployment["spec"]["template"]["spec"]["containers"]
+                  if c["name"] == "sidecar"]
+    return sidecar
+
+
+def test_the_sidecar_image_is_the_services_else_the_operators_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unset everywhere: the shipped default, as before the setting existed.
+    assert sidecar_container(run(observed(())))["image"] == DEFAULT_SIDECAR_IMAGE
+    assert spec().sidecar.image is None
+    # The operator's setting (the chart's sidecar.image) as the handler passes it on.
+    monkeypatch.setenv("SLIPSTREAM_OPERATOR_SIDECAR_IMAGE", "registry.local/slipstream:7")
+    settings = OperatorSettings()
+    defaults = replace(observed(()), sidecar_image=settings.sidecar_image)
+    assert sidecar_container(run(defaults))["image"] == "registry.local/slipstream:7"
+    # A service that names its own image keeps it.
+    pinned = spec(sidecar={"image": "team-a.local/sidecar:debug"})
+    assert sidecar_container(run(defaults, s=pinned))["image"] == "team-a.local/sidecar:debug"
+    with pytest.raises(ValidationError):
+        spec(sidecar={"image": ""})
+
+
+def test_the_sidecar_resources_are_the_services_else_the_operators_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert sidecar_container(run(observed(())))["resources"] == {
+        "requests": {}, "limits": {}}
+    monkeypatch.setenv("SLIPSTREAM_OPERATOR_SIDECAR_RESOURCES",
+                       '{"requests": {"cpu": "500m", "memory": "512Mi"}, '
+                       '"limits": {"memory": "1Gi"}}')
+    settings = OperatorSettings()
+    defaults = replace(observed(()), sidecar_resources=settings.sidecar_resources)
+    assert sidecar_container(run(defaults))["resources"] == {
+        "requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+    # Any request or limit of the service's own replaces the default whole (never merged:
+    # a limit below the default's request would make an invalid pod).
+    own = spec(sidecar={"resources": {"limits": {"cpu": "2"}}})
+    assert sidecar_container(run(defaults, s=own))["resources"] == {
+        "requests": {}, "limits": {"cpu": "2"}}
 
 
 def timed_pod(name: str, generation: int, predicted: float, observed_s: float) -> PodView:
