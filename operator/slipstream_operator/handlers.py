@@ -598,8 +598,10 @@ class Handlers:
             statuses = await asyncio.gather(*(ask(a) for _, a in targets))
             addresses: dict[str, PodAddress] = {}
             candidates: list[CandidatePod] = []
+            silent: set[str] = set()  # Running, but no answer this tick: not gone
             for (svc_name, address), status in zip(targets, statuses, strict=True):
                 if status is None:
+                    silent.add(address.pod)
                     continue
                 addresses[address.pod] = address
                 others = tuple(
@@ -620,7 +622,7 @@ class Handlers:
             memory = self.state.jobs.get(uid, JobMemory())
             observed = JobObserved(plan=plan, pods=tuple(candidates), done=dict(done),
                                    merged=self.state.merged.get(uid), plan_error=plan_error,
-                                   services_selected=len(selected))
+                                   services_selected=len(selected), silent=frozenset(silent))
 
             def run(obs: JobObserved, mem: JobMemory) -> Any:
                 return reconcile_job(namespace, name, generation, spec, observed=obs, memory=mem,

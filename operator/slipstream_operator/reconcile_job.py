@@ -10,7 +10,18 @@ output logs, and passes all of it in; this module decides
   ``affinity``) is preferred, so a group stays where the engine's prefix
   cache has it; then the pod with the most spare capacity. A job of higher
   priority may take a slot from a lower-priority job's shard (revoked; it
-  resumes later from its log);
+  resumes later from its log), but only after it has found no free slot for
+  ``preempt_after_s`` in a row, and that wait starts again whenever another
+  ready pod appears (capacity still arriving, as while a fleet comes up). A
+  shard is only ever preempted by a job of strictly higher priority, so the
+  moves are bounded (at most one per distinct higher priority) and cannot
+  oscillate between two jobs;
+* **stability**: a placed shard stays where it is unless its pod is gone or
+  not ready, it stalls, or a preemption takes it. A pod that exists but did not
+  answer this tick (``JobObserved.silent``) is not gone: its shards keep their
+  placement (until ``stall_timeout_s`` without progress), and nothing new goes
+  there. A second running copy of a shard (a revoke or an assign whose answer
+  was lost) is revoked, so no shard runs twice and no slot is held by a stray;
 * **moves**: a shard whose pod is gone or not ready, or that made no progress
   for ``stall_timeout_s``, is revoked (when the pod still answers) and
   placed again; its output URIs stay the same, so it continues where it stopped;
@@ -72,6 +83,8 @@ class JobMemory:
     reassigned: int = 0
     history: tuple[tuple[float, int], ...] = ()  # (now_s, finished requests)
     affinity_pods: dict[str, str] = field(default_factory=dict, hash=False)
+    starved_since: float | None = None  # first tick (now_s) of the current slot shortage
+    ready_seen: int = 0  # ready pods at the previous tick (more now: capacity arrived)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,7 @@ class JobObserved:
     merged: MergeResult | None = None
     plan_error: str = ""
     services_selected: int = 0
+    silent: frozenset[str] = frozenset()  # pods that exist but whose sidecar did not answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +103,7 @@ class JobSettings:
     max_shards_per_pod: int = 2
     stall_timeout_s: float = 120.0
     rate_window_s: float = 60.0
+    preempt_after_s: float = 30.0  # slot shortage (s) before preempting lower priorities
     storage_roots: tuple[str, ...] = ()  # empty: no namespace scoping of the URIs
 
 
@@ -204,12 +219,14 @@ def reconcile_job(
     by_id = {s.shard_id: s for s in plan.shards}
 
     # -- where the shards are -----------------------------------------------------------------
-    reports: dict[str, tuple[str, ShardReport]] = {}
+    # Every active copy of this job's shards, per pod: after a revoke or an assign whose answer
+    # was lost, a shard can run on two pods.
+    copies: dict[str, dict[str, ShardReport]] = {}
     ready_pods = {p.name: p for p in observed.pods if p.ready}
     for pod in observed.pods:
         for report in pod.shards:
             if report.shard_id in by_id and report.state in ACTIVE_STATES:
-                reports[report.shard_id] = (pod.name, report)
+                copies.setdefault(report.shard_id, {})[pod.name] = report
     placements = dict(memory.placements)
     revoke: list[tuple[str, str]] = []
     reassigned = memory.reassigned
@@ -217,18 +234,32 @@ def reconcile_job(
         if shard_id in observed.done:
             del placements[shard_id]
             continue
+        if placement.pod in observed.silent:
+            # Not gone, just unanswered this tick: the shard most likely still runs there.
+            if now_s - placement.progress_s > settings.stall_timeout_s:
+                del placements[shard_id]
+                reassigned += 1
+                events.append(("Warning", "ShardMoved",
+                               f"shard {shard_id} left pod {placement.pod} (no answer)"))
+            continue
         if placement.pod not in ready_pods:
             del placements[shard_id]
             reassigned += 1
             events.append(("Warning", "ShardMoved",
                            f"shard {shard_id} left pod {placement.pod} (pod gone or not ready)"))
             continue
-        reported = reports.get(shard_id)
+        on = copies.get(shard_id, {})
+        reported = on.get(placement.pod)
         if reported is None:
-            if now_s - placement.since_s > settings.stall_timeout_s:
+            elsewhere = sorted(name for name in on if name in ready_pods)
+            if elsewhere:  # it runs on another pod (an assign whose answer was lost): follow it
+                report = on[elsewhere[0]]
+                placements[shard_id] = Placement(elsewhere[0], now_s, now_s,
+                                                 report.completed + report.failed)
+            elif now_s - placement.since_s > settings.stall_timeout_s:
                 del placements[shard_id]  # the pod never took it up
             continue
-        done_now = reported[1].completed + reported[1].failed
+        done_now = reported.completed + reported.failed
         if done_now > placement.completed:
             placements[shard_id] = replace(placement, progress_s=now_s, completed=done_now)
         elif now_s - placement.progress_s > settings.stall_timeout_s:
@@ -237,20 +268,34 @@ def reconcile_job(
             reassigned += 1
             events.append(("Warning", "ShardStalled",
                            f"shard {shard_id} made no progress on {placement.pod}; moving it"))
-    for shard_id, (pod_name, report) in reports.items():
-        if shard_id not in placements and shard_id not in observed.done and (
-            pod_name in ready_pods and (pod_name, shard_id) not in revoke
-        ):
-            done_now = report.completed + report.failed
-            placements[shard_id] = Placement(pod_name, now_s, now_s, done_now)
+    for shard_id, on in copies.items():
+        if shard_id in observed.done:
+            continue
+        if shard_id not in placements:  # running without a placement (operator restart): adopt
+            found = sorted((-(r.completed + r.failed), name) for name, r in on.items()
+                           if name in ready_pods and (name, shard_id) not in revoke)
+            if found:
+                name = found[0][1]
+                placements[shard_id] = Placement(name, now_s, now_s,
+                                                 on[name].completed + on[name].failed)
+        holder = placements.get(shard_id)
+        for name in sorted(on):
+            if holder is not None and name != holder.pod and name not in observed.silent and (
+                (name, shard_id) not in revoke
+            ):
+                revoke.append((name, shard_id))  # a second copy: it would run twice
+                events.append(("Warning", "ShardDuplicate",
+                               f"shard {shard_id} also ran on {name}; revoked there"))
     affinity_pods = dict(memory.affinity_pods)
 
     # -- counts --------------------------------------------------------------------------------
     completed = sum(c for c, _ in observed.done.values())
     failed = plan.bad + sum(f for _, f in observed.done.values())
     tps = 0.0
-    for shard_id, (_, report) in reports.items():
-        if shard_id in placements:
+    for shard_id, placement in placements.items():
+        report_or_none = copies.get(shard_id, {}).get(placement.pod)
+        if report_or_none is not None:
+            report = report_or_none
             completed += report.completed
             failed += report.failed
             tps += report.tokens_per_second
@@ -274,7 +319,8 @@ def reconcile_job(
     cond("Admitted", True, "Planned",
          f"{plan.total} requests ({plan.bad} unreadable) in {len(plan.shards)} shards")
     new_memory = JobMemory(placements=placements, reassigned=reassigned, history=history,
-                           affinity_pods=affinity_pods)
+                           affinity_pods=affinity_pods, starved_since=memory.starved_since,
+                           ready_seen=memory.ready_seen)
 
     # -- finished? -------------------------------------------------------------------------------
     if len(observed.done) == len(plan.shards):
@@ -328,10 +374,19 @@ def reconcile_job(
                if s.shard_id not in observed.done and s.shard_id not in placements]
     assign: list[tuple[str, ShardPlan]] = []
     revoked_others: set[str] = set()
+    pods = [p for p in observed.pods if p.ready]
+    # Preemption hysteresis: a shortage must last preempt_after_s, and more ready pods than at
+    # the last tick (capacity still arriving) start the wait again.
+    starved_since = None if len(pods) > memory.ready_seen else memory.starved_since
+    short = False
     for shard in pending:
-        pods = [p for p in observed.pods if p.ready]
         free = [p for p in pods if load.get(p.name, 0) < settings.max_shards_per_pod]
         if not free:
+            short = True
+            if starved_since is None:
+                starved_since = now_s
+            if now_s - starved_since < settings.preempt_after_s:
+                break
             victim = _preemptible(pods, spec.priority, revoked_others)
             if victim is None:
                 break
@@ -355,7 +410,9 @@ def reconcile_job(
         placements[shard.shard_id] = Placement(target.name, now_s, now_s, 0)
     if assign and not start_time:
         start_time = rfc3339(now)
-    new_memory = replace(new_memory, placements=placements, affinity_pods=affinity_pods)
+    new_memory = replace(new_memory, placements=placements, affinity_pods=affinity_pods,
+                         starved_since=starved_since if short and len(assign) < len(pending)
+                         else None, ready_seen=len(pods))
     status["shards"]["assigned"] = len(placements)
 
     if placements:

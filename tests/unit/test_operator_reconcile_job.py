@@ -147,9 +147,58 @@ def test_higher_priority_job_takes_a_slot_from_a_lower_one() -> None:
     low = tick(p, (full,), s=spec(priority=-10))
     assert low.assign == () and low.revoke == ()
     assert low.status["phase"] == "Pending"
-    high = tick(p, (full,), s=spec(priority=10))
+    waiting = tick(p, (full,), s=spec(priority=10))
+    assert waiting.revoke == () and waiting.assign == ()  # a shortage must last first
+    assert waiting.memory.starved_since == 0.0
+    still = tick(p, (full,), waiting.memory, waiting.status, s=spec(priority=10),
+                 at_s=SETTINGS.preempt_after_s - 1)
+    assert still.revoke == ()
+    high = tick(p, (full,), still.memory, still.status, s=spec(priority=10),
+                at_s=SETTINGS.preempt_after_s)
     assert high.revoke == (("a", "ns.other-00001"),)  # the lowest-priority victim
     assert [name for name, _ in high.assign] == ["a"]
+    assert high.memory.starved_since is None
+
+
+def test_a_new_ready_pod_restarts_the_wait_before_preempting() -> None:
+    p = plan([10, 10, 10])
+    mine = running(f"{PREFIX}-00000")
+    full = pod("a", shards=(running("ns.other-00000"), running("ns.other-00001")),
+               others=(("ns.other-00000", 0), ("ns.other-00001", 0)))
+    first = tick(p, (full,), s=spec(priority=10))
+    assert first.assign == () and first.memory.starved_since == 0.0
+    # A pod comes up late: the job fills it, is short again, and waits afresh.
+    b = pod("b", spare=0.1)
+    grown = tick(p, (full, b), first.memory, first.status, s=spec(priority=10),
+                 at_s=SETTINGS.preempt_after_s)
+    assert grown.revoke == () and len(grown.assign) == 2
+    assert grown.memory.starved_since == SETTINGS.preempt_after_s
+    b_full = pod("b", spare=0.1, shards=(mine, running(f"{PREFIX}-00001")))
+    later = tick(p, (full, b_full), grown.memory, grown.status, s=spec(priority=10),
+                 at_s=SETTINGS.preempt_after_s + 5)
+    assert later.revoke == ()
+
+
+def test_an_unanswering_pod_keeps_its_shards_and_a_second_copy_is_revoked() -> None:
+    p = plan([10, 10])
+    first = tick(p, (pod("a"), pod("b")))
+    where = {s.shard_id: name for name, s in first.assign}
+    on_a = next(sid for sid, name in where.items() if name == "a")
+    on_b = next(sid for sid, name in where.items() if name == "b")
+    # a's sidecar does not answer this tick: its shard keeps its placement, nothing moves.
+    quiet = reconcile_job("ns", "job", 1, spec(), observed=JobObserved(
+        plan=p, pods=(pod("b", shards=(running(on_b, 1),)),), done={}, services_selected=1,
+        silent=frozenset({"a"})), memory=first.memory, previous_status=first.status,
+        now=T0, now_s=5.0, settings=SETTINGS)
+    assert quiet.assign == () and quiet.revoke == ()
+    assert quiet.status["shards"]["assigned"] == 2 and quiet.status["shards"]["reassigned"] == 0
+    # The shard shows up on b as well (a lost assign answer): the copy off its placement goes.
+    twice = tick(p, (pod("a", shards=(running(on_a, 1),)),
+                     pod("b", shards=(running(on_b, 1), running(on_a, 1)))),
+                 quiet.memory, quiet.status, at_s=10.0)
+    assert twice.revoke == (("b", on_a),) and twice.assign == ()
+    assert twice.memory.placements[on_a].pod == "a"
+    assert "ShardDuplicate" in [e[1] for e in twice.events]
 
 
 def test_all_shards_done_asks_for_a_merge_then_succeeds_with_exact_counts() -> None:
