@@ -43,7 +43,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -278,6 +278,18 @@ class PsmOfflineQueue:
         return len(self._q)
 
 
+@runtime_checkable
+class PriorSampler(Protocol):
+    """A length predictor that can also give its global (prior) output-length distribution.
+
+    ``prior_sample(k)`` returns at most ``k`` ascending, equally likely output
+    lengths (tokens) summarising every request the predictor has seen (the
+    core's history predictors and the sidecar's ``PromptLengths`` have it).
+    """
+
+    def prior_sample(self, k: int) -> npt.NDArray[np.float64]: ...
+
+
 class OrderingQueue:
     """The online queue in a core :class:`~slipstream_scheduler.ordering.Ordering`'s order.
 
@@ -289,9 +301,26 @@ class OrderingQueue:
     in-flight request a waiting one may displace. The sidecar cannot change a
     request's priority inside vLLM, so displacing means abort and resume as a
     continuation (digest §2.8 (a)).
+
+    Every view carries the predictor's global distribution (``prior_sample``,
+    when the predictor has one) as the fallback of the outliving rule: a
+    request that ran past every length of its sample is ranked on the global
+    lengths above what it produced, not on the point ``O = 2·o`` (which ranks
+    it behind nearly every new arrival). The fallback is cached and refreshed
+    only after ``fallback_refresh_every`` finished requests (fewer while the
+    history is small: after 1, 2, 4, ... of them), never per request.
     """
 
-    def __init__(self, ordering: Ordering, predictor: LengthPredictor) -> None:
+    def __init__(
+        self,
+        ordering: Ordering,
+        predictor: LengthPredictor,
+        *,
+        fallback_samples: int = 256,
+        fallback_refresh_every: int = 64,
+    ) -> None:
+        if fallback_samples < 0 or fallback_refresh_every < 1:
+            raise ValueError("fallback_samples must be >= 0, fallback_refresh_every >= 1")
         self.ordering = ordering
         self._predictor = predictor
         self._q = KeyedQueue()
@@ -300,6 +329,28 @@ class OrderingQueue:
         self._preemptions: dict[str, int] = {}
         self._samples: dict[str, npt.NDArray[np.float64]] = {}
         self._running: dict[str, tuple[RequestView, float]] = {}
+        self._fb_k = fallback_samples
+        self._fb_every = fallback_refresh_every
+        self._fb_sampler = predictor if isinstance(predictor, PriorSampler) else None
+        self._fallback: npt.NDArray[np.float64] = np.empty(0, dtype=np.float64)
+        self._observed = 0  # finished requests reported by observed()
+        self._fb_at = -1  # _observed when the fallback was last read (-1: never)
+
+    @property
+    def fallback(self) -> npt.NDArray[np.float64]:
+        """The cached global distribution views fall back on (ascending; empty: none)."""
+        at = self._fb_at
+        if self._fb_sampler is not None and (
+            at < 0 or self._observed - at >= min(self._fb_every, max(at, 1))
+        ):
+            sample = np.asarray(self._fb_sampler.prior_sample(self._fb_k), dtype=np.float64)
+            self._fallback = np.sort(sample)
+            self._fb_at = self._observed
+        return self._fallback
+
+    def observed(self) -> None:
+        """A request finished and was fed to the predictor: the fallback may be stale."""
+        self._observed += 1
 
     def _view(self, req: Incoming, generated: int, keyed_at: int = -1) -> RequestView:
         rid = req.request_id
@@ -315,6 +366,7 @@ class OrderingQueue:
             input_tokens=req.prompt_tokens,
             lengths=sample,
             generated_tokens=generated,
+            fallback=self.fallback,
             keyed_at_tokens=keyed_at,
             preemptions=self._preemptions.get(rid, 0),
         )
@@ -502,6 +554,8 @@ class Dispatcher:
         self._finished += 1
         if self.length_predictor is not None and rec.cls is RequestClass.ONLINE:
             self.length_predictor.observe(rec.incoming.vector, rec.prompt_tokens, rec.generated)
+            if isinstance(self.online_queue, OrderingQueue):
+                self.online_queue.observed()
         self._dirty = True
 
     def failed(self, request_id: str, now_s: float) -> None:

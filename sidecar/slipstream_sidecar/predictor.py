@@ -11,7 +11,9 @@ online request. Two histories of finished requests (FIFO, ``history`` records):
   the default) or MiniLM (``semantic``, needs the ``[semantic]`` extra; without
   it the sidecar warns and uses ``text``);
 * **by input length** (the core's ``InputLengthHistoryPredictor``): for
-  requests that carry no embedding.
+  requests that carry no embedding. It holds every finished online request,
+  so its global distribution is the :meth:`PromptLengths.prior_sample` the
+  online queue ranks a request on once it outlives its predicted sample.
 
 What runs where. Embedding a prompt and searching 10,000 records costs
 milliseconds (the hashing embedder about 1 µs per character, the search about
@@ -173,6 +175,16 @@ class PromptLengths:
             log.debug("no text prediction ready for a request; using its input length")
         self._by_input_count.inc()
         return self.by_input.predict(None, input_tokens)
+
+    def prior_sample(self, k: int) -> FloatArray:
+        """At most ``k`` quantiles of every finished request's output length (ascending).
+
+        The dispatcher's online queue ranks a request that outlived its
+        predicted sample on these (the outliving rule's fallback). Read from the
+        input-length history, which holds every finished online request and
+        lives on the event loop (the text history belongs to the worker thread).
+        """
+        return self.by_input.prior_sample(k)
 
     def observe(self, vector: Vector | None, input_tokens: int, output_tokens: int) -> None:
         self.by_input.observe(None, input_tokens, output_tokens)

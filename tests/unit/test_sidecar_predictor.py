@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from slipstream_scheduler.dispatcher import Incoming
+from slipstream_scheduler.dispatcher import Incoming, OrderingQueue
 from slipstream_scheduler.lengths import HashingEmbedder
 from slipstream_scheduler.types import RequestClass
 from slipstream_sidecar.brain import BrainConfig, build_dispatcher
@@ -201,3 +201,17 @@ def test_semantic_setting_uses_minilm_when_installed_else_warns_and_hashes(
     else:
         assert isinstance(emb, HashingEmbedder)
         assert "needs the [semantic] extra" in caplog.text
+
+
+def test_the_online_queue_falls_back_on_every_finished_requests_lengths() -> None:
+    """The sidecar's queue gets the global distribution for requests that outlive their
+    sample: the lengths of every finished online request, with or without a prompt vector."""
+    lengths = PromptLengths(None)
+    for out in (5, 7, 400, 420, 9):
+        lengths.observe(None, 12, out)
+    np.testing.assert_array_equal(lengths.prior_sample(16), [5, 7, 9, 400, 420])
+    assert lengths.prior_sample(2).shape == (2,)
+    settings = SidecarSettings(max_num_seqs=1, kv_blocks=100_000)
+    queue = build_dispatcher(settings, BrainConfig(None, "gittins", None), lengths).online_queue
+    assert isinstance(queue, OrderingQueue)
+    np.testing.assert_array_equal(queue.fallback, [5, 7, 9, 400, 420])
