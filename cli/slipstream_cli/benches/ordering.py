@@ -24,8 +24,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +49,29 @@ from slipstream_scheduler.sim.simulator import SimConfig, SimResult, simulate
 from slipstream_scheduler.sim.workload import SimRequest, Workload
 from slipstream_scheduler.types import RequestClass
 
-ORDERINGS = ("fcfs", "sjf", "trail", "gittins", "gittins-np")
+ORDERINGS = ("fcfs", "sjf", "trail", "trail-r100", "gittins-r200", "gittins-r100", "gittins-np")
 FloatArray = npt.NDArray[np.float64]
 
-VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
-    "fcfs": ("fcfs", {}),
-    "sjf": ("sjf", {}),
-    "trail": ("trail", {}),
-    "gittins": ("gittins", {}),
+VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, int]]] = {
+    "fcfs": ("fcfs", {}, {}),
+    "sjf": ("sjf", {}, {}),
+    "trail": ("trail", {"refresh_every_tokens": 200}, {}),
+    "trail-r100": ("trail", {"refresh_every_tokens": 100}, {}),
+    # Gittins as the core's defaults configure it.
+    "gittins": ("gittins", {}, {}),
+    # Preemptive Gittins re-ranked every 200 (SageSched's bucket) or 100 output tokens.
+    "gittins-r200": ("gittins", {"refresh_every_tokens": 200}, {}),
+    "gittins-r100": ("gittins", {"refresh_every_tokens": 100}, {}),
     # What the sidecar ships: Gittins ranks, no displacement of in-flight requests.
-    "gittins-np": ("gittins", {"max_preemptions": 0}),
-    "trail-np": ("trail", {"max_preemptions": 0}),
+    "gittins-np": ("gittins", {"max_preemptions": 0}, {}),
+    "trail-np": ("trail", {"max_preemptions": 0}, {}),
+    # Before the fix: no global fallback, a request that outlived its sample is
+    # ranked on the point O = 2·o (kept to measure what the fallback is worth).
+    "gittins-nofb": ("gittins", {"refresh_every_tokens": 200}, {"fallback_samples": 0}),
+    "trail-nofb": ("trail", {"refresh_every_tokens": 200}, {"fallback_samples": 0}),
 }
-"""Bench name -> (core ordering, params). ``cost`` is added for every ordering but FCFS."""
+"""Bench name -> (core ordering, params, ``OrderingQueue`` options). ``cost`` is added to the
+params of every ordering but FCFS."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="an upper bound, not a deployable setting: every ordering is told each "
         "request's true output length instead of the semantic predictor's sample",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs simulated at once in worker processes (default 1); results are the same "
+        "whatever the count (every run is seeded)",
     )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
@@ -180,7 +200,7 @@ def oracle_requests(reqs: list[SimRequest]) -> list[SimRequest]:
 
 
 def _ordering(name: str, cost: str) -> Ordering:
-    base, params = VARIANTS[name]
+    base, params, _ = VARIANTS[name]
     return make_ordering(base, params if base == "fcfs" else {**params, "cost": cost})
 
 
@@ -190,14 +210,15 @@ def _run(  # noqa: PLR0917
     engine: EngineConfig,
     cap: int,
     seed: int,
-    bar: RichProgress,
+    bar: RichProgress | None,
     label: str,
     oracle: bool = False,
+    queue_options: dict[str, int] | None = None,
 ) -> SimResult:
     predictor: LengthPredictor = (
         OracleLengths() if oracle else SemanticHistoryPredictor(HashingEmbedder().dim)
     )
-    queue = OrderingQueue(ordering, predictor)
+    queue = OrderingQueue(ordering, predictor, **(queue_options or {}))
     cfg = SimConfig(
         engine=engine,
         policy="online-only",
@@ -210,8 +231,55 @@ def _run(  # noqa: PLR0917
         cfg,
         length_predictor=predictor,
         online_queue=queue,
-        progress=lambda t: bar(label, min(t, span), span),
+        progress=None if bar is None else (lambda t: bar(label, min(t, span), span)),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    """One simulation of the bench: a picklable description for a worker process."""
+
+    online: tuple[SimRequest, ...]
+    name: str
+    cost: str
+    seed: int
+    load: float
+    rate: float
+    engine: EngineConfig
+    cap: int
+    oracle: bool = False
+
+
+def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
+    """Simulate one (ordering, cost, load, seed) and return its row."""
+    tw = time.perf_counter()
+    label = f"{task.name} ({task.cost}) load {task.load} seed {task.seed}"
+    res = _run(
+        task.online,
+        _ordering(task.name, task.cost),
+        task.engine,
+        task.cap,
+        task.seed,
+        bar,
+        label,
+        oracle=task.oracle,
+        queue_options=VARIANTS[task.name][2],
+    )
+    on = res.metrics.online
+    return {
+        "ordering": task.name,
+        "cost": "-" if task.name == "fcfs" else task.cost,
+        "seed": task.seed,
+        "load": task.load,
+        "arrival_rate_per_s": task.rate,
+        "mean_ttlt_s": on.ttlt.mean,
+        "p99_ttlt_s": on.ttlt.p99,
+        "ttft_p99_s": on.ttft.p99,
+        "ttft_mean_s": on.ttft.mean,
+        "finished": on.finished,
+        "reorders": res.dispatcher.reorders,
+        "wall_s": time.perf_counter() - tw,
+    }
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -285,40 +353,28 @@ def run(args: argparse.Namespace) -> int:
         )
         capacity = sat.metrics.online.finished / sat.metrics.duration_s
         console.print(f"capacity with {args.inflight} in flight: {capacity:.2f} req/s")
+        tasks: list[_Task] = []
         for seed, load, cost in itertools.product(seeds, args.loads, args.costs):
             online = _with_arrivals(reqs, load * capacity, seed)
             for name in args.orderings:
                 if name == "fcfs" and cost != args.costs[0]:
                     continue  # FCFS ignores the cost: one run per load and seed
-                tw = time.perf_counter()
-                label = f"{name} ({cost}) load {load} seed {seed}"
-                res = _run(
-                    online,
-                    _ordering(name, cost),
-                    engine,
-                    args.inflight,
-                    seed,
-                    bar,
-                    label,
-                    oracle=args.oracle,
+                rate = load * capacity
+                tasks.append(
+                    _Task(online, name, cost, seed, load, rate, engine, args.inflight, args.oracle)
                 )
-                on = res.metrics.online
-                rows.append(
-                    {
-                        "ordering": name,
-                        "cost": "-" if name == "fcfs" else cost,
-                        "seed": seed,
-                        "load": load,
-                        "arrival_rate_per_s": load * capacity,
-                        "mean_ttlt_s": on.ttlt.mean,
-                        "p99_ttlt_s": on.ttlt.p99,
-                        "ttft_p99_s": on.ttft.p99,
-                        "ttft_mean_s": on.ttft.mean,
-                        "finished": on.finished,
-                        "reorders": res.dispatcher.reorders,
-                        "wall_s": time.perf_counter() - tw,
-                    }
-                )
+        if args.jobs <= 1:
+            rows = [_run_task(t, bar) for t in tasks]
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+                for row in pool.map(_run_task, tasks):
+                    console.print(
+                        f"done: {row['ordering']} ({row['cost']}) load {row['load']} "
+                        f"seed {row['seed']}: mean TTLT {row['mean_ttlt_s']:.2f} s "
+                        f"in {row['wall_s']:.0f} s"
+                    )
+                    rows.append(row)
     table = Table(title=f"online ordering, AlpacaEval answers, {args.inflight} in flight")
     for col in (
         "load",
