@@ -1,6 +1,7 @@
 """The Helm chart: CRD drift, lint, rendering under several value sets, least-privilege RBAC,
-the operator's arguments and environment, schema rejections, the dashboard's queries and the
-SLO alert rules (checked and unit-tested by a real promtool).
+the operator's arguments and environment (sidecar defaults followed down to the pods the
+operator builds), schema rejections, the dashboard's queries and the SLO alert rules (checked
+and unit-tested by a real promtool).
 
 Tests that run the helm (or promtool) binary carry ``integration``; the binaries come from the
 cluster build (``make cluster-build``: helm in the cache bin dir) and Debian's ``prometheus``
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -221,6 +223,16 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
                 "serviceAccount.create=false", "serviceAccount.name=existing"),
     "prometheus": ("operator.prometheusUrl=http://prometheus.monitoring:9090",
                    "operator.logLevel=warning", "image.tag=dev"),
+    "sidecar-defaults": ("sidecar.image.repository=registry.local:5000/team/slipstream-sidecar",
+                         "sidecar.image.tag=v7", "sidecar.resources.requests.cpu=500m",
+                         "sidecar.resources.requests.memory=512Mi",
+                         "sidecar.resources.limits.memory=1Gi"),
+}
+# The image the operator gives sidecars that name none, per value set: sidecar.image, else the
+# operator's own image (repository and tag).
+SIDECAR_IMAGES = {
+    "prometheus": "ghcr.io/slipstream-dev/slipstream:dev",
+    "sidecar-defaults": "registry.local:5000/team/slipstream-sidecar:v7",
 }
 
 
@@ -274,9 +286,20 @@ def test_rbac_is_exactly_what_the_operator_calls(
         assert [s["metadata"]["name"] for s in by_kind(objs, "ServiceAccount")] == [sa]
 
 
+def settings_from_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """OperatorSettings as the operator reads them from the container's environment."""
+    from slipstream_operator.settings import OperatorSettings
+
+    for key in [k for k in os.environ if k.startswith("SLIPSTREAM_OPERATOR_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return OperatorSettings()
+
+
 @pytest.mark.integration
 def test_operator_args_and_env_are_real_flags_and_settings(
-    rendered: tuple[str, list[dict[str, Any]]],
+    rendered: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from slipstream_cli.main import build_parser
     from slipstream_operator.settings import OperatorSettings
@@ -306,9 +329,15 @@ def test_operator_args_and_env_are_real_flags_and_settings(
     env = {e["name"]: e["value"] for e in container["env"]}
     fields = {f"SLIPSTREAM_OPERATOR_{f.upper()}" for f in OperatorSettings.model_fields}
     assert set(env) <= fields, set(env) - fields
-    settings = OperatorSettings(**{k.removeprefix("SLIPSTREAM_OPERATOR_").lower(): v
-                                   for k, v in env.items()})
+    settings = settings_from_env(env, monkeypatch)
     assert settings.reconcile_interval_s == 5.0
+    assert settings.sidecar_image == SIDECAR_IMAGES.get(
+        name, "ghcr.io/slipstream-dev/slipstream:0.1.0")
+    if name == "sidecar-defaults":
+        assert settings.sidecar_resources.wire() == {
+            "requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+    else:
+        assert "SLIPSTREAM_OPERATOR_SIDECAR_RESOURCES" not in env
     if name == "prometheus":
         assert settings.prometheus_url == "http://prometheus.monitoring:9090"
         assert container["image"] == "ghcr.io/slipstream-dev/slipstream:dev"
@@ -416,6 +445,41 @@ def test_no_unread_sidecar_defaults_are_shipped() -> None:
 
 
 @pytest.mark.integration
+def test_sidecar_values_reach_the_pods_the_operator_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sidecar.image / sidecar.resources -> the operator's environment -> its settings -> the
+    sidecar container of an InferenceService that sets neither; one that sets them keeps its
+    own (the handler passes the two settings to ``children`` through ServiceObserved)."""
+    from slipstream_operator.api import InferenceServiceSpec
+    from slipstream_operator.reconcile_service import ObjectRef, children
+
+    deployment = by_kind(docs(*VALUE_SETS["sidecar-defaults"]), "Deployment")[0]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    settings = settings_from_env({e["name"]: e["value"] for e in container["env"]}, monkeypatch)
+
+    def sidecar(**own: Any) -> dict[str, Any]:
+        spec = InferenceServiceSpec.model_validate({
+            "model": "m", "engine": {"image": "vllm"}, "slo": {"ttft": {"p99": "2s"}},
+            "sidecar": own,
+        })
+        kids = children(ObjectRef("chat", "team-a", "uid", 1), spec, "token", None,
+                        sidecar_image=settings.sidecar_image,
+                        sidecar_resources=settings.sidecar_resources)
+        pod = next(k for k in kids if k["kind"] == "Deployment")["spec"]["template"]
+        (found,) = [c for c in pod["spec"]["containers"] if c["name"] == "sidecar"]
+        return found
+
+    default = sidecar()
+    assert default["image"] == "registry.local:5000/team/slipstream-sidecar:v7"
+    assert default["resources"] == {"requests": {"cpu": "500m", "memory": "512Mi"},
+                                    "limits": {"memory": "1Gi"}}
+    pinned = sidecar(image="team-a.local/sidecar:debug", resources={"requests": {"cpu": "2"}})
+    assert pinned["image"] == "team-a.local/sidecar:debug"
+    assert pinned["resources"] == {"requests": {"cpu": "2"}, "limits": {}}
+
+
+@pytest.mark.integration
 def test_monitoring_objects_render_only_when_asked() -> None:
     kinds = {o["kind"] for o in docs()}
     assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
@@ -449,8 +513,12 @@ BAD_VALUES = {
     "unknownKey=1": "unknownKey",
     "operator.metricsPort=8081": "must differ",
     "operator.metricsPort=0": "metricsPort",
-    # Removed: the operator never read them (spec.sidecar configures each service's sidecar).
-    "sidecar.image=registry.local/slipstream:1": "image",
+    # An object (repository, tag) like the operator's image, not one string.
+    "sidecar.image=registry.local/slipstream:1": "/sidecar/image",
+    "sidecar.image.tag=bad:tag": "/sidecar/image/tag",
+    "sidecar.image.repository=Registry/X": "/sidecar/image/repository",
+    "sidecar.resources.cpu=1": "/sidecar/resources",
+    "sidecar.resources.limits.memory=1GB": "/sidecar/resources/limits/memory",
 }
 
 

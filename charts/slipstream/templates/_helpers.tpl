@@ -44,6 +44,14 @@ app.kubernetes.io/managed-by: slipstream-operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The sidecar image the operator gives InferenceServices that name none (sidecar.image,
+falling back to the operator's repository and tag). */}}
+{{- define "slipstream.sidecarImage" -}}
+{{- $repository := default .Values.image.repository .Values.sidecar.image.repository -}}
+{{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.sidecar.image.tag -}}
+{{- printf "%s:%s" $repository $tag -}}
+{{- end -}}
+
 {{/* Render a prometheus-operator object only if its API exists or it is forced. */}}
 {{- define "slipstream.hasMonitoringAPI" -}}
 {{- if or .force (.root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}true{{- end -}}
