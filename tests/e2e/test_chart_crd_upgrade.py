@@ -6,8 +6,8 @@ The case pinned here is ``spec.sidecar.image`` going from defaulted (the CRD fil
 old default is installed, an InferenceService created under it, then ``helm upgrade`` applies
 the shipped CRD on a real API server: the old object stays readable, parseable and patchable
 and keeps the image the old default wrote into it (the API server persisted it on create), a
-new object stores no image, and the documented JSON patch hands an old object over to the
-operator's default.
+new object stores no image, the documented JSON patch hands an old object over to the
+operator's default, and a rollback to the old CRD defaults the image again.
 """
 
 from __future__ import annotations
@@ -106,6 +106,14 @@ def test_sidecar_image_from_defaulted_to_optional_upgrades_in_place(
         bad = run(cluster, cluster.kubectl, "patch", KIND, "new", "-n", namespace,
                   "--type=merge", "-p", '{"spec": {"sidecar": {"image": ""}}}', check=False)
         assert bad.returncode != 0 and "spec.sidecar.image" in bad.stderr
+
+        # Rolling back to the old CRD: the API server defaults the image again on read.
+        upgraded = False
+        run(cluster, cluster.helm, "upgrade", release, str(old_chart), "-n", namespace, *sets)
+        assert stored_spec(cluster, "new", namespace)["sidecar"]["image"] == DEFAULT_SIDECAR_IMAGE
+        run(cluster, cluster.helm, "upgrade", release, str(CHART), "-n", namespace, *sets)
+        upgraded = True
+        assert "image" not in stored_spec(cluster, "new", namespace)["sidecar"]
     finally:
         if not upgraded:  # never leave the old CRD behind (kept on uninstall) for later tests
             run(cluster, cluster.helm, "upgrade", release, str(CHART), "-n", namespace, *sets,
