@@ -6,7 +6,18 @@ offline request to abort to make room. This module only feeds it events on
 ``time.monotonic()`` and carries out its decisions:
 
 * ``register`` → ``arrive``; the caller awaits its :class:`Ticket` until the
-  dispatcher submits it (the request is *held* in the sidecar until then);
+  dispatcher submits it (the request is *held* in the sidecar until then).
+  With ``grant_now`` (the proxy's online requests) an arrival that no held
+  online request precedes and that fits the engine's free slots and KV is
+  decided at once, inside ``register``: its ticket comes back granted, so the
+  handler forwards it without yielding to the event loop, and the engine
+  starts on the first requests of a burst while the sidecar is still parsing
+  the rest (``docs/benchmarks/sidecar.md``). It is the dispatcher's own
+  ``decide``, so what it submits and in which order is what the coalesced
+  pump would decide; only its timing moves. Each such decision costs the core
+  O(requests in prefill), so it is taken only while at most
+  ``sync_prefill_limit`` granted requests still await their first token;
+  beyond that, arrivals are coalesced as below;
 * the streams report ``progress`` / ``finished`` / ``failed`` / ``aborted``;
 * after every event a *pump* runs ``decide`` once per event-loop turn
   (coalesced: a burst of arrivals in one turn is planned once), resolves the
@@ -32,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from slipstream_scheduler.dispatcher import Dispatcher, DispatcherStats, Incoming
+from slipstream_scheduler.dispatcher import Decisions, Dispatcher, DispatcherStats, Incoming
 from slipstream_scheduler.protocols import LatencyModel
 from slipstream_scheduler.types import BatchItem, Phase, RequestClass
 from slipstream_sidecar.metrics import SidecarMetrics
@@ -63,6 +74,7 @@ class Ticket:
         "cls",
         "generated",
         "label",
+        "prefilling",
         "prompt_tokens",
         "request_id",
         "state",
@@ -78,6 +90,7 @@ class Ticket:
         self.label = CLASS_LABEL[cls]
         self.arrival_s = arrival_s
         self.state = _HELD
+        self.prefilling = False  # granted, no token seen on this submission yet
         self.abort_reason: str | None = None
         self._fut: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         self._on_abort: Callable[[], None] | None = None
@@ -111,7 +124,10 @@ class Controller:
         *,
         tick_s: float = 0.005,
         clock: Callable[[], float] = time.monotonic,
+        sync_prefill_limit: int = 32,
     ) -> None:
+        if sync_prefill_limit < 0:
+            raise ValueError("sync_prefill_limit must be >= 0")
         self.dispatcher = dispatcher
         self.metrics = metrics
         self._clock = clock
@@ -126,6 +142,9 @@ class Controller:
         self.preempted_total = {"online": 0, "offline": 0}
         self.observed_step_s = 0.0
         self.decide_calls = 0
+        self.sync_grants = 0  # requests granted inside register (grant_now)
+        self.sync_prefill_limit = sync_prefill_limit
+        self.prefilling = 0  # granted requests with no token on their submission yet
         self.latency_model: LatencyModel | None = None  # for the predicted-step gauge only
         self._admitted = {label: metrics.admitted.labels(label) for label in ("online", "offline")}
 
@@ -158,8 +177,14 @@ class Controller:
 
     # -- events from the streams -------------------------------------------------------------
 
-    def register(self, incoming: Incoming) -> Ticket:
-        """A new request arrives; it is held until :meth:`Ticket.granted` resolves."""
+    def register(self, incoming: Incoming, *, grant_now: bool = False) -> Ticket:
+        """A new request arrives; it is held until :meth:`Ticket.granted` resolves.
+
+        ``grant_now``: decide at once when the request may be granted without
+        waiting for the rest of this loop turn's arrivals (see the module doc);
+        the returned ticket is then already granted (or, rarely, still held: the
+        dispatcher declined it, and the coalesced pump takes over).
+        """
         if incoming.request_id in self._tickets:
             raise KeyError(f"request {incoming.request_id} is already registered")
         ticket = Ticket(
@@ -168,15 +193,33 @@ class Controller:
         self._tickets[incoming.request_id] = ticket
         self.held[ticket.label] += 1
         self._held_more()
-        self.dispatcher.arrive(incoming, self.now())
+        now = self.now()
+        self.dispatcher.arrive(incoming, now)
+        if grant_now and self._may_grant_now(ticket, incoming):
+            self.sync_grants += 1
+            self._apply(self.dispatcher.decide(now))
+            if not (self.held["online"] or self.held["offline"]):
+                return ticket
         # NOTE: deferred to the end of this event-loop turn (microseconds, far inside one
         # engine iteration), so a burst of arrivals is planned once rather than once each.
         self._schedule_pump()
         return ticket
 
+    def _may_grant_now(self, ticket: Ticket, incoming: Incoming) -> bool:
+        """Online, first in line, fits now, and the core's decision is still cheap."""
+        return (
+            ticket.cls is RequestClass.ONLINE
+            and self.held["online"] == 1  # this one: no held online request precedes it
+            and self.prefilling < self.sync_prefill_limit
+            and self._online_fits(0, incoming.prompt_tokens + incoming.max_tokens)
+        )
+
     def progress(self, ticket: Ticket, generated_tokens: int) -> None:
         """``generated_tokens`` seen so far on this submission's stream."""
         if ticket.state == _GRANTED:
+            if ticket.prefilling and generated_tokens > 0:
+                ticket.prefilling = False
+                self.prefilling -= 1
             ticket.generated = generated_tokens
             self.dispatcher.progress(ticket.request_id, generated_tokens, self.now())
             self._schedule_pump()
@@ -203,6 +246,7 @@ class Controller:
         """The stream of an aborted request is closed; it waits for its next grant."""
         if ticket.state != _GRANTED:
             return
+        self._prefill_done(ticket)
         self.in_flight[ticket.label] -= 1
         self.held[ticket.label] += 1
         self._held_more()
@@ -221,12 +265,18 @@ class Controller:
         if ticket.state == _HELD:
             self.held[ticket.label] -= 1
         else:
+            self._prefill_done(ticket)
             self.in_flight[ticket.label] -= 1
         ticket.state = _DONE
         self._tickets.pop(ticket.request_id, None)
         if not ticket._fut.done():
             ticket._fut.cancel()
         return True
+
+    def _prefill_done(self, ticket: Ticket) -> None:
+        if ticket.prefilling:
+            ticket.prefilling = False
+            self.prefilling -= 1
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -245,11 +295,16 @@ class Controller:
         the estimated free KV blocks. The ordering then cannot change what is
         submitted, only in which order within one decision.
         """
+        return self._online_fits(self.held["online"] + 1, tokens)
+
+    def _online_fits(self, waiting: int, tokens: int) -> bool:
+        """``waiting`` online requests (at least one) of ``tokens`` each fit the free slots
+        and estimated KV blocks."""
+        waiting = max(waiting, 1)
         d = self.dispatcher
         cap = d.limits.max_num_seqs
         if d.config.max_online_inflight is not None:
             cap = min(cap, d.config.max_online_inflight)
-        waiting = self.held["online"] + 1
         if self.in_flight["online"] + waiting > cap:
             return False
         blocks = -(-tokens // d.limits.block_size)
@@ -258,18 +313,26 @@ class Controller:
     def _schedule_pump(self) -> None:
         if not self._pump_scheduled:
             self._pump_scheduled = True
-            asyncio.get_running_loop().call_soon(self._pump)
+            asyncio.get_running_loop().call_soon(self._scheduled_pump)
+
+    def _scheduled_pump(self) -> None:
+        self._pump_scheduled = False
+        self._pump()
 
     def _pump(self) -> None:
-        self._pump_scheduled = False
+        self._apply(self.dispatcher.decide(self.now()))
+
+    def _apply(self, dec: Decisions) -> None:
+        """Carry out one decision: resolve the tickets it submits, abort the ones it aborts."""
         self.decide_calls += 1
-        dec = self.dispatcher.decide(self.now())
         for sub in dec.submit:
             ticket = self._tickets.get(sub.request_id)
             if ticket is None or ticket.state != _HELD:
                 log.warning("dispatcher submitted unknown or busy request %s", sub.request_id)
                 continue
             ticket.state = _GRANTED
+            ticket.prefilling = True
+            self.prefilling += 1
             self.held[ticket.label] -= 1
             self.in_flight[ticket.label] += 1
             self.admitted_total[ticket.label] += 1

@@ -13,7 +13,12 @@ sidecar only *reads* the stream to time tokens (TTFT, TBT) and count them.
 Choices made here (``docs/sidecar.md``):
 
 * A client's ``priority`` field is removed and replaced: clients never choose
-  their class or priority; both come from the operator's configuration.
+  their class or priority; both come from the operator's configuration. A body
+  without one is forwarded as the client's bytes with ``"priority":N`` put in
+  front (``with_priority``), not decoded and encoded again.
+* An online request that fits the engine when it arrives is granted inside
+  ``Controller.register`` (``grant_now``), so its handler sends it to the
+  engine before yielding to the event loop.
 * A client's non-streaming request is sent upstream non-streaming and its
   bytes passed through unchanged; its token count comes from ``usage`` at the
   end (no TTFT/TBT samples for it). Streaming requests are forwarded as sent
@@ -70,6 +75,7 @@ _DEFAULT_MAX_TOKENS = 256
 # sampling period of estimated ones (keeps the learned ratio current).
 _CALIBRATION_MIN = 4
 _CALIBRATE_EVERY = 32
+_ABSENT = object()
 
 
 def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
@@ -178,7 +184,7 @@ class Proxy:
         if not isinstance(body, dict):
             return error_response(400, "request body is not a JSON object")
         # NOTE: clients cannot raise their own priority; the dispatcher sets it.
-        body.pop("priority", None)
+        client_priority = body.pop("priority", _ABSENT) is not _ABSENT
         asked = body.get("max_tokens") or body.get("max_completion_tokens")
         lengths = self.lengths
         text = prompt_text(body) if lengths is not None and lengths.uses_text else None
@@ -215,13 +221,18 @@ class Proxy:
                 arrival,
                 vector=vector,
                 block_hashes=hashes,
-            )
+            ),
+            grant_now=True,
         )
         outcome = "cancelled"
         try:
+            # Already granted when it fits at once (a done future: no loop turn here).
             grant = await ticket.granted()
-            body["priority"] = grant.priority
-            data = json.dumps(body, separators=(",", ":")).encode()
+            if client_priority or not body or not _spliceable(raw):
+                body["priority"] = grant.priority
+                data = json.dumps(body, separators=(",", ":")).encode()
+            else:
+                data = with_priority(raw, grant.priority)
             self._to_engine.observe(self.controller.now() - arrival)
             if body.get("stream"):
                 resp, outcome = await self._stream(request, path, data, ticket)
@@ -394,6 +405,22 @@ _STREAM_BROKE = (
     b'data: {"error": {"message": "the inference engine stopped while streaming this answer; '
     b'it is incomplete", "type": "EngineStreamError", "param": null, "code": 502}}\n\n'
 )
+
+
+def with_priority(raw: bytes, priority: int) -> bytes:
+    """``raw`` (a non-empty JSON object without a ``priority`` member) with ``priority`` as
+    its first member: the client's bytes otherwise unchanged, without re-encoding the
+    body (whose prompt may be large) for every request."""
+    start = raw.index(b"{") + 1
+    return b'{"priority":%d,%s' % (priority, raw[start:])
+
+
+def _spliceable(raw: bytes) -> bool:
+    """UTF-8 (or ASCII) JSON starting with its object: not UTF-16/32, no byte-order mark."""
+    return raw[:1] in _OBJECT_START and b"\x00" not in raw[:4]
+
+
+_OBJECT_START = frozenset((b"{", b" ", b"\n", b"\r", b"\t"))
 
 
 def _passthrough(status: int, body: bytes, content_type: str | None) -> web.Response:

@@ -1,0 +1,146 @@
+"""Granting an online request inside ``register`` when it fits, and forwarding its bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from slipstream_scheduler.dispatcher import Incoming
+from slipstream_scheduler.types import RequestClass
+from slipstream_sidecar.brain import BrainConfig, build_dispatcher
+from slipstream_sidecar.controller import Controller
+from slipstream_sidecar.engine import EngineClient
+from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.proxy import Proxy, ProxyState, serve, with_priority
+from slipstream_sidecar.settings import SidecarSettings
+
+pytestmark = pytest.mark.unit
+
+
+def _controller(
+    max_num_seqs: int, ordering: str = "fcfs", limit: int = 32, kv_blocks: int = 100_000
+) -> Controller:
+    settings = SidecarSettings(max_num_seqs=max_num_seqs, kv_blocks=kv_blocks)
+    dispatcher = build_dispatcher(settings, BrainConfig(None, ordering, None))
+    return Controller(
+        dispatcher, SidecarMetrics(), tick_s=1.0, clock=lambda: 100.0, sync_prefill_limit=limit
+    )
+
+
+def _on(rid: str, prompt: int = 64) -> Incoming:
+    return Incoming(rid, RequestClass.ONLINE, prompt, 32, 100.0)
+
+
+async def test_a_fitting_arrival_comes_back_granted_without_a_loop_turn() -> None:
+    ctl = _controller(max_num_seqs=4)
+    ticket = ctl.register(_on("a"), grant_now=True)
+    assert ticket._fut.done() and ticket._fut.result().priority == 0
+    assert ctl.in_flight["online"] == 1 and ctl.held["online"] == 0
+    assert ctl.sync_grants == 1 and ctl.prefilling == 1
+    plain = ctl.register(_on("b"))  # without grant_now: held until the pump's turn
+    assert not plain._fut.done()
+    await asyncio.sleep(0)
+    assert plain._fut.done() and ctl.prefilling == 2
+    ctl.progress(ticket, 1)
+    assert ctl.prefilling == 1
+    ctl.finished(plain, 3)  # no token seen yet on its stream: leaves prefill too
+    assert ctl.prefilling == 0
+
+
+async def test_an_arrival_never_overtakes_a_held_request() -> None:
+    ctl = _controller(max_num_seqs=1, ordering="gittins")
+    first = ctl.register(_on("a"), grant_now=True)
+    assert first._fut.done()
+    long = ctl.register(_on("b", prompt=4000), grant_now=True)  # no slot: held
+    short = ctl.register(_on("c", prompt=10), grant_now=True)  # one is held before it
+    assert not long._fut.done() and not short._fut.done()
+    assert ctl.sync_grants == 1 and ctl.held["online"] == 2
+    ctl.finished(first, 8)
+    # The held queue keeps the ordering's order: C = O²/2 + I·O is smaller for "c".
+    await asyncio.wait_for(short.granted(), 1.0)
+    assert not long._fut.done()
+
+
+async def test_a_fitting_arrival_behind_a_held_one_waits_for_the_pump() -> None:
+    ctl = _controller(max_num_seqs=4, kv_blocks=200)
+    ctl.register(_on("a"), grant_now=True)
+    big = ctl.register(_on("b", prompt=4000), grant_now=True)  # more KV than there is
+    small = ctl.register(_on("c", prompt=10), grant_now=True)  # fits, but "b" is held
+    assert not small._fut.done() and ctl.sync_grants == 1  # no decision spent on it
+    await asyncio.sleep(0)  # the pump's plan: FCFS, "b" first, and "b" does not fit
+    assert not small._fut.done() and not big._fut.done() and ctl.held["online"] == 2
+
+
+async def test_sync_grants_stop_while_many_requests_await_their_first_token() -> None:
+    ctl = _controller(max_num_seqs=8, limit=2)
+    a = ctl.register(_on("a"), grant_now=True)
+    b = ctl.register(_on("b"), grant_now=True)
+    c = ctl.register(_on("c"), grant_now=True)
+    assert a._fut.done() and b._fut.done() and not c._fut.done()
+    assert ctl.sync_grants == 2
+    await asyncio.wait_for(c.granted(), 1.0)  # the coalesced pump takes it
+    assert ctl.prefilling == 3
+    for t in (a, b):
+        ctl.progress(t, 1)
+    d = ctl.register(_on("d"), grant_now=True)
+    assert d._fut.done() and ctl.sync_grants == 3
+
+
+async def test_offline_arrivals_are_never_granted_inside_register() -> None:
+    ctl = _controller(max_num_seqs=4)
+    off = ctl.register(Incoming("f", RequestClass.OFFLINE, 64, 32, 100.0), grant_now=True)
+    assert not off._fut.done() and ctl.sync_grants == 0
+    await asyncio.wait_for(off.granted(), 1.0)
+
+
+def test_with_priority_puts_the_member_first_and_keeps_the_clients_bytes() -> None:
+    raw = b' {"model":"m","prompt":"caf\xc3\xa9 {x}","max_tokens":4}\n'
+    out = with_priority(raw, 7)
+    assert out == b'{"priority":7,"model":"m","prompt":"caf\xc3\xa9 {x}","max_tokens":4}\n'
+    assert json.loads(out) == {"priority": 7} | json.loads(raw)
+
+
+async def test_the_engine_gets_the_dispatchers_priority_in_the_clients_bytes() -> None:
+    seen: list[bytes] = []
+
+    async def engine_completions(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.read())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"text":" hi"}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    engine_app = web.Application()
+    engine_app.router.add_post("/v1/completions", engine_completions)
+    engine_runner, engine_port = await serve(engine_app, "127.0.0.1", 0)
+    engine = EngineClient(f"http://127.0.0.1:{engine_port}", connections=4, timeout_s=5.0)
+    await engine.start()
+    ctl = _controller(max_num_seqs=4)
+    proxy = Proxy(engine, ctl, ctl.metrics, ProxyState(), tokenize=False)
+    runner, port = await serve(proxy.app(), "127.0.0.1", 0)
+    try:
+        raw = b'{"model": "m", "prompt": "Hi", "max_tokens": 1, "stream": true}'
+        with_client_priority = b'{"model":"m","prompt":"Hi","max_tokens":1,"stream":true,'
+        with_client_priority += b'"priority":-5}'
+        async with aiohttp.ClientSession() as s:
+            for body in (raw, with_client_priority):
+                async with s.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                ) as r:
+                    assert r.status == 200
+                    assert (await r.read()).endswith(b"data: [DONE]\n\n")
+        assert seen[0] == b'{"priority":0,' + raw[1:]  # spliced: the client's bytes
+        assert json.loads(seen[1]) == json.loads(with_client_priority) | {"priority": 0}
+        assert ctl.sync_grants == 2 and ctl.in_flight["online"] == 0
+    finally:
+        await runner.cleanup()
+        await engine.close()
+        await engine_runner.cleanup()
