@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experiment: the operator's default thread pool size "
                         "(0: unchanged, min(32, CPUs + 4))")
     parser.add_argument("--bumps", type=int, default=3, help="status-lag probes per scale")
+    parser.add_argument("--lag-probe", choices=("watch", "list"), default="watch",
+                        help="how the bench sees a status change: a watch (stamped on arrival) "
+                        "or LIST polling (earlier runs; adds up to one LIST period)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds a scale may take to become ready")
     parser.add_argument("--state-dir", type=Path,
@@ -112,9 +115,10 @@ def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]
             row["cluster_up_s"] = round(time.monotonic() - began, 1)
             run = FleetRun(cluster, plan, workdir, data_dir=_data_dir(args),
                            interval_s=args.interval, bumps=args.bumps, timeout_s=args.timeout,
-                           operator_threads=args.operator_threads)
+                           operator_threads=args.operator_threads, lag_probe=args.lag_probe)
             row.update(run.run().to_dict())
             row["operator_threads"] = args.operator_threads or None
+            row["lag_probe"] = args.lag_probe
             if args.label:
                 row["operator"] = args.label
             row["ok"] = True

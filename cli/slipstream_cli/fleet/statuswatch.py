@@ -1,0 +1,122 @@
+"""Stamp InferenceService status changes as their watch events arrive (the bench's lag probe).
+
+The fleet bench measures status freshness: the time from a change on the fake pods to the
+CR's status showing it. Polling with LIST loses resolution as the fleet grows: one LIST of
+500 services with full status is about 2.2 MB and took seconds on the loaded host, and a
+status written just after a LIST began is only seen by the next one. :class:`StatusWatch`
+instead keeps one watch per scope (cluster-wide, or one per namespace) open in a daemon
+thread and records, for every service, when each new ``status.observed.samples`` value
+arrived. The stamp is the bench's clock when the event was read, so it still includes the
+API server's watch delivery, but not a LIST period.
+
+Deliberately left out: any other status field, and bookmarks. A watch that ends (the
+server's time-out, a dropped connection) is re-opened from a fresh LIST, whose items are
+stamped at the LIST's return.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from slipstream_cli.cluster import Rest
+
+logger = logging.getLogger(__name__)
+
+PATH = "/apis/slipstream.dev/v1alpha1{where}/inferenceservices"
+
+
+def _key(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace')}/{meta.get('name')}"
+
+
+def _samples(obj: dict[str, Any]) -> int:
+    return int(((obj.get("status") or {}).get("observed") or {}).get("samples", 0))
+
+
+class StatusWatch:
+    """Per-service history of ``(time.time(), samples)``, one entry per new value."""
+
+    def __init__(self, rest: Rest, namespaces: list[str] | None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.rest = rest
+        self.scopes = [f"/namespaces/{ns}" for ns in namespaces] if namespaces else [""]
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._history: dict[str, list[tuple[float, int]]] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.events = 0
+        self.reopened = 0
+
+    def start(self) -> None:
+        for where in self.scopes:
+            thread = threading.Thread(target=self._run, args=(where,), daemon=True,
+                                      name=f"statuswatch{where or '-all'}")
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()  # the threads are daemons blocked on a read: they end with the process
+
+    def record(self, obj: dict[str, Any], at: float) -> None:
+        key, samples = _key(obj), _samples(obj)
+        with self._lock:
+            seen = self._history.setdefault(key, [])
+            if not seen or seen[-1][1] != samples:
+                seen.append((at, samples))
+
+    def reached(self, key: str, want: int, since: float) -> float | None:
+        """When ``key`` first showed ``samples >= want`` at or after ``since`` (None: not yet).
+
+        A value that was already reached before ``since`` counts from ``since``.
+        """
+        with self._lock:
+            for at, samples in self._history.get(key, ()):
+                if samples >= want:
+                    return max(at, since)
+        return None
+
+    def _run(self, where: str) -> None:
+        while not self._stop.is_set():
+            try:
+                version = self._list(where)
+                self._watch(where, version)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                logger.warning("status watch %s: %s; reopening", where or "(all)", exc)
+                time.sleep(1.0)
+            self.reopened += 1
+
+    def _list(self, where: str) -> str:
+        answer = self.rest.request("GET", PATH.format(where=where), timeout=120.0)
+        at = self.clock()
+        for item in answer.get("items", []):
+            self.record(item, at)
+        return str((answer.get("metadata") or {}).get("resourceVersion", ""))
+
+    def _watch(self, where: str, version: str) -> None:
+        url = (self.rest.server + PATH.format(where=where)
+               + f"?watch=1&resourceVersion={version}&timeoutSeconds=3600")
+        request = urllib.request.Request(url)
+        request.add_header("Accept", "application/json")
+        if self.rest.token:
+            request.add_header("Authorization", f"Bearer {self.rest.token}")
+        with urllib.request.urlopen(request, context=self.rest.context, timeout=600) as stream:
+            for line in stream:
+                if self._stop.is_set():
+                    return
+                at = self.clock()
+                event = json.loads(line)
+                kind = event.get("type")
+                if kind == "ERROR":  # e.g. 410 Gone: the version is too old; list again
+                    return
+                if kind in ("ADDED", "MODIFIED"):
+                    self.events += 1
+                    self.record(event.get("object") or {}, at)
