@@ -63,6 +63,8 @@ class SidecarStatus:
     shards: tuple[ShardReport, ...] = ()
     predicted_step_s: float = 0.0
     observed_step_s: float = 0.0
+    latency_kind: str = ""  # feature set of the latency model in force; "": none (or old pod)
+    latency_curve_knots: int = 0  # values of its token curve; 0: no curve
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,10 @@ class ConfigureCall:
     latency_kind: str = ""
     latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
     latency_knee_tokens: int = 0
+    # The context+chunk+curve set's token curve (LinearLatencyModel.token_curve: phi at every
+    # latency_curve_step_tokens tokens) and its knot spacing; empty and 0 for other sets.
+    latency_token_curve: tuple[float, ...] = ()
+    latency_curve_step_tokens: int = 0
     # Step limit while the pod has no online work (seconds; inf: unbounded). 0 clears it (the
     # budget applies always); None leaves the sidecar's value as it is.
     idle_budget_s: float | None = None
@@ -199,6 +205,8 @@ class GrpcSidecarControl:
             ),
             predicted_step_s=reply.predicted_step_s,
             observed_step_s=reply.observed_step_s,
+            latency_kind=reply.latency_model.kind,
+            latency_curve_knots=len(reply.latency_model.token_curve),
         )
 
     async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
@@ -217,6 +225,8 @@ class GrpcSidecarControl:
                 kind=call.latency_kind,
                 coefficients=call.latency_coefficients,
                 knee_tokens=call.latency_knee_tokens,
+                token_curve=call.latency_token_curve,
+                curve_step_tokens=call.latency_curve_step_tokens,
             ),
         )
         if call.budget_s is not None:

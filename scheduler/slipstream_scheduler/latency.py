@@ -136,6 +136,14 @@ Measured on the four shipped profiles (``docs/concepts/engine-model.md``): 64 le
 the A100 sweeps over 1.3 % MAPE, 16 gains under 0.2 points more for four times the
 fitting time."""
 
+MAX_CURVE_KNOTS = 4097
+"""Most values a token curve may hold (4096 segments): bounds what a document or a
+``Configure`` call can make a process allocate. The shipped profiles use 65."""
+
+MAX_CURVE_SPAN_TOKENS = 131072
+"""Largest step (tokens) a token curve may span, ``(knots - 1) * curve_step_tokens``:
+prediction indexes a dense per-token table of that length."""
+
 
 # --------------------------------------------------------------------------- errors
 
@@ -479,6 +487,12 @@ class LinearLatencyModel:
                 "feature set context+chunk+curve needs its token curve (>= 2 knots) and a "
                 "positive curve_step_tokens; a transport that carries only the named "
                 "coefficients cannot rebuild this model",
+                field_name="token_curve",
+            )
+        if len(curve) > MAX_CURVE_KNOTS or (len(curve) - 1) * step > MAX_CURVE_SPAN_TOKENS:
+            raise ModelFormatError(
+                f"token curve too long: {len(curve)} knots every {step} tokens (at most "
+                f"{MAX_CURVE_KNOTS} knots spanning {MAX_CURVE_SPAN_TOKENS} tokens)",
                 field_name="token_curve",
             )
         finite = all(math.isfinite(v) for v in curve)

@@ -48,6 +48,9 @@ class ConfigUpdate:
     latency_kind: str = ""
     latency_coefficients: dict[str, float] = field(default_factory=dict, hash=False)
     latency_knee_tokens: int = 0
+    # The context+chunk+curve set's token curve (phi at every curve_step_tokens) and spacing.
+    latency_token_curve: tuple[float, ...] = ()
+    latency_curve_step_tokens: int = 0
     # None: keep the idle budget in force; 0: none (the budget applies always);
     # seconds otherwise (inf: unbounded).
     idle_budget_s: float | None = None
@@ -75,6 +78,7 @@ class SidecarStatus:
     observed_step_s: float
     ordering: str
     idle_budget_s: float | None = None
+    latency_model: LinearLatencyModel | None = None  # the model in force (None: none)
 
 
 class Sidecar:
@@ -171,6 +175,8 @@ class Sidecar:
                 latency_kind=doc.get("latency_kind", ""),
                 latency_coefficients=doc.get("latency_coefficients", {}),
                 latency_knee_tokens=int(doc.get("latency_knee_tokens", 0)),
+                latency_token_curve=tuple(float(v) for v in doc.get("latency_token_curve", ())),
+                latency_curve_step_tokens=int(doc.get("latency_curve_step_tokens", 0)),
                 idle_budget_s=doc.get("idle_budget_s"),
             ), live=False)
             self._configured_idle = doc.get("idle_budget_s")
@@ -195,7 +201,11 @@ class Sidecar:
         model = self.brain.latency_model
         if update.latency_coefficients:
             model = latency_model_from_spec(
-                update.latency_kind, update.latency_coefficients, update.latency_knee_tokens
+                update.latency_kind,
+                update.latency_coefficients,
+                update.latency_knee_tokens,
+                token_curve=update.latency_token_curve,
+                curve_step_tokens=update.latency_curve_step_tokens,
             )
         idle = self.brain.idle_budget_s
         if update.idle_budget_s is not None:
@@ -215,7 +225,7 @@ class Sidecar:
         log.info(
             "configuration generation %d: budget=%s idle_budget=%s ordering=%s latency_model=%s",
             self.generation, new.budget_s, new.idle_budget_s, new.ordering,
-            "yes" if model else "no",
+            model.feature_set.value if model else "none",
         )
 
     # -- shards -------------------------------------------------------------------------------
@@ -293,6 +303,7 @@ class Sidecar:
             observed_step_s=c.observed_step_s,
             ordering=self.brain.ordering,
             idle_budget_s=self.dispatcher.config.idle_budget_s,
+            latency_model=self.brain.latency_model,
         )
 
     async def drain(self, timeout_s: float) -> tuple[bool, int]:

@@ -16,7 +16,7 @@ Deliberately left out: gRPC types (``grpc_server.py`` converts them) and I/O.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from slipstream_scheduler.admission import build_planner
@@ -26,7 +26,12 @@ from slipstream_scheduler.dispatcher import (
     OrderingQueue,
     PsmOfflineQueue,
 )
-from slipstream_scheduler.latency import FEATURE_NAMES, FeatureSet, LinearLatencyModel
+from slipstream_scheduler.latency import (
+    FEATURE_NAMES,
+    FeatureSet,
+    LinearLatencyModel,
+    ModelFormatError,
+)
 from slipstream_scheduler.lengths import InputLengthHistoryPredictor
 from slipstream_scheduler.ordering import (
     ORDERINGS,
@@ -53,18 +58,43 @@ class BrainConfig:
 
 
 def latency_model_from_spec(
-    kind: str, coefficients: Mapping[str, float], knee_tokens: int = 0
+    kind: str,
+    coefficients: Mapping[str, float],
+    knee_tokens: int = 0,
+    *,
+    token_curve: Sequence[float] = (),
+    curve_step_tokens: int = 0,
 ) -> LinearLatencyModel:
-    """A linear model from a feature-set name, ``{feature name: seconds per unit}`` and the
-    hinge's knee (tokens per step; 0 for sets without a hinge)."""
+    """A linear model from a feature-set name, ``{feature name: seconds per unit}``, the
+    hinge's knee (tokens per step; 0 for sets without a hinge) and, for the
+    ``context+chunk+curve`` set, the token curve and its knot spacing (tokens).
+
+    Raises ``ValueError`` naming the ``LatencyModelSpec`` field at fault (the gRPC layer
+    turns it into ``INVALID_ARGUMENT``).
+    """
     unknown = set(coefficients) - set(FEATURE_NAMES)
     if unknown:
         raise ValueError(f"unknown latency-model features: {sorted(unknown)}")
-    return LinearLatencyModel(
-        FeatureSet(kind or FeatureSet.CONTEXT.value),
-        tuple(float(coefficients.get(name, 0.0)) for name in FEATURE_NAMES),
-        knee_tokens=knee_tokens,
-    )
+    try:
+        feature_set = FeatureSet(kind or FeatureSet.CONTEXT.value)
+    except ValueError:
+        known = ", ".join(fs.value for fs in FeatureSet)
+        raise ValueError(f"latency_model.kind {kind!r} is not one of: {known}") from None
+    try:
+        return LinearLatencyModel(
+            feature_set,
+            tuple(float(coefficients.get(name, 0.0)) for name in FEATURE_NAMES),
+            knee_tokens=knee_tokens,
+            token_curve=tuple(float(v) for v in token_curve),
+            curve_step_tokens=curve_step_tokens,
+        )
+    except ModelFormatError as exc:
+        name = exc.field_name or "kind"
+        field_name = name if name in _SPEC_FIELDS else f"coefficients[{name!r}]"
+        raise ValueError(f"latency_model.{field_name}: {exc}") from exc
+
+
+_SPEC_FIELDS = ("kind", "coefficients", "knee_tokens", "token_curve", "curve_step_tokens")
 
 
 def sidecar_ordering(name: str) -> Ordering:

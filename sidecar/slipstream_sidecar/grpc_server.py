@@ -17,6 +17,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from slipstream_scheduler.latency import (
+    FEATURE_NAMES,
+    MAX_CURVE_KNOTS,
+    MAX_CURVE_SPAN_TOKENS,
+    LinearLatencyModel,
+)
 from slipstream_scheduler.storage_scope import ScopeError, check_uri
 from slipstream_sidecar.app import ConfigUpdate, Sidecar, SidecarStatus, Slo
 from slipstream_sidecar.auth import BearerAuthInterceptor, TokenFile
@@ -60,6 +66,7 @@ def status_pb(s: SidecarStatus) -> pb.StatusResponse:
         predicted_step_s=s.predicted_step_s,
         observed_step_s=s.observed_step_s,
         ordering=s.ordering,
+        latency_model=latency_spec_pb(s.latency_model),
     )
     if s.budget_s is not None:
         msg.budget_s = s.budget_s
@@ -112,7 +119,62 @@ def configure_problem(request: pb.ConfigureRequest) -> str | None:
             return f"latency_model.coefficients[{key!r}] must be finite, got {value!r}"
         if key != "const" and value < 0:
             return f"latency_model.coefficients[{key!r}] must be non-negative, got {value!r}"
+    return curve_problem(request.latency_model)
+
+
+def curve_problem(spec: pb.LatencyModelSpec) -> str | None:
+    """Why the spec's token curve is unusable (naming the field), or None.
+
+    The curve is the ``context+chunk+curve`` set's ``phi`` at every ``curve_step_tokens``
+    tokens: bounded in length (a call must not make the sidecar allocate without limit),
+    finite, starting at 0 and non-decreasing (the model must stay monotone in the batch).
+    Whether the kind wants a curve at all is the model's own check (``latency.py``).
+    """
+    curve, step = spec.token_curve, spec.curve_step_tokens
+    if not curve:
+        if step:
+            return f"latency_model.curve_step_tokens is {step} but token_curve is empty"
+        return None
+    if step <= 0:
+        return "latency_model.curve_step_tokens must be positive with a token_curve"
+    if not 2 <= len(curve) <= MAX_CURVE_KNOTS:
+        return (
+            f"latency_model.token_curve must hold 2 to {MAX_CURVE_KNOTS} values, "
+            f"got {len(curve)}"
+        )
+    if (len(curve) - 1) * step > MAX_CURVE_SPAN_TOKENS:
+        return (
+            f"latency_model.token_curve spans {(len(curve) - 1) * step} tokens, more than "
+            f"{MAX_CURVE_SPAN_TOKENS}"
+        )
+    previous = 0.0
+    for i, value in enumerate(curve):
+        if not math.isfinite(value) or value < 0:
+            return f"latency_model.token_curve[{i}] must be finite and non-negative, got {value!r}"
+        if i == 0 and value != 0.0:
+            return f"latency_model.token_curve[0] must be 0, got {value!r}"
+        if value < previous:
+            return (
+                f"latency_model.token_curve must be non-decreasing: [{i}] = {value!r} < "
+                f"[{i - 1}] = {previous!r}"
+            )
+        previous = value
     return None
+
+
+def latency_spec_pb(model: LinearLatencyModel | None) -> pb.LatencyModelSpec:
+    """The spec that rebuilds ``model`` (``brain.latency_model_from_spec``); empty for None."""
+    if model is None:
+        return pb.LatencyModelSpec()
+    return pb.LatencyModelSpec(
+        kind=model.feature_set.value,
+        coefficients={
+            n: c for n, c in zip(FEATURE_NAMES, model.coefficients, strict=True) if c != 0.0
+        },
+        knee_tokens=model.knee_tokens,
+        token_curve=model.token_curve,
+        curve_step_tokens=model.curve_step_tokens,
+    )
 
 
 def _opt(msg: pb.Slo, name: str) -> float | None:
@@ -144,6 +206,8 @@ class SidecarServicer(pb_grpc.SidecarServicer):
             latency_kind=request.latency_model.kind,
             latency_coefficients=dict(request.latency_model.coefficients),
             latency_knee_tokens=request.latency_model.knee_tokens,
+            latency_token_curve=tuple(request.latency_model.token_curve),
+            latency_curve_step_tokens=request.latency_model.curve_step_tokens,
             idle_budget_s=request.idle_budget_s if request.HasField("idle_budget_s") else None,
         )
         try:

@@ -147,3 +147,60 @@ async def test_the_operator_client_pushes_the_idle_budget_to_a_real_sidecar(
             assert not st.HasField("idle_budget_s")
     finally:
         await control.close()
+
+
+def _spec_model(spec: pb.LatencyModelSpec) -> Any:
+    from slipstream_sidecar.brain import latency_model_from_spec
+
+    return latency_model_from_spec(
+        spec.kind,
+        dict(spec.coefficients),
+        spec.knee_tokens,
+        token_curve=spec.token_curve,
+        curve_step_tokens=spec.curve_step_tokens,
+    )
+
+
+def test_a_curve_model_is_configured_reported_and_durable(stack: tuple[Proc, Proc, Path]) -> None:
+    """A shipped token-curve profile over the wire to the real process; Status reports the
+    model in force, which predicts what the operator's copy predicts, before and after
+    ``kill -9``; a broken curve is refused naming the field."""
+    from slipstream_operator.profiles import find_profile
+    from slipstream_scheduler.types import BatchItem, Phase
+    from slipstream_sidecar.grpc_server import latency_spec_pb
+
+    _, sc, _ = stack
+    profile = find_profile("llama-3-8b", "a100")
+    assert profile is not None and profile.model.token_curve
+    model = profile.model
+    batches = [
+        [BatchItem(Phase.DECODE, 1, 700)] * 12,
+        [BatchItem(Phase.PREFILL, 200, 64), *[BatchItem(Phase.DECODE, 1, 2000)] * 20],
+        [BatchItem(Phase.PREFILL, 1999, 0)],
+    ]
+    md = bearer(TOKEN)
+    ch, stub = control_stub(sc.extra_ports["grpc"])
+    with ch:
+        st = stub.Status(pb.StatusRequest(), metadata=md)
+        assert not st.latency_model.kind, "no model before the first Configure"
+        spec = latency_spec_pb(model)
+        r = stub.Configure(pb.ConfigureRequest(generation=7, budget_s=0.05, latency_model=spec),
+                           metadata=md)
+        assert r.applied
+        bad = pb.LatencyModelSpec()
+        bad.CopyFrom(spec)
+        bad.token_curve[5] = -1.0
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Configure(pb.ConfigureRequest(generation=8, latency_model=bad), metadata=md)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "latency_model.token_curve[5]" in (info.value.details() or "")
+        st = stub.Status(pb.StatusRequest(), metadata=md)
+    assert st.generation == 7 and st.latency_model == spec
+    for batch in batches:
+        assert _spec_model(st.latency_model).predict(batch) == model.predict(batch)
+    sc.kill()
+    sc.start()
+    ch, stub = control_stub(sc.extra_ports["grpc"])
+    with ch:
+        st = stub.Status(pb.StatusRequest(), metadata=md)
+    assert st.generation == 7 and st.latency_model == spec, "the curve survives a restart"

@@ -21,6 +21,7 @@ Deliberately left out: the HTTP port (``test_fuzz_http.py``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import socket
 from collections.abc import Iterator
@@ -194,10 +195,45 @@ def test_wild_configure_is_refused_or_keeps_serving(
 
 
 
+@fuzz_settings(30)
+@given(
+    kind=st.sampled_from(["context+chunk+curve", "context+chunk", "context", ""]),
+    scale=st.floats(min_value=0.0, max_value=1e-3) | wild_float,
+    curve=st.lists(wild_float, max_size=6)
+    | st.lists(st.floats(min_value=0.0, max_value=1e3), min_size=1, max_size=70).map(
+        lambda steps: [0.0, *itertools.accumulate(steps)]
+    ),
+    step=st.sampled_from([0, 1, 32]) | st.integers(0, 2**32 - 1),
+)
+def test_wild_token_curves_are_refused_or_keep_serving(
+    stack: RelStack, channel: grpc.Channel, kind: str, scale: float, curve: list[float],
+    step: int,
+) -> None:
+    """Token curves of every shape (falling, NaN, huge steps, on kinds without a curve):
+    refused with INVALID_ARGUMENT, or applied and online still served."""
+    sane(channel)
+    req = pb.ConfigureRequest(
+        generation=next(_generation),
+        latency_model=pb.LatencyModelSpec(
+            kind=kind, coefficients={**SANE_MODEL, "tokens_over_knee": scale},
+            token_curve=curve, curve_step_tokens=step,
+        ),
+    )
+    code, details = raw_call(channel, "Configure", req.SerializeToString(), bearer(TOKEN))
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), (code, details)
+    if code == grpc.StatusCode.OK:
+        assert complete(stack.sidecar.url, timeout=BOUND_S)["choices"], "online stalled"
+    else:
+        assert "latency_model" in details, details
+    status(channel)
+
+
 @pytest.mark.parametrize("field", [
     "budget_nan",
     "budget_inf",
     "coefficient_nan",
+    "curve_nan",
+    "curve_too_long",
 ])
 def test_non_finite_settings_are_refused(channel: grpc.Channel, field: str) -> None:
     sane(channel)
@@ -206,6 +242,11 @@ def test_non_finite_settings_are_refused(channel: grpc.Channel, field: str) -> N
         req.budget_s = math.nan
     elif field == "budget_inf":
         req.budget_s = math.inf
+    elif field.startswith("curve"):
+        values = [0.0, math.nan, 2.0] if field == "curve_nan" else [float(i) for i in range(5000)]
+        req.latency_model.CopyFrom(pb.LatencyModelSpec(
+            kind="context+chunk+curve", coefficients={**SANE_MODEL, "tokens_over_knee": 1e-5},
+            token_curve=values, curve_step_tokens=32))
     else:
         req.latency_model.CopyFrom(pb.LatencyModelSpec(
             kind="context", coefficients={**SANE_MODEL, "const": math.nan}))

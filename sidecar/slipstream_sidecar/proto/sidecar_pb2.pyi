@@ -97,7 +97,13 @@ Global___Slo: _TypeAlias = Slo  # noqa: Y015
 
 @_typing.final
 class LatencyModelSpec(_message.Message):
-    """Coefficients of the batch-latency model (seconds per feature unit)."""
+    """Coefficients of the batch-latency model (seconds per feature unit).
+
+    A model is rebuilt from these fields alone, so they carry everything a
+    profile's prediction depends on. Schema-2 (hinge) models leave the curve
+    fields empty; a sidecar that predates them ignores them, and then refuses
+    the "context+chunk+curve" kind (it cannot rebuild it without the curve).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -124,22 +130,42 @@ class LatencyModelSpec(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     COEFFICIENTS_FIELD_NUMBER: _builtins.int
     KNEE_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKEN_CURVE_FIELD_NUMBER: _builtins.int
+    CURVE_STEP_TOKENS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
-    """Registry name of the model family in the scheduling core (e.g. "linear")."""
+    """Feature set of the core's linear model (slipstream_scheduler.latency.FeatureSet),
+    e.g. "context+chunk+hinge" or "context+chunk+curve"; empty: "context".
+    """
     knee_tokens: _builtins.int
     """Knee of the hinge feature max(0, tokens - knee), in tokens (0: no hinge)."""
+    curve_step_tokens: _builtins.int
+    """Knot spacing of token_curve in tokens per step (> 0 with a curve, 0 without)."""
     @_builtins.property
-    def coefficients(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    def coefficients(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Seconds per unit of each named feature; absent features are 0. Every
+        coefficient but "const" must be finite and non-negative.
+        """
+
+    @_builtins.property
+    def token_curve(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Token curve of the "context+chunk+curve" kind: phi at tokens 0, step,
+        2*step, ... (unitless, phi(0) = 0, finite, non-decreasing, 2 to 4097
+        values spanning at most 131072 tokens); the "tokens_over_knee"
+        coefficient scales it. Empty for every other kind.
+        """
+
     def __init__(
         self,
         *,
         kind: _builtins.str = ...,
         coefficients: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         knee_tokens: _builtins.int = ...,
+        token_curve: _abc.Iterable[_builtins.float] | None = ...,
+        curve_step_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficients", b"coefficients", "kind", b"kind", "knee_tokens", b"knee_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficients", b"coefficients", "curve_step_tokens", b"curve_step_tokens", "kind", b"kind", "knee_tokens", b"knee_tokens", "token_curve", b"token_curve"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -489,6 +515,7 @@ class StatusResponse(_message.Message):
     OBSERVED_STEP_S_FIELD_NUMBER: _builtins.int
     ORDERING_FIELD_NUMBER: _builtins.int
     IDLE_BUDGET_S_FIELD_NUMBER: _builtins.int
+    LATENCY_MODEL_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     budget_s: _builtins.float
     spare_capacity: _builtins.float
@@ -508,6 +535,12 @@ class StatusResponse(_message.Message):
     def offline(self) -> Global___ClassStatus: ...
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardProgress]: ...
+    @_builtins.property
+    def latency_model(self) -> Global___LatencyModelSpec:
+        """The latency model in force, as Configure (or --latency-model) set it;
+        empty kind and coefficients: none (admission is then naive).
+        """
+
     def __init__(
         self,
         *,
@@ -523,10 +556,11 @@ class StatusResponse(_message.Message):
         observed_step_s: _builtins.float = ...,
         ordering: _builtins.str = ...,
         idle_budget_s: _builtins.float | None = ...,
+        latency_model: Global___LatencyModelSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "offline", b"offline", "online", b"online"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "offline", b"offline", "online", b"online"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__budget_s: _TypeAlias = _typing.Literal["budget_s"]  # noqa: Y015
     _WhichOneofArgType__budget_s: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s"]  # noqa: Y015
