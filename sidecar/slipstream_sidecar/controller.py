@@ -142,11 +142,12 @@ class Controller:
         self.preempted_total = {"online": 0, "offline": 0}
         self.observed_step_s = 0.0
         self.decide_calls = 0
-        self.sync_grants = 0  # requests granted inside register (grant_now)
+        self.sync_grants = 0  # online requests granted inside register (grant_now)
         self.sync_prefill_limit = sync_prefill_limit
         self.prefilling = 0  # granted requests with no token on their submission yet
         self.latency_model: LatencyModel | None = None  # for the predicted-step gauge only
         self._admitted = {label: metrics.admitted.labels(label) for label in ("online", "offline")}
+        self._grants_at_arrival = metrics.grants_at_arrival
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -196,8 +197,10 @@ class Controller:
         now = self.now()
         self.dispatcher.arrive(incoming, now)
         if grant_now and self._may_grant_now(ticket, incoming):
-            self.sync_grants += 1
             self._apply(self.dispatcher.decide(now))
+            if ticket.state == _GRANTED:
+                self.sync_grants += 1
+                self._grants_at_arrival.inc()
             if not (self.held["online"] or self.held["offline"]):
                 return ticket
         # NOTE: deferred to the end of this event-loop turn (microseconds, far inside one

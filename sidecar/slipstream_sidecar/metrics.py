@@ -55,7 +55,7 @@ class SidecarMetrics:
         self.proxy_overhead = Histogram(
             "slipstream_proxy_overhead_seconds",
             "Time an online request spends in the sidecar on its way to its first token, by "
-            "stage: to_engine (arrival to sending it to the engine, including any time held "
+            "stage: to_engine (handler start to sending it to the engine, including any time held "
             "for admission) and relay (the engine's first chunk in, to written to the client).",
             ["stage"], buckets=_OVERHEAD_BUCKETS, registry=r,
         )
@@ -63,6 +63,12 @@ class SidecarMetrics:
             "slipstream_requests_admitted_total",
             "Requests the dispatcher sent to the engine (a resumption counts again).",
             ["class"], registry=r,
+        )
+        self.grants_at_arrival = Counter(
+            "slipstream_online_grants_at_arrival_total",
+            "Online requests decided and granted inside their own handler on arrival (sent to "
+            "the engine without waiting for the rest of a burst to be parsed).",
+            registry=r,
         )
         self.finished = Counter(
             "slipstream_requests_finished_total",

@@ -20,9 +20,10 @@ added latency includes CPU contention; the direct path is the baseline measured
 in the same run. To separate the sidecar's own cost from contention, every
 block also records the CPU seconds each process spent (``/proc``), reported as
 CPU milliseconds per request of the engine and of the path's sidecar;
-``--pin`` puts the engine on the first CPU and the sidecars and the client on
-the last (``os.sched_setaffinity``; on a shared host this separates them from
-each other, not from other work). ``--baseline-sidecar DIR`` adds one more
+``--pin`` gives the engine, the client and each sidecar a CPU of their own
+when the host has that many (else the engine on the first CPU and the sidecars
+and the client on the last; ``os.sched_setaffinity``; on a shared host this
+separates them from each other, not from other work). ``--baseline-sidecar DIR`` adds one more
 path, a sidecar whose package is imported from ``DIR`` first on
 ``PYTHONPATH`` (an older checkout's ``sidecar/``), so before/after comparisons
 come from one run. The order of the paths rotates from block to block, and
@@ -85,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="engine on the first CPU, sidecars and client on the last",
+        help="a CPU each for the engine, the client and every sidecar (fewer CPUs: engine "
+        "on the first, the rest on the last)",
     )
     parser.add_argument(
         "--baseline-sidecar",
@@ -229,6 +231,15 @@ _BUCKET = re.compile(
 )
 
 
+# Online grants: all of them, and those decided inside the handler on arrival.
+_GRANTS = re.compile(
+    r'^slipstream_(?:requests_(admitted)_total\{class="online"\}'
+    r"|online_grants_(at_arrival)_total) (\S+)$",
+    re.M,
+)
+_GRANTS_KEY = "grants"
+
+
 async def _overhead(session: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
     """The sidecar's ``slipstream_proxy_overhead_seconds`` series now: {stage: {key: value}}
     (keys ``sum``, ``count`` and each bucket's ``le``); empty for a sidecar without it."""
@@ -237,11 +248,17 @@ async def _overhead(session: aiohttp.ClientSession, base: str) -> dict[str, dict
     out: dict[str, dict[str, float]] = {}
     for kind, le, stage, value in _BUCKET.findall(text):
         out.setdefault(stage, {})[le if kind == "bucket" else kind] = float(value)
+    grants = {a or b: float(v) for a, b, v in _GRANTS.findall(text)}
+    if "at_arrival" in grants:
+        out[_GRANTS_KEY] = grants
     return out
 
 
-def _overhead_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-                      into: dict[str, dict[str, float]]) -> None:
+def _overhead_summary(
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+    into: dict[str, dict[str, float]],
+) -> None:
     for stage, series in after.items():
         acc = into.setdefault(stage, {})
         for key, value in series.items():
@@ -249,9 +266,16 @@ def _overhead_summary(before: dict[str, dict[str, float]], after: dict[str, dict
 
 
 def _overhead_ms(acc: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
-    """Mean, and the bucket bounds holding the 50th and 99th percentiles, in ms."""
+    """Mean, and the bucket bounds holding the 50th and 99th percentiles, in ms; and the
+    share of online grants decided on arrival (``grants``), where the sidecar counts it."""
     out: dict[str, dict[str, float | None]] = {}
     for stage, series in acc.items():
+        if stage == _GRANTS_KEY:
+            adm = series.get("admitted", 0.0)
+            grants: dict[str, float | None] = dict(series)
+            grants["at_arrival_share"] = series["at_arrival"] / adm if adm else None
+            out[stage] = grants
+            continue
         n = series.get("count", 0.0)
         bounds = sorted((float(k), v) for k, v in series.items() if k not in ("sum", "count"))
         row: dict[str, float | None] = {"n": n, "mean_ms": 1e3 * series["sum"] / n if n else None}
@@ -299,6 +323,9 @@ async def _measure(
             blocks: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
             cpu: dict[str, dict[str, float]] = {n: dict.fromkeys(pids, 0.0) for n in paths}
             over: dict[str, dict[str, dict[str, float]]] = {n: {} for n in paths}
+            over_blocks: dict[str, list[dict[str, dict[str, float | None]]]] = {
+                n: [] for n in paths
+            }
             per_stream = max(args.rounds, 40 // c)
             names = list(paths)
             for rep in range(args.repeats):
@@ -310,13 +337,18 @@ async def _measure(
                     for p, pid in pids.items():
                         cpu[name][p] += _cpu_s(pid) - before[p]
                     if name != "direct":
-                        _overhead_summary(o0, await _overhead(s, paths[name]), over[name])
+                        o1 = await _overhead(s, paths[name])
+                        _overhead_summary(o0, o1, over[name])
+                        block_over: dict[str, dict[str, float]] = {}
+                        _overhead_summary(o0, o1, block_over)
+                        over_blocks[name].append(_overhead_ms(block_over))
                     per[name] += got
                     blocks[name].append(_summary(got))
             summ: dict[str, dict[str, Any]] = {name: _summary(v) for name, v in per.items()}
             for name in paths:
                 if over[name]:
                     summ[name]["overhead"] = _overhead_ms(over[name])
+                    summ[name]["overhead_per_repeat"] = over_blocks[name]
             for name, v in summ.items():
                 v["cpu_ms_per_request"] = {
                     p: 1e3 * t / len(per[name])
@@ -329,22 +361,38 @@ async def _measure(
                 if name == "direct":
                     continue
                 v = summ[name]
-                row[name] = {
-                    f"added_{m}_ms": v[f"{m}_ms"] - d[f"{m}_ms"]
-                    for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
-                } | {
-                    f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"]
-                    for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
-                } | {
-                    # Each repeat's own difference (its sidecar block minus its direct
-                    # block): the spread says what this host can resolve.
-                    f"added_{m}_ms_per_repeat": [
-                        b[f"{m}_ms"] - bd[f"{m}_ms"]
-                        for b, bd in zip(blocks[name], blocks["direct"], strict=True)
-                    ]
-                    for m in ("ttft_p50", "ttft_p99")
-                }
+                row[name] = (
+                    {
+                        f"added_{m}_ms": v[f"{m}_ms"] - d[f"{m}_ms"]
+                        for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+                    }
+                    | {
+                        f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"]
+                        for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+                    }
+                    | {
+                        # Each repeat's own difference (its sidecar block minus its direct
+                        # block): the spread says what this host can resolve.
+                        f"added_{m}_ms_per_repeat": [
+                            b[f"{m}_ms"] - bd[f"{m}_ms"]
+                            for b, bd in zip(blocks[name], blocks["direct"], strict=True)
+                        ]
+                        for m in ("ttft_p50", "ttft_p99")
+                    }
+                )
             results["concurrency"][str(c)] = row
+            for name, v in summ.items():
+                reps = [
+                    b.get("to_engine", {}).get("mean_ms") for b in v.get("overhead_per_repeat", [])
+                ]
+                if any(r is not None for r in reps):
+                    print(
+                        f"concurrency {c}: {name} to_engine mean per repeat, ms: "
+                        + ", ".join("-" if r is None else f"{r:.2f}" for r in reps)
+                        + "; added ttft p50 per repeat, ms: "
+                        + ", ".join(f"{x:.1f}" for x in row[name]["added_ttft_p50_ms_per_repeat"]),
+                        flush=True,
+                    )
             print(
                 f"concurrency {c}: "
                 + ", ".join(
@@ -378,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     pids: dict[str, int] = {}
     cpus = sorted(os.sched_getaffinity(0))
-    pinned = {"engine": [cpus[0]], "sidecars": [cpus[-1]], "client": [cpus[-1]]}
+    pinned = _pin_layout(cpus, 3 if args.baseline_sidecar is not None else 2)
     try:
         ep = _free_port()
         engine_url = f"http://127.0.0.1:{ep}"
@@ -447,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
         if args.pin:
             os.sched_setaffinity(pids["engine"], pinned["engine"])
             for name, _, _ in sidecars:
-                os.sched_setaffinity(pids[name], pinned["sidecars"])
+                os.sched_setaffinity(pids[name], pinned[name])
             os.sched_setaffinity(0, pinned["client"])
         results = asyncio.run(_measure(args, paths, pids))
     finally:
@@ -496,6 +544,11 @@ def run(args: argparse.Namespace) -> int:
             c: conc[c]["sidecar"]["added_ttft_p99_ms_per_repeat"] for c in conc
         },
         "sidecar_overhead_ms": {c: conc[c]["paths"]["sidecar"].get("overhead") for c in conc},
+        # Every sidecar path's in-sidecar time (the baseline's too, when it exports it).
+        "overhead_ms": {
+            c: {name: v.get("overhead") for name, v in conc[c]["paths"].items() if name != "direct"}
+            for c in conc
+        },
         "detail": conc,
         "setup": {
             "engine": f"{MODEL} on {args.gpu} (engine model)",
@@ -522,6 +575,17 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     return 0
+
+
+def _pin_layout(cpus: list[int], n_sidecars: int) -> dict[str, list[int]]:
+    """CPUs for ``--pin``: on a host with a core for each process (engine, client and
+    every sidecar), one core each, so no path's latency includes another's CPU work;
+    otherwise the engine on the first CPU and the sidecars and the client on the last."""
+    names = ["sidecar", "sidecar_estimate", "sidecar_baseline"][:n_sidecars]
+    if len(cpus) >= 2 + n_sidecars:
+        layout = {"engine": [cpus[0]], "client": [cpus[1]]}
+        return layout | {name: [cpus[2 + i]] for i, name in enumerate(names)}
+    return {"engine": [cpus[0]], "client": [cpus[-1]]} | {name: [cpus[-1]] for name in names}
 
 
 def _has_uvloop() -> bool:

@@ -1,0 +1,43 @@
+"""``slipstream bench sidecar``: reading the sidecar's overhead metrics, and the CPU layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream_cli.benches.sidecar import _GRANTS, _overhead_ms, _overhead_summary, _pin_layout
+
+pytestmark = pytest.mark.unit
+
+_BEFORE = """\
+slipstream_requests_admitted_total{class="online"} 10.0
+slipstream_requests_admitted_total{class="offline"} 7.0
+slipstream_online_grants_at_arrival_total 4.0
+"""
+_AFTER = _BEFORE.replace("} 10.0", "} 110.0").replace("total 4.0", "total 79.0")
+
+
+def _grants(text: str) -> dict[str, dict[str, float]]:
+    return {"grants": {a or b: float(v) for a, b, v in _GRANTS.findall(text)}}
+
+
+def test_share_of_grants_decided_on_arrival_is_per_block() -> None:
+    acc: dict[str, dict[str, float]] = {}
+    _overhead_summary(_grants(_BEFORE), _grants(_AFTER), acc)
+    out = _overhead_ms(acc)["grants"]
+    assert out["admitted"] == 100.0 and out["at_arrival"] == 75.0  # offline not counted
+    assert out["at_arrival_share"] == 0.75
+
+
+def test_stage_histogram_mean_and_bucket_bounds() -> None:
+    series = {"0.001": 60.0, "0.01": 99.0, "0.1": 100.0, "+Inf": 100.0, "sum": 0.2, "count": 100.0}
+    row = _overhead_ms({"to_engine": series})["to_engine"]
+    assert row["mean_ms"] == pytest.approx(2.0)
+    assert row["p50_le_ms"] == pytest.approx(1.0) and row["p99_le_ms"] == pytest.approx(10.0)
+
+
+def test_pin_gives_each_process_a_cpu_when_there_are_enough() -> None:
+    wide = _pin_layout(list(range(8)), 3)
+    cores = [c for cpus in wide.values() for c in cpus]
+    assert len(cores) == len(set(cores)) == 5
+    narrow = _pin_layout([0, 1], 3)
+    assert narrow["engine"] == [0] and narrow["client"] == narrow["sidecar_baseline"] == [1]
