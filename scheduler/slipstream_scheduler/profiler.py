@@ -21,9 +21,10 @@ knee, so they measure the chosen model without selection bias.
 ``curve=True`` also offers the fit the token-curve set (``context+chunk+curve``:
 a fitted monotone staircase of the linear layers' cost in tokens instead of
 the one hinge), which reaches HyGen's 1.5 % on every shipped profile
-(``docs/concepts/engine-model.md``). It is off by default because the
-sidecar's ``Configure`` message carries named coefficients and a knee only,
-not a curve.
+(``docs/concepts/engine-model.md``) and is what the shipped profiles use
+(``slipstream profile latency`` passes it unless ``--no-curve``). It is off
+by default here only because it costs seconds more to fit (tests and
+callers that fit small row sets keep the fast hinge sets).
 
 Deliberately left out: the SLO-aware budget search (the simulator's job) and
 any file I/O (the CLI writes the model's JSON).

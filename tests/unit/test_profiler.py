@@ -9,7 +9,13 @@ from importlib import resources
 import pytest
 
 from slipstream_scheduler.engine import EngineConfig, EngineModel
-from slipstream_scheduler.latency import KNEE_GRID, FeatureSet, LinearLatencyModel, fit
+from slipstream_scheduler.latency import (
+    CURVE_STEP_TOKENS,
+    KNEE_GRID,
+    FeatureSet,
+    LinearLatencyModel,
+    fit,
+)
 from slipstream_scheduler.profiler import engine_run_rows, fit_latency_model, profiling_batches
 from slipstream_scheduler.types import EngineLimits, Phase
 
@@ -92,9 +98,17 @@ def test_shipped_latency_models_load(pair: str) -> None:
         .read_text()
     )
     model = LinearLatencyModel.from_json(text)
-    assert json.loads(text)["schema_version"] == 2
-    assert model.stats is not None and model.stats.kfold_mape < 0.02
+    assert json.loads(text)["schema_version"] == 3
+    assert model.stats is not None and model.stats.kfold_mape < 0.015
     assert f"{model.meta.model}_{model.meta.gpu}" == pair
-    # The hinge earned its place on every shipped profile, at a knee the fit chose.
-    assert model.feature_set.has_hinge and model.knee_tokens in KNEE_GRID
-    assert dict(model.stats.knee_grid)[model.knee_tokens] == model.stats.kfold_mape
+    # The fit chose the token curve on every shipped profile, against every hinge set at
+    # its best knee (`slipstream profile latency --all`, curve among the candidates).
+    assert model.feature_set is FeatureSet.CONTEXT_CHUNK_CURVE and model.knee_tokens == 0
+    assert model.curve_step_tokens == CURVE_STEP_TOKENS and len(model.token_curve) >= 2
+    scores = dict(model.stats.candidates)
+    assert scores["context+chunk+curve"] == model.stats.kfold_mape
+    hinge = [v for k, v in scores.items() if k.endswith("hinge")]
+    assert len(hinge) == 4 and model.stats.kfold_mape < min(hinge)
+    assert {k for k, _ in model.stats.knee_grid} <= set(KNEE_GRID)
+    # Written back as the same schema-3 document (what the operator and sidecar read).
+    assert LinearLatencyModel.from_json(model.to_json()) == model

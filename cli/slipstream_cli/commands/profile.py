@@ -8,7 +8,8 @@ Subcommands:
   core's ``engine/profiles`` package folder (or ``--out``). ``--check`` prints
   the validation table against the end-to-end measurements instead.
 * ``latency``: profile the engine model like HyGen profiles a GPU and fit the
-  core's linear latency model; write its JSON (default: the shipped
+  core's linear latency model (the token-curve set among the candidates unless
+  ``--no-curve``); write its JSON (default: the shipped
   ``latency_<model>_<gpu>.json``).
 
 Deliberately left out: the SLO-aware budget search (the simulator's
@@ -465,9 +466,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--all", action="store_true", help="all shipped (model, gpu) pairs")
     lat.add_argument(
         "--curve",
-        action="store_true",
-        help="also try the token-curve feature set (schema 3; held-out MAPE <= 1.5 %% on "
-        "the shipped profiles, but the sidecar's Configure cannot carry the curve yet)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also try the token-curve feature set (schema 3, what the shipped profiles use: "
+        "held-out MAPE <= 1.5 %% on each); --no-curve fits the hinge sets only (schema 2, "
+        "for operators and sidecars that predate the curve). Default: --curve",
     )
 
 
@@ -497,16 +500,11 @@ def _run_latency(args: argparse.Namespace) -> int:
             EngineConfig(model=model, gpu=gpu), args.seed, curve=args.curve
         )
         if args.json and not args.all:
-            path: Path | None = args.json
-        elif args.curve:
-            # Curve models are schema 3, which the sidecar's Configure cannot carry yet:
-            # never overwrite the shipped models with one.
-            path = None
+            path: Path = args.json
         else:
             path = PROFILES_DIR / f"latency_{model}_{gpu}.json"
-        if path is not None:
-            path.write_text(lat_model.to_json())
-        print(f"{model}/{gpu}: {report.summary()} -> {path or 'not written (use --json)'}")
+        path.write_text(lat_model.to_json())
+        print(f"{model}/{gpu}: {report.summary()} -> {path}")
     return 0
 
 
