@@ -201,3 +201,32 @@ def test_large_flat_queue_pops_in_linear_time() -> None:
     for i in range(20_000):
         queue.push(f"r{i}", [i] * BS, 0.0)
     assert [queue.pop(0.0) for _ in range(20_000)][:3] == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("fairness", ["utility", "klpm"])
+def test_a_request_pushed_again_keeps_its_place_among_equal_arrivals(fairness: str) -> None:
+    # A backlog queued at one instant, distinct prompts: the oldest-first rules
+    # serve it in push order. A popped request that comes back (preempted,
+    # resumed as a continuation) must not fall behind the ones pushed after it.
+    queue = q(fairness=fairness, klpm_k=1)
+    for i in range(5):
+        queue.push(f"r{i}", prompt(10 + i, 20 + i), 0.0)
+    assert queue.pop(1.0) == "r0"
+    assert queue.pop(1.0) == "r1"
+    queue.push("r0", prompt(10, 20), 0.0)
+    assert queue.peek_order(4, 2.0) == ("r0", "r2", "r3", "r4")
+    queue.remove("r3")  # admitted by other means, then back
+    queue.push("r3", prompt(13, 23), 0.0)
+    assert [queue.pop(2.0) for _ in range(4)] == ["r0", "r2", "r3", "r4"]
+
+
+def test_reentry_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import slipstream_scheduler.psm as psm
+
+    monkeypatch.setattr(psm, "SEQ_MEMORY", 3)
+    queue = q()
+    for i in range(6):
+        queue.push(f"r{i}", prompt(10 + i), 0.0)
+    for _ in range(6):
+        queue.pop(1.0)
+    assert list(queue._left) == ["r3", "r4", "r5"]
