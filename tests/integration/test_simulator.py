@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import pytest
@@ -12,6 +13,7 @@ from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.lengths import InputLengthHistoryPredictor
 from slipstream_scheduler.ordering import make_ordering
+from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.sim.simulator import (
     SimConfig,
     SimResult,
@@ -20,7 +22,7 @@ from slipstream_scheduler.sim.simulator import (
     simulate,
 )
 from slipstream_scheduler.sim.workload import SimRequest, Workload, scale_rate, window
-from slipstream_scheduler.types import RequestClass
+from slipstream_scheduler.types import RequestClass, Snapshot, StepPlan
 
 pytestmark = pytest.mark.sim
 
@@ -146,21 +148,83 @@ def test_ordering_queue_runs_and_reorders_online() -> None:
     assert all(r.cls is RequestClass.ONLINE for r in online)
 
 
-def test_in_engine_mode_sizes_offline_chunks_to_the_budget() -> None:
-    from slipstream_scheduler.sim.inengine import BudgetedEngine
-    from slipstream_scheduler.sim.simulator import SimError, Simulator
+def _in_engine(budget: float, idle: float | None, spy: list[tuple[float | None, bool]] | None):
+    from slipstream_scheduler.sim.simulator import Simulator
 
     cfg = SimConfig(
-        engine=ENGINE, policy="budget", budget_s=0.04, mode="in-engine", in_engine_offline_window=4
+        engine=ENGINE,
+        policy="budget",
+        budget_s=budget,
+        mode="in-engine",
+        dispatcher=DispatcherConfig(idle_budget_s=idle),
     )
     sim = Simulator(_workload(), cfg, latency_model=_model())
-    assert isinstance(sim.engine, BudgetedEngine)
-    m = sim.run().metrics
-    assert sim.engine.capped_tokens > 0
+    if spy is not None:
+        planner = sim.engine.planner  # type: ignore[attr-defined]
+        plan = planner.plan
+
+        def recording(snapshot: Snapshot) -> StepPlan:
+            online = bool(snapshot.online_queue) or any(
+                r.cls is RequestClass.ONLINE for r in snapshot.running
+            )
+            spy.append((snapshot.budget_s, online))
+            return plan(snapshot)
+
+        planner.plan = recording
+    return sim, sim.run()
+
+
+def test_in_engine_mode_runs_the_iteration_planner_within_its_budget() -> None:
+    from slipstream_scheduler.sim.inengine import PlannedEngine
+
+    budget = 0.04
+    sim, res = _in_engine(budget, None, None)
+    eng = sim.engine
+    assert isinstance(eng, PlannedEngine)
+    assert eng.planner.mode is PlannerMode.ITERATION
+    m = res.metrics
+    assert eng.plans >= m.steps > 0
+    assert eng.fallback_steps == 0
+    # Offline work never takes a planned iteration over the budget, and the
+    # planner leaves offline decodes out when they do not fit (HyGen's skip).
+    over = res.in_engine["max_offline_step_over_budget_s"]
+    assert over is not None and over <= 1e-9
+    assert res.in_engine["skipped_offline"] > 0
     assert m.offline.tokens_per_s > 0
     assert m.online.tbt.p99 < _run("naive").metrics.online.tbt.p99
+    # Every offline request that finished produced exactly its real length.
+    lengths = {r.request_id: r.output_tokens for r in _offline()}
+    assert res.offline_output_by_request
+    for rid, produced in res.offline_output_by_request.items():
+        assert produced == lengths[rid.split("~")[0]], rid
+
+
+def test_in_engine_mode_uses_the_idle_budget_only_without_online_work() -> None:
+    spy: list[tuple[float | None, bool]] = []
+    _, res = _in_engine(0.03, 0.1, spy)
+    assert res.metrics.offline.tokens_per_s > 0
+    with_online = {b for b, online in spy if online}
+    without = {b for b, online in spy if not online}
+    assert with_online == {0.03}
+    assert without == {0.1}
+    spy_inf: list[tuple[float | None, bool]] = []
+    _in_engine(0.03, math.inf, spy_inf)
+    assert {b for b, online in spy_inf if not online} == {None}
+
+
+def test_in_engine_mode_needs_a_budget_policy_and_an_iteration_planner() -> None:
+    from slipstream_scheduler.admission import build_planner
+    from slipstream_scheduler.sim.inengine import PlannedEngine
+    from slipstream_scheduler.sim.simulator import SimError, Simulator
+
+    cfg = SimConfig(engine=ENGINE, policy="naive", mode="in-engine")
     with pytest.raises(SimError):
-        Simulator(_workload(), cfg.model_copy(update={"policy": "naive"}), latency_model=_model())
+        Simulator(_workload(), cfg, latency_model=_model())
+    admission = build_planner("budget", latency_model=_model(), mode=PlannerMode.ADMISSION)
+    with pytest.raises(ValueError, match="ITERATION"):
+        PlannedEngine(
+            ENGINE, planner=admission, budget_s=0.03, idle_budget_s=None, offline_priority=100
+        )
 
 
 @cache

@@ -5,9 +5,15 @@ One invocation, one trace, one model, one set of SLOs: ``online-only``,
 profiled so the SLOs hold on the trace's busiest window), ``budget`` and
 ``budget-psm`` (HyGen, the budget found by the SLO-aware profiler's test runs).
 All run as the sidecar ships them (dispatcher in front of vLLM's priority
-scheduler). The arrival rate is scaled so that online-only serving keeps the
-GPU busy about 30 % of the time (factor found by bisection and printed), and
-the table is repeated at about 15 % and 50 % busy.
+scheduler). Beside them, labelled ``mode: in-engine`` in the JSON and
+``[in-engine]`` in the table, the ``budget`` policy with the planner's
+ITERATION mode inside the engine, its own budgets profiled the same way: what
+an engine plugin would add, never a sidecar figure (``--in-engine`` picks
+the loads it runs at, ``--in-engine none`` skips it).
+
+The arrival rate is scaled so that online-only serving keeps the GPU busy
+about 30 % of the time (factor found by bisection and printed), and the table
+is repeated at about 15 % and 50 % busy.
 
 Default: Azure conversation dev trace, a 600 s (virtual) window from its
 start after rate scaling, llama-2-7b on a100, arXiv-summarisation backlog,
@@ -31,6 +37,7 @@ from rich.console import Console
 
 from slipstream_cli import plots
 from slipstream_cli.commands.sim import (
+    PolicyRun,
     RichProgress,
     Scenario,
     add_scenario_arguments,
@@ -62,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="more loads to report (busy fractions); none: only the target",
     )
     parser.add_argument("--policies", nargs="*", default=list(ORDER), help="subset to run")
+    parser.add_argument(
+        "--in-engine",
+        default="all",
+        choices=("all", "default", "none"),
+        help="loads that also get an in-engine budget row (planner inside the engine, "
+        "its own profiled budgets): all (default), default (the target load only), none",
+    )
     parser.add_argument(
         "--no-idle-search",
         action="store_true",
@@ -150,12 +164,19 @@ def run(args: argparse.Namespace) -> int:
                     searches[pol] = search_doc(pr.search)
                 if pr.idle_search is not None:
                     searches[f"{pol}:idle"] = search_doc(pr.idle_search)
-                if li == 0:
-                    s = pr.result.metrics.samples
-                    if pol != "offline-only":
-                        cdf_series[pol] = {"ttft": s["online_ttft"], "tbt": s["online_tbt"]}
-                    if pol in ("naive", "static-cap", "budget", "budget-psm", "offline-only"):
-                        timelines[pol] = pr.result.metrics.timeline
+                _keep_plots(li, pol, pr, cdf_series, timelines)
+            if "budget" in args.policies and (
+                args.in_engine == "all" or (args.in_engine == "default" and li == 0)
+            ):
+                # What an engine plugin would add: the same policy with the planner
+                # inside the engine, its own two budgets profiled the same way.
+                pr = run_policy(scn, "budget", mode="in-engine")
+                rows.append(summary_row(pr, scn))
+                if pr.search is not None:
+                    searches["budget[in-engine]"] = search_doc(pr.search)
+                if pr.idle_search is not None:
+                    searches["budget[in-engine]:idle"] = search_doc(pr.idle_search)
+                _keep_plots(li, "budget [in-engine]", pr, cdf_series, timelines)
         console.print(
             rows_table(
                 rows,
@@ -189,6 +210,12 @@ def run(args: argparse.Namespace) -> int:
         "long_prefill_tokens": args.long_prefill_tokens,
         "idle_budget_s": args.idle_budget,
         "idle_search": not args.no_idle_search,
+        "in_engine": args.in_engine,
+        "row_modes": {
+            "sidecar": "what the sidecar achieves (dispatcher in front of vLLM's scheduler)",
+            "in-engine": "the planner inside the engine: what an engine plugin would add; "
+            "never a sidecar figure",
+        },
         "offline": args.offline,
         "slos": [str(s) for s in slos],
         "rate_scale": loads[0][1],
@@ -205,12 +232,38 @@ def run(args: argparse.Namespace) -> int:
     plots.grouped_bars(
         [f"busy {r['online_only_busy_fraction']:.2f}" for r in results],
         {
-            pol: [
-                next((x["offline_tokens_per_s"] for x in r["rows"] if x["policy"] == pol), 0.0)
-                for r in results
-            ]
-            for pol in ORDER
-            if pol in args.policies and pol != "online-only"
+            **{
+                pol: [
+                    next(
+                        (
+                            x["offline_tokens_per_s"]
+                            for x in r["rows"]
+                            if x["policy"] == pol and x["mode"] == "sidecar"
+                        ),
+                        0.0,
+                    )
+                    for r in results
+                ]
+                for pol in ORDER
+                if pol in args.policies and pol != "online-only"
+            },
+            **(
+                {
+                    "budget [in-engine]": [
+                        next(
+                            (
+                                x["offline_tokens_per_s"]
+                                for x in r["rows"]
+                                if x["mode"] == "in-engine"
+                            ),
+                            0.0,
+                        )
+                        for r in results
+                    ]
+                }
+                if args.in_engine != "none" and "budget" in args.policies
+                else {}
+            ),
         },
         Path(f"{stem}-offline.png"),
         ylabel="offline tokens/s",
@@ -220,8 +273,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keep_plots(
+    li: int,
+    label: str,
+    pr: PolicyRun,
+    cdf_series: dict[str, dict[str, Any]],
+    timelines: dict[str, Any],
+) -> None:
+    """Latency CDFs and throughput timelines are plotted for the target load only."""
+    if li != 0:
+        return
+    s = pr.result.metrics.samples
+    if label != "offline-only":
+        cdf_series[label] = {"ttft": s["online_ttft"], "tbt": s["online_tbt"]}
+    if label in ("naive", "static-cap", "budget", "budget-psm", "offline-only"):
+        timelines[label] = pr.result.metrics.timeline
+    if label == "budget [in-engine]":
+        timelines[label] = pr.result.metrics.timeline
+
+
 def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    by = {r["policy"]: r for r in rows}
+    by = {r["policy"]: r for r in rows if r.get("mode", "sidecar") == "sidecar"}
+    ie = next((r for r in rows if r.get("mode") == "in-engine"), None)
     vals: dict[str, Any] = {}
     lines: list[str] = []
     b, n, c, o = by.get("budget"), by.get("naive"), by.get("static-cap"), by.get("offline-only")
@@ -243,4 +316,12 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         frac = b["offline_tokens_per_s"] / o["offline_tokens_per_s"]
         vals["budget_over_offline_only"] = frac
         lines.append(f"budget offline / offline-only: {frac:.1%} (target >= 85%)")
+    if ie and o and o["offline_tokens_per_s"]:
+        frac = ie["offline_tokens_per_s"] / o["offline_tokens_per_s"]
+        vals["in_engine_meets_slo"] = ie["slo_met"]
+        vals["in_engine_over_offline_only"] = frac
+        lines.append(
+            f"in-engine budget (what a plugin would add, not the sidecar): SLOs met "
+            f"{ie['slo_met']}, offline / offline-only {frac:.1%}"
+        )
     return {"values": vals, "lines": lines}

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -61,6 +61,8 @@ from slipstream_scheduler.sim.workload import SimRequest, Workload, scale_rate, 
 logger = logging.getLogger(__name__)
 
 SCHEMA = "slipstream.sim/v1"
+MODES = ("sidecar", "in-engine")
+Mode = Literal["sidecar", "in-engine"]
 DEFAULT_LONG_PREFILL = 256
 OFFLINE_SETS = ("arxiv", "mmlu", "none")
 
@@ -154,9 +156,10 @@ class Scenario:
         horizon: float | None = None,
         tag: str = "",
         idle_budget_s: float | None = None,
+        mode: Mode = "sidecar",
     ) -> SimResult:
         idle = self.idle_budget_s if idle_budget_s is None else idle_budget_s
-        key = (policy, budget_s, static_cap, id(online), horizon, idle)
+        key = (policy, budget_s, static_cap, id(online), horizon, idle, mode)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -175,13 +178,14 @@ class Scenario:
             ttft_target_s=ttft,
             tbt_target_s=tbt,
             dispatcher=DispatcherConfig(idle_budget_s=idle),
+            mode=mode,
         )
         wl = self.workload(online, horizon)
         span = wl.horizon_s or (wl.end_of_arrivals_s or 1.0)
         cb = None
         if self.progress is not None:
             prog = self.progress
-            label = f"{policy}{tag}"
+            label = f"{policy}{'' if mode == 'sidecar' else ' [' + mode + ']'}{tag}"
 
             def cb(t: float) -> None:
                 prog(label, t, span)
@@ -209,6 +213,7 @@ class PolicyRun:
     wall_s: float
     idle_budget_s: float | None = None
     idle_search: SearchResult | None = None
+    mode: Mode = "sidecar"
 
     def checks(self, scenario: Scenario) -> list[dict[str, Any]]:
         base = (
@@ -251,7 +256,7 @@ def search_static_cap(scn: Scenario, hi: int = 64) -> SearchResult:
 
 
 def search_policy_budget(
-    scn: Scenario, policy: str, *, idle_budget_s: float | None = None
+    scn: Scenario, policy: str, *, idle_budget_s: float | None = None, mode: Mode = "sidecar"
 ) -> SearchResult:
     """HyGen's profiler: the largest per-iteration budget meeting every SLO on the scenario.
 
@@ -265,14 +270,19 @@ def search_policy_budget(
     if idle_budget_s is not None:
         lo = floor_step_s(scn.engine, model)
     return _bisect_knob(
-        scn, lo,
+        scn,
+        lo,
         lambda b: scn.run(
-            policy, budget_s=b, idle_budget_s=idle_budget_s, tag=f" budget={b * 1000:.1f}ms"
+            policy,
+            budget_s=b,
+            idle_budget_s=idle_budget_s,
+            tag=f" budget={b * 1000:.1f}ms",
+            mode=mode,
         ).observed(),
     )
 
 
-def search_idle_budget(scn: Scenario, policy: str) -> SearchResult:
+def search_idle_budget(scn: Scenario, policy: str, mode: Mode = "sidecar") -> SearchResult:
     """The largest idle budget meeting every SLO, the online budget held at its safe end.
 
     First knob of the two-knob search (``docs/benchmarks/colocation.md``): the
@@ -285,9 +295,10 @@ def search_idle_budget(scn: Scenario, policy: str) -> SearchResult:
     model = scn.model()
     floor = floor_step_s(scn.engine, model)
     return _bisect_knob(
-        scn, online_only_step_s(scn.engine, model),
+        scn,
+        online_only_step_s(scn.engine, model),
         lambda b: scn.run(
-            policy, budget_s=floor, idle_budget_s=b, tag=f" idle={b * 1000:.1f}ms"
+            policy, budget_s=floor, idle_budget_s=b, tag=f" idle={b * 1000:.1f}ms", mode=mode
         ).observed(),
     )
 
@@ -308,27 +319,33 @@ def run_policy(
     budget_s: float | None = None,
     static_cap: int | None = None,
     idle_budget_s: float | None = None,
+    mode: Mode = "sidecar",
 ) -> PolicyRun:
     """Run one policy, searching its knob(s) against the SLOs when not given.
 
     With ``scn.search_idle`` a budget policy's idle budget is searched first
     (:func:`search_idle_budget`), then its online budget with that idle budget
     (:func:`search_policy_budget`); ``idle_budget_s`` given skips the first.
+    ``mode="in-engine"`` (budget policies only) runs and searches the planner's
+    ITERATION mode inside the engine (:mod:`slipstream_scheduler.sim.inengine`):
+    what an engine plugin would add, never a sidecar figure.
     """
     t0 = time.perf_counter()
     search: SearchResult | None = None
     idle_search: SearchResult | None = None
     spec = POLICIES[policy]
+    if mode != "sidecar" and spec.admission != "budget":
+        raise WorkloadError(f"--mode {mode} needs a budget policy, not {policy}")
     idle = idle_budget_s if idle_budget_s is not None else scn.idle_budget_s
     if spec.admission == "budget" and scn.search_idle and idle is None:
         if not scn.slos:
             raise WorkloadError("the idle budget search needs at least one --slo")
-        idle_search = search_idle_budget(scn, policy)
+        idle_search = search_idle_budget(scn, policy, mode)
         idle = idle_search.value  # None: no idle budget meets the SLOs; HyGen's rule only
     if spec.admission == "budget" and budget_s is None:
         if not scn.slos:
             raise WorkloadError("a budget policy needs --budget or at least one --slo")
-        search = search_policy_budget(scn, policy, idle_budget_s=idle)
+        search = search_policy_budget(scn, policy, idle_budget_s=idle, mode=mode)
         budget_s = search.value if search.value is not None else search.lo
     if policy == "static-cap" and static_cap is None:
         if not scn.slos:
@@ -341,6 +358,7 @@ def run_policy(
         budget_s=budget_s,
         static_cap=static_cap if static_cap is not None else 16,
         idle_budget_s=idle if is_budget else None,
+        mode=mode,
     )
     return PolicyRun(
         policy,
@@ -351,6 +369,7 @@ def run_policy(
         time.perf_counter() - t0,
         idle if is_budget else None,
         idle_search,
+        mode,
     )
 
 
@@ -363,6 +382,7 @@ def summary_row(run: PolicyRun, scn: Scenario) -> dict[str, Any]:
     on, off = m.online, m.offline
     return {
         "policy": run.policy,
+        "mode": run.mode,
         "slo_met": run.slo_met(scn),
         "ttft_p99_s": _num(on.ttft.p99),
         "tbt_p99_s": _num(on.tbt.p99),
@@ -388,6 +408,7 @@ def summary_row(run: PolicyRun, scn: Scenario) -> dict[str, Any]:
         "budget_s": run.budget_s,
         "idle_budget_s": run.idle_budget_s,
         "static_cap": run.static_cap,
+        "in_engine": dict(run.result.in_engine) if run.mode == "in-engine" else None,
         "wall_s": run.wall_s,
     }
 
@@ -448,7 +469,7 @@ def rows_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
         )
         met = r["slo_met"]
         t.add_row(
-            r["policy"],
+            r["policy"] + ("" if r.get("mode", "sidecar") == "sidecar" else f" [{r['mode']}]"),
             "-" if met is None else ("[green]met[/]" if met else "[red]broken[/]"),
             _ms(r["ttft_p99_s"]),
             _ms(r["ttft_mean_s"]),
@@ -559,6 +580,14 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenario_arguments(parser)
     parser.add_argument("--policy", default="budget", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--mode",
+        default="sidecar",
+        choices=MODES,
+        help="sidecar (default): what Slipstream ships, the dispatcher in front of vLLM. "
+        "in-engine: the planner picks every iteration's batch inside the engine (what an "
+        "engine plugin would add; budget policies only; never a sidecar figure)",
+    )
     parser.add_argument("--budget", type=float, help="per-iteration budget, s (budget policies)")
     parser.add_argument("--static-cap", type=int, help="offline in-flight cap (static-cap)")
     parser.add_argument("--json", type=Path, help="write the JSON report here")
@@ -571,10 +600,18 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with RichProgress(console) as bar:
         scn.progress = bar
-        pr = run_policy(scn, args.policy, budget_s=args.budget, static_cap=args.static_cap)
+        pr = run_policy(
+            scn,
+            args.policy,
+            budget_s=args.budget,
+            static_cap=args.static_cap,
+            mode=cast(Mode, args.mode),
+        )
     wall = time.perf_counter() - t0
     row = summary_row(pr, scn)
-    console.print(rows_table([row], f"slipstream sim: {scn.label}, {args.policy}"))
+    console.print(
+        rows_table([row], f"slipstream sim: {scn.label}, {args.policy}, mode {args.mode}")
+    )
     m = pr.result.metrics
     console.print(
         f"virtual {m.duration_s:.0f} s, {m.steps} steps, wall {wall:.1f} s; "
@@ -587,6 +624,7 @@ def run(args: argparse.Namespace) -> int:
         "schema": SCHEMA,
         "trace": scn.label,
         "policy": args.policy,
+        "mode": args.mode,
         "model": args.model,
         "gpu": args.gpu,
         "long_prefill_tokens": args.long_prefill_tokens,

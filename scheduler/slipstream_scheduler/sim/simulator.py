@@ -17,9 +17,10 @@ Loop, per event::
 Named policies (:data:`POLICIES`) bind an admission policy of the planner
 (``slipstream_scheduler.admission``) to an offline order (FCFS or PSM).
 
-``SimConfig.mode="in-engine"`` swaps in :class:`~slipstream_scheduler.sim.inengine.BudgetedEngine`
-(the budget applied per iteration inside the engine): what an engine plugin
-would add, reported beside the sidecar, never as a sidecar figure.
+``SimConfig.mode="in-engine"`` swaps in :class:`~slipstream_scheduler.sim.inengine.PlannedEngine`
+(the planner's ITERATION mode picks every iteration's batch inside the engine,
+as HyGen does in Sarathi-Serve): what an engine plugin would add, reported
+beside the sidecar, never as a sidecar figure.
 
 Deliberately left out: file I/O (workloads come in as values) and wall-clock
 reads (the caller times the run).
@@ -51,7 +52,7 @@ from slipstream_scheduler.latency import LinearLatencyModel, fit
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.psm import PsmParams, PsmQueue
-from slipstream_scheduler.sim.inengine import BudgetedEngine
+from slipstream_scheduler.sim.inengine import PlannedEngine
 from slipstream_scheduler.sim.metrics import Recorder, SimMetrics
 from slipstream_scheduler.sim.workload import SimRequest, Workload
 from slipstream_scheduler.types import BatchItem, Phase, RequestClass
@@ -122,8 +123,10 @@ class SimConfig(BaseModel):
     mode: Literal["sidecar", "in-engine"] = Field(
         default="sidecar",
         description="sidecar (default): the dispatcher in front of vLLM's scheduler, what "
-        "Slipstream ships. in-engine: the budget applied per iteration inside the engine "
-        "(what an engine plugin would add; budget policies only; never a sidecar figure).",
+        "Slipstream ships. in-engine: the planner's ITERATION mode picks each iteration's "
+        "batch inside the engine, the budget while online work is in it and the dispatcher's "
+        "idle_budget_s otherwise (what an engine plugin would add; budget policies only; "
+        "never a sidecar figure).",
     )
     in_engine_offline_window: int = Field(
         default=32,
@@ -158,6 +161,9 @@ class SimResult:
     engine: EngineStats
     budget_s: float | None
     offline_output_by_request: dict[str, int] = field(default_factory=dict, repr=False)
+    in_engine: dict[str, float | None] = field(default_factory=dict)
+    """In-engine mode only: the planned engine's counters (plans, fallback_steps,
+    skipped_offline, max_offline_step_over_budget_s); empty in sidecar mode."""
 
     def observed(self) -> dict[str, float]:
         """Online latencies keyed for :mod:`slipstream_scheduler.budget` (``tbt_p99_s``, ...)."""
@@ -265,17 +271,21 @@ class Simulator:
         dispatcher_budget = config.budget_s if spec.admission == "budget" else None
         self.engine: EngineModel
         if config.mode == "in-engine":
-            if spec.admission != "budget" or config.budget_s is None or latency_model is None:
-                raise SimError("in-engine mode needs a budget policy and a budget", config.policy)
-            self.engine = BudgetedEngine(
+            if spec.admission != "budget" or latency_model is None:
+                raise SimError("in-engine mode needs a budget policy", config.policy)
+            # The real planner in ITERATION mode picks each iteration's batch inside
+            # the engine; the dispatcher only keeps a window of offline work in it.
+            inner = build_planner(
+                "budget", params or None, latency_model=latency_model, mode=PlannerMode.ITERATION
+            )
+            self.engine = PlannedEngine(
                 config.engine,
                 config.seed,
-                latency_model=latency_model,
+                planner=inner,
                 budget_s=config.budget_s,
+                idle_budget_s=config.dispatcher.idle_budget_s,
                 offline_priority=config.dispatcher.offline_priority,
             )
-            # The engine enforces the budget per iteration; the dispatcher only
-            # keeps a window of offline work in it.
             admission, needs_model, dispatcher_budget = "static-cap", False, None
             params = {"max_offline_in_flight": config.in_engine_offline_window}
         else:
@@ -502,7 +512,23 @@ class Simulator:
             st,
             cfg.budget_s if cfg.mode == "in-engine" else disp.budget_s,
             self._offline_done_tokens,
+            self._in_engine_counters(),
         )
+
+    def _in_engine_counters(self) -> dict[str, float | None]:
+        eng = self.engine
+        if not isinstance(eng, PlannedEngine):
+            return {}
+        return {
+            "plans": eng.plans,
+            "fallback_steps": eng.fallback_steps,
+            "skipped_offline": eng.skipped_offline,
+            "max_offline_step_over_budget_s": (
+                None
+                if math.isinf(eng.max_offline_step_over_budget_s)
+                else eng.max_offline_step_over_budget_s
+            ),
+        }
 
     # ------------------------------------------------------------------ per request
 
