@@ -350,13 +350,17 @@ class Handlers:
                 logger.warning("not dialling pod %s at %s (loopback-only)", pod.name, pod.ip)
             return PodView(pod.name, pod.ip, False)
         address = PodAddress(pod.name, pod.ip, spec.sidecar.grpc_port, token)
-        status: SidecarStatus | None
-        try:
-            status = await self.control.status(address)
-        except SidecarError as exc:
-            logger.info("%s", exc)
-            status = None
-        text = await self._scrape(pod.ip, spec.sidecar.http_port)
+
+        async def ask() -> SidecarStatus | None:
+            try:
+                return await self.control.status(address)
+            except SidecarError as exc:
+                logger.info("%s", exc)
+                return None
+
+        # The gRPC Status and the /metrics scrape go out together: a tick waits for the
+        # slower of the two, not for both in a row.
+        status, text = await asyncio.gather(ask(), self._scrape(pod.ip, spec.sidecar.http_port))
         if text is not None:
             history.setdefault(pod.name, PodHistory()).add(
                 parse_sample(text, now_s), self.settings.window_s
