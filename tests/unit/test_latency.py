@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from slipstream_scheduler.latency import (
     FEATURE_NAMES,
     KNEE_GRID,
+    MAX_CURVE_KNOTS,
+    MAX_CURVE_SPAN_TOKENS,
     SCHEMA_VERSION,
     BatchFeatures,
     FeatureSet,
@@ -549,6 +551,34 @@ def test_curve_documents_are_checked() -> None:
     doc = json.loads(_curve_model().to_json())
     doc["schema_version"] = 2
     with pytest.raises(ModelFormatError, match="schema version 3"):
+        LinearLatencyModel.from_json(json.dumps(doc))
+
+
+def test_curve_length_is_bounded() -> None:
+    """A document or Configure call cannot make a process build an unbounded table."""
+    longest = tuple(float(i) for i in range(MAX_CURVE_KNOTS))
+    model = LinearLatencyModel(
+        FeatureSet.CONTEXT_CHUNK_CURVE, _coef(), token_curve=longest, curve_step_tokens=32
+    )
+    assert len(model.token_curve) == MAX_CURVE_KNOTS
+    with pytest.raises(ModelFormatError, match="too long: 4098 knots"):
+        LinearLatencyModel(
+            FeatureSet.CONTEXT_CHUNK_CURVE,
+            _coef(),
+            token_curve=(*longest, 1e9),
+            curve_step_tokens=1,
+        )
+    span = MAX_CURVE_SPAN_TOKENS // 1000 + 1  # 1,001 knots at this step overshoot the span
+    with pytest.raises(ModelFormatError, match="too long"):
+        LinearLatencyModel(
+            FeatureSet.CONTEXT_CHUNK_CURVE,
+            _coef(),
+            token_curve=longest[:1001],
+            curve_step_tokens=span,
+        )
+    doc = json.loads(_curve_model().to_json())
+    doc["token_curve"]["values"] = list(range(MAX_CURVE_KNOTS + 1))
+    with pytest.raises(ModelFormatError, match="too long"):
         LinearLatencyModel.from_json(json.dumps(doc))
 
 
