@@ -161,6 +161,7 @@ class _Entry:
     arrival_s: float
     seq: int
     blocks: int  # whole blocks of the prompt (the node's depth)
+    path: tuple[Block, ...]  # the block keys from the root to ``node``
 
 
 class _Overlay:
@@ -210,8 +211,10 @@ class PsmQueue:
             raise DuplicateRequestError(request_id)
         bs = self.params.block_size
         node = self._root
+        path: list[Block] = []
         for start in range(0, len(token_ids) - bs + 1, bs):
             key = tuple(token_ids[start : start + bs])
+            path.append(key)
             child = node.children.get(key)
             if child is None:
                 child = _Node(parent=node, key=key, depth=node.depth + 1)
@@ -225,7 +228,9 @@ class PsmQueue:
         seq = self._left.pop(request_id, None)
         if seq is None:
             seq = next(self._seq)
-        self._entries[request_id] = _Entry(request_id, node, arrival_s, seq, node.depth)
+        self._entries[request_id] = _Entry(
+            request_id, node, arrival_s, seq, node.depth, tuple(path)
+        )
         self._by_age.add((arrival_s, seq, request_id))
 
     def remove(self, request_id: str) -> None:
@@ -252,7 +257,7 @@ class PsmQueue:
         """Take the next request (DFS unless the fairness rule picks the oldest)."""
         pick = self._select(now_s, _Overlay(), self._cursor, self._pops)
         entry = self._entries[pick.request_id]
-        self._cursor = self._path_keys(entry.node)
+        self._cursor = list(entry.path)
         self._pops += 1
         self.remove(pick.request_id)
         return pick
@@ -273,7 +278,7 @@ class PsmQueue:
             pick = self._select(now_s, overlay, cursor, self._pops + i)
             entry = self._entries[pick.request_id]
             overlay.take(entry)
-            cursor = self._path_keys(entry.node)
+            cursor = list(entry.path)
             picks.append(pick)
         return tuple(picks)
 
@@ -285,7 +290,7 @@ class PsmQueue:
         entry = self._entries.get(request_id)
         if entry is None:
             raise UnknownRequestError(request_id)
-        return self._shared_blocks(entry.node, self._cursor) * self.params.block_size
+        return self._shared_blocks(entry.path, self._cursor) * self.params.block_size
 
     def oldest(self) -> str | None:
         return None if not self._by_age else str(self._by_age[0][2])
@@ -293,20 +298,10 @@ class PsmQueue:
     # ------------------------------------------------------------------ internals
 
     @staticmethod
-    def _path_keys(node: _Node) -> list[Block]:
-        keys: list[Block] = []
-        n: _Node | None = node
-        while n is not None and n.key is not None:
-            keys.append(n.key)
-            n = n.parent
-        keys.reverse()
-        return keys
-
-    @staticmethod
-    def _shared_blocks(node: _Node, cursor: list[Block]) -> int:
-        keys = PsmQueue._path_keys(node)
+    def _shared_blocks(path: tuple[Block, ...], cursor: list[Block]) -> int:
+        """Leading blocks ``path`` shares with ``cursor`` (stops at the first difference)."""
         shared = 0
-        for a, b in zip(keys, cursor, strict=False):
+        for a, b in zip(path, cursor, strict=False):
             if a != b:
                 break
             shared += 1
@@ -350,9 +345,9 @@ class PsmQueue:
                 if pops % self.params.klpm_k == 0:
                     chosen, reason = o, "oldest"
             else:
-                shared_d = self._shared_blocks(d.node, cursor)
-                gain = (shared_d - self._shared_blocks(o.node, cursor)) / max(d.blocks, 1)
+                shared_d = self._shared_blocks(d.path, cursor)
+                gain = (shared_d - self._shared_blocks(o.path, cursor)) / max(d.blocks, 1)
                 if age / self.params.max_wait_s >= gain:
                     chosen, reason = o, "oldest"
-        cached = self._shared_blocks(chosen.node, cursor) * bs
+        cached = self._shared_blocks(chosen.path, cursor) * bs
         return PsmPick(chosen.request_id, cached, reason)  # type: ignore[arg-type]
