@@ -226,7 +226,8 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "sidecar-defaults": ("sidecar.image.repository=registry.local:5000/team/slipstream-sidecar",
                          "sidecar.image.tag=v7", "sidecar.resources.requests.cpu=500m",
                          "sidecar.resources.requests.memory=512Mi",
-                         "sidecar.resources.limits.memory=1Gi"),
+                         "sidecar.resources.limits.memory=1Gi",
+                         "operator.profilesDir=/etc/slipstream/profiles"),
 }
 # The image the operator gives sidecars that name none, per value set: sidecar.image, else the
 # operator's own image (repository and tag).
@@ -336,8 +337,10 @@ def test_operator_args_and_env_are_real_flags_and_settings(
     if name == "sidecar-defaults":
         assert settings.sidecar_resources.wire() == {
             "requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+        assert settings.profiles_dir == Path("/etc/slipstream/profiles")
     else:
         assert "SLIPSTREAM_OPERATOR_SIDECAR_RESOURCES" not in env
+        assert settings.profiles_dir is None
     if name == "prometheus":
         assert settings.prometheus_url == "http://prometheus.monitoring:9090"
         assert container["image"] == "ghcr.io/slipstream-dev/slipstream:dev"
@@ -510,6 +513,7 @@ BAD_VALUES = {
     "metrics.podMonitor.interval=soon": "interval",
     "sidecar.grpcPort=70000": "grpcPort",
     "operator.prometheusUrl=prometheus:9090": "prometheusUrl",
+    "operator.profilesDir=profiles": "profilesDir",
     "unknownKey=1": "unknownKey",
     "operator.metricsPort=8081": "must differ",
     "operator.metricsPort=0": "metricsPort",
