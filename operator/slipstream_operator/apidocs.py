@@ -4,7 +4,10 @@
 exits 1 when it is stale. The text comes from the same structural schemas
 ``crdgen`` puts in the CRDs (so it says what ``kubectl explain`` says): one
 table per object (field, type, default, description), the CEL rules the API
-server enforces, the printer columns and short names.
+server enforces, the printer columns and short names. A last section lists the
+operator's settings (``OperatorSettings``: environment variable, type, default,
+description); a nested group of knobs (``budget``, ...) is one row naming the model
+that describes its fields.
 
 Deliberately left out: prose beyond the field descriptions (``docs/operator.md``
 and ``docs/concepts/budgets.md`` explain behaviour).
@@ -18,8 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slipstream_operator.api import API_VERSION
+from pydantic import BaseModel
+
+from slipstream_operator.api import API_VERSION, ResourceRequirements
 from slipstream_operator.crdgen import CRD_META, crd
+from slipstream_operator.settings import OperatorSettings
 
 HEADER = """# API reference: `slipstream.dev/v1alpha1`
 
@@ -82,6 +88,52 @@ def _section(title: str, node: dict[str, Any], out: list[str], depth: int) -> No
             _section(f"{title}.{name}", inner, out, min(depth + 1, 5))
 
 
+SETTINGS_HEADER = """## Operator settings
+
+`slipstream operator` reads these from its environment (flags of the same
+meaning override them; `slipstream operator --help`). The Helm chart sets the
+ones its values name ([install](../install.md)); list and object values are
+JSON, e.g. `SLIPSTREAM_OPERATOR_STORAGE_ROOTS='["s3://batch"]'`; a knob of a
+group is its field name in capitals after `__`, e.g.
+`SLIPSTREAM_OPERATOR_BUDGET__DECREASE_FACTOR=0.5`.
+
+| variable | type | default | description |
+|---|---|---|---|"""
+
+
+def _setting_type(annotation: Any) -> str:
+    if annotation is ResourceRequirements:
+        return "JSON object (requests, limits)"
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    text = text or str(annotation).replace("pathlib.", "")
+    return f"JSON {text}" if text.startswith("list[") else text
+
+
+def _setting_default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    return json.dumps(value)
+
+
+def _settings_rows(model: type[BaseModel], prefix: str, out: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        env = prefix + name.upper()
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and \
+                kind is not ResourceRequirements:
+            # Knob groups stay in their own modules' hands (their fields are described there):
+            # one row naming the group, so a change of a knob needs no regenerated page.
+            where = "operator/" + kind.__module__.replace(".", "/") + ".py"
+            out.append(f"| `{env}__<FIELD>` | group | see `{kind.__name__}` in `{where}` | "
+                       f"{_cell(field.description or '')} |")
+            continue
+        default = _setting_default(field.get_default(call_default_factory=True))
+        out.append(f"| `{env}` | {_cell(_setting_type(kind))} | {_cell(default)} | "
+                   f"{_cell(field.description or '')} |")
+
+
 def render() -> str:
     """The whole reference page."""
     out = [HEADER]
@@ -103,6 +155,9 @@ def render() -> str:
         out.append(f"* `kubectl get {doc['metadata']['name']}` columns: {columns}\n")
         _section("spec", schema["properties"]["spec"], out, 3)
         _section("status", schema["properties"]["status"], out, 3)
+    out.append(SETTINGS_HEADER)
+    _settings_rows(OperatorSettings, str(OperatorSettings.model_config.get("env_prefix", "")),
+                   out)
     return "\n".join(out).rstrip() + "\n"
 
 
