@@ -342,6 +342,8 @@ def _configure_call(
         latency_kind=kind,
         latency_coefficients=coefficients,
         latency_knee_tokens=knee,
+        latency_token_curve=model.token_curve if model is not None else (),
+        latency_curve_step_tokens=model.curve_step_tokens if model is not None else 0,
         idle_budget_s=(idle_budget_s or 0.0) if spec.scheduling.co_location else 0.0,
     )
 
@@ -354,6 +356,7 @@ def _fingerprint(call: ConfigureCall) -> str:
         "kind": call.latency_kind,
         "coefficients": sorted(call.latency_coefficients.items()),
         "knee": call.latency_knee_tokens,
+        "curve": [call.latency_curve_step_tokens, *call.latency_token_curve],
         "idle": None if call.idle_budget_s is None else round(call.idle_budget_s, 6),
     }
     return hashlib.blake2b(json.dumps(doc).encode(), digest_size=8).hexdigest()

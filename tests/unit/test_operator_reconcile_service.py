@@ -28,6 +28,7 @@ from slipstream_operator.reconcile_service import (
     PodView,
     ServiceMemory,
     ServiceObserved,
+    _fingerprint,
     reconcile_service,
 )
 from slipstream_operator.searchpool import SearchSubject
@@ -212,6 +213,27 @@ def test_the_pushed_latency_model_carries_its_hinge_knee() -> None:
     assert call.latency_kind == "context+chunk+hinge"
     assert call.latency_knee_tokens == 192
     assert call.latency_coefficients["tokens_over_knee"] == pytest.approx(2e-05)
+
+
+def test_the_pushed_latency_model_carries_the_shipped_token_curve() -> None:
+    # The shipped profiles are token-curve models (schema 3): the sidecar refuses a
+    # curve kind without its curve, so the operator must send the knots and their
+    # step, and a change of curve alone must be a new configuration.
+    from slipstream_operator.profiles import find_profile
+
+    profile = find_profile("meta-llama/Llama-2-7b-hf", "a100")
+    assert profile is not None
+    curved = profile.model
+    assert curved.token_curve, "the shipped profile is expected to carry a token curve"
+    out = run(observed((pod("a"),), window(), model=curved))
+    call = out.pushes[0][1]
+    assert call.latency_kind == curved.feature_set.value
+    assert tuple(call.latency_token_curve) == tuple(curved.token_curve)
+    assert call.latency_curve_step_tokens == curved.curve_step_tokens > 0
+    bent = replace(curved, token_curve=(*curved.token_curve[:-1], curved.token_curve[-1] * 2))
+    again = run(observed((pod("a"),), window(), model=bent))
+    assert again.pushes[0][1].latency_token_curve != call.latency_token_curve
+    assert _fingerprint(again.pushes[0][1]) != _fingerprint(call)
 
 
 def test_storage_roots_reach_the_sidecar_only_when_configured() -> None:
