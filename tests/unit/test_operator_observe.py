@@ -114,3 +114,61 @@ def test_promql_selects_the_service_and_online_class() -> None:
     assert 'slipstream_dev_service="chat"' in queries["ttft_p99_s"]
     assert 'class="online"' in queries["tbt_mean_s"] and "[5m]" in queries["tbt_mean_s"]
     assert queries["ttft_p99_s"].startswith("histogram_quantile(0.99")
+
+
+def test_the_fast_reader_agrees_with_prometheus_client_and_falls_back_on_odd_text() -> None:
+    from slipstream_cli.fleet.standin import FakePod, render_metrics
+    from slipstream_operator.observe import _client_samples, _fast_samples, _UnparsedError
+
+    side = FakeSidecar()
+    side.request(0.3, [0.02, 0.04])
+    side.request(1.7, [0.5], cls="offline")
+    pod = FakePod("p", "127.0.0.1", "t")
+    pod.online_requests = 3
+    odd_label = 'slipstream_requests_admitted_total{note="a \\"b\\" \\\\ c",class="online"} 4.0\n'
+    for text in (side.text(), render_metrics(pod), odd_label):
+        assert _fast_samples(text) == _client_samples(text)
+        for cls in ("online", "offline"):
+            assert parse_sample(text, 1.0, cls) == _reference(text, cls)
+    # A line neither reader can read is an error, as it was with prometheus_client alone.
+    broken = 'slipstream_requests_admitted_total{class="online" 3.0\n'
+    with pytest.raises(_UnparsedError):
+        _fast_samples(broken)
+    with pytest.raises(ValueError):
+        parse_sample(broken, 1.0)
+
+
+def _reference(text: str, cls: str) -> object:
+    """The pre-regex implementation, kept here as the oracle."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slipstream_operator.observe import Histogram, Sample
+
+    names = ("slipstream_ttft_seconds", "slipstream_tbt_seconds")
+    hist: dict[str, dict[str, float]] = {n: {} for n in names}
+    sums = dict.fromkeys(names, 0.0)
+    counts = dict.fromkeys(names, 0.0)
+    admitted = finished = tokens = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("class") != cls:
+                continue
+            if family.name in hist:
+                if s.name.endswith("_bucket"):
+                    hist[family.name][s.labels["le"]] = s.value
+                elif s.name.endswith("_sum"):
+                    sums[family.name] = s.value
+                elif s.name.endswith("_count"):
+                    counts[family.name] = s.value
+            elif s.name == "slipstream_requests_admitted_total":
+                admitted += s.value
+            elif s.name == "slipstream_requests_finished_total" and s.labels.get("outcome") == "ok":
+                finished += s.value
+            elif s.name == "slipstream_output_tokens_total":
+                tokens += s.value
+
+    def build(name: str) -> Histogram:
+        return Histogram(buckets=tuple(sorted((float(le), c) for le, c in hist[name].items())),
+                 total=sums[name], count=counts[name])
+
+    return Sample(1.0, build(names[0]), build(names[1]), admitted, finished, tokens)
