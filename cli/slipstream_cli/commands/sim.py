@@ -469,7 +469,8 @@ def rows_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
         )
         met = r["slo_met"]
         t.add_row(
-            r["policy"] + ("" if r.get("mode", "sidecar") == "sidecar" else f" [{r['mode']}]"),
+            # rich markup: "\\[" prints a literal bracket
+            r["policy"] + ("" if r.get("mode", "sidecar") == "sidecar" else f" \\[{r['mode']}]"),
             "-" if met is None else ("[green]met[/]" if met else "[red]broken[/]"),
             _ms(r["ttft_p99_s"]),
             _ms(r["ttft_mean_s"]),
