@@ -778,11 +778,17 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
                         **_: Any) -> dict[str, kube.JobInfo]:
         return {namespace or "default": kube.job_info(body)}
 
+    def first_tick_after(*, meta: kopf.Meta, **_: Any) -> float:
+        return kube.phase(str(meta.get("uid", "")), interval)
+
     # Sharp: a service ticks on a fixed grid of `interval` from its first tick, not `interval`
     # after the previous tick and its status PATCH ended. That bounds the status lag by one
-    # interval plus one tick, where the default added the tick and the PATCH twice.
+    # interval plus one tick, where the default added the tick and the PATCH twice. Each
+    # service's grid is offset by a hash of its uid: services applied together would
+    # otherwise tick together forever, in bursts.
     @kopf.timer(GROUP, VERSION, "inferenceservices", interval=interval, idle=0, sharp=True,
-                backoff=HANDLER_BACKOFF_S, registry=registry, id="reconcile")
+                initial_delay=first_tick_after, backoff=HANDLER_BACKOFF_S, registry=registry,
+                id="reconcile")
     async def service_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
                             namespace: str | None, uid: str, meta: kopf.Meta,
                             **kwargs: Any) -> None:

@@ -194,6 +194,12 @@ class _Applied:
     at_s: float
 
 
+def phase(key: str, period_s: float) -> float:
+    """A fixed offset in [0, ``period_s``) taken from a hash of ``key``: where on a shared
+    period this object's work falls, so that many objects do not all fire at once."""
+    return period_s * int.from_bytes(hashlib.sha256(key.encode()).digest()[4:8], "big") / 2**32
+
+
 def spread(key: str, period_s: float) -> float:
     """``period_s`` stretched by a fixed fraction in [0, 0.5) taken from a hash of ``key``, so
     that periodic work of many objects started together does not stay in step."""

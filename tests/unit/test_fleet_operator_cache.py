@@ -65,6 +65,15 @@ def test_a_child_is_applied_when_new_changed_or_due_for_resync() -> None:
     assert applied.due(_deployment(namespace="other"), 91.0)
 
 
+def test_phase_spreads_first_ticks_over_the_interval() -> None:
+    offsets = sorted(kube.phase(f"uid-{i}", 5.0) for i in range(500))
+    assert offsets[0] >= 0.0 and offsets[-1] < 5.0
+    # Spread over the whole interval, not bunched: every fifth of it holds 50-150 of 500.
+    per_fifth = [sum(1 for o in offsets if k <= o < k + 1.0) for k in range(5)]
+    assert min(per_fifth) > 50 and max(per_fifth) < 150
+    assert kube.phase("uid-7", 5.0) == kube.phase("uid-7", 5.0)
+
+
 def test_spread_keeps_periodic_work_of_many_objects_out_of_step() -> None:
     periods = [kube.spread(f"ns/svc-{i}", 60.0) for i in range(500)]
     assert all(60.0 <= p < 90.0 for p in periods)
