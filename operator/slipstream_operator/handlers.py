@@ -422,6 +422,8 @@ class Handlers:
             window_label=f"{int(self.settings.window_s)}s",
             window_source=source,
             storage_roots=tuple(self.settings.storage_roots),
+            sidecar_image=self.settings.sidecar_image,
+            sidecar_resources=self.settings.sidecar_resources,
         )
         outcome = reconcile_service(
             ref, spec, observed, self.state.services.get(uid, ServiceMemory()),

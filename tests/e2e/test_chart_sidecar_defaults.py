@@ -50,9 +50,6 @@ def service(name: str, namespace: str, sidecar: dict[str, Any]) -> dict[str, Any
                      "slo": {"ttft": {"p99": "2s"}}, "sidecar": sidecar}}
 
 
-@pytest.mark.xfail(strict=True, reason="handlers.py does not yet pass settings.sidecar_image / "
-                   "sidecar_resources into ServiceObserved (two keyword arguments); drop this "
-                   "marker once it does")
 def test_chart_sidecar_defaults_reach_the_operators_deployments(
     cluster: LocalCluster, namespace: str, tmp_path: Path,
 ) -> None:
