@@ -264,7 +264,8 @@ def test_operator_end_to_end(
     applied = kubectl(cluster, "apply", "-n", namespace, "-f", str(examples))
     assert "inferenceservice.slipstream.dev/chat created" in applied.stdout
     assert "offlinejob.slipstream.dev/mmlu-sample created" in applied.stdout
-    urls = [sidecar.url for _, _, sidecar in start_pods(admin_api, namespace, tmp_path, procs)]
+    pods = start_pods(admin_api, namespace, tmp_path, procs)
+    urls = [sidecar.url for _, _, sidecar in pods]
 
     stop = threading.Event()
     statuses: list[int] = []
@@ -416,6 +417,29 @@ def test_operator_end_to_end(
     )
     assert svc["status"]["observed"]["samples"] > 0
     assert sum(1 for s in statuses if s == 200) > 0
+
+    # Every pod took the operator's configuration, latency model included (the shipped
+    # profile for llama-2-7b on h100 is a token-curve model, which a pod refuses
+    # without its knots: a refusal would leave it with no model and no budget).
+    import grpc
+
+    from slipstream_sidecar.proto import sidecar_pb2, sidecar_pb2_grpc
+
+    control_token = (tmp_path / "token").read_text()
+    for ip, _, _ in pods:
+        with grpc.insecure_channel(f"{ip}:9000") as channel:
+            reply = sidecar_pb2_grpc.SidecarStub(channel).Status(
+                sidecar_pb2.StatusRequest(),
+                metadata=(("authorization", f"Bearer {control_token}"),),
+                timeout=5,
+            )
+        assert reply.generation > 0, ip
+        assert reply.latency_model.kind, ip
+        if "curve" in reply.latency_model.kind:
+            assert len(reply.latency_model.token_curve) > 1, ip
+            assert reply.latency_model.curve_step_tokens > 0, ip
+    operator_log = operator.log_path.read_text(errors="replace")
+    assert "INVALID_ARGUMENT" not in operator_log, operator.log_tail()
 
     # Invalid specs never reach the operator: the API server names the field.
     bad = tmp_path / "bad.yaml"
