@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from slipstream_cli.cluster import Rest
+from slipstream_cli.cluster import ApiError, ClusterError, Rest
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class StatusWatch:
             try:
                 version = self._list(where)
                 self._watch(where, version)
-            except (urllib.error.URLError, OSError, ValueError) as exc:
+            except (ApiError, ClusterError, urllib.error.URLError, OSError, ValueError) as exc:
+                # A loaded API server answers LIST with 504 now and then: list again.
                 logger.warning("status watch %s: %s; reopening", where or "(all)", exc)
                 time.sleep(1.0)
             self.reopened += 1
