@@ -144,3 +144,22 @@ async def test_the_engine_gets_the_dispatchers_priority_in_the_clients_bytes() -
         await runner.cleanup()
         await engine.close()
         await engine_runner.cleanup()
+
+
+async def test_an_arrival_decided_at_once_preempts_offline_work_in_that_decision() -> None:
+    ctl = _controller(max_num_seqs=2)
+    off = [ctl.register(Incoming(f"f{i}", RequestClass.OFFLINE, 64, 32, 100.0)) for i in range(2)]
+    for t in off:
+        await asyncio.wait_for(t.granted(), 1.0)
+        ctl.progress(t, 5)
+    closed: list[str] = []
+    for t in off:
+        t.on_abort(lambda t=t: closed.append(t.request_id))
+    on = ctl.register(_on("o"), grant_now=True)
+    # One decision inside register: the offline stream is told to close and the
+    # online request is sent in its place, before the handler yields.
+    assert len(closed) == 1 and on._fut.done() and ctl.sync_grants == 1
+    victim = next(t for t in off if t.request_id == closed[0])
+    assert victim.aborting and ctl.preempted_total["offline"] == 1
+    ctl.aborted(victim)
+    assert ctl.held["offline"] == 1 and ctl.in_flight == {"online": 1, "offline": 1}
