@@ -22,6 +22,7 @@ from slipstream_scheduler.ordering import (
     SjfOrdering,
     SjfParams,
     TrailOrdering,
+    TrailParams,
     UnknownOrderingError,
     make_ordering,
 )
@@ -79,7 +80,7 @@ def test_gittins_prefers_bimodal_that_sjf_ranks_last() -> None:
 def test_gittins_key_is_rank_at_attained_service() -> None:
     v = replace(view("r", [100, 300, 900], inp=50), generated_tokens=250)
     want = gittins_rank(request_cost(50, np.array([300.0, 900.0])), float(request_cost(50, 250)))
-    assert GittinsOrdering().key(v) == pytest.approx(want)
+    assert GittinsOrdering(GittinsParams(cost="memory")).key(v) == pytest.approx(want)
 
 
 def test_refresh_at_bucket_boundaries() -> None:
@@ -111,18 +112,19 @@ def test_trail_preempts_only_early() -> None:
 
 
 def test_trail_key_is_expected_remaining_cost_and_outlives_safely() -> None:
+    mem = TrailParams(cost="memory")
     v = replace(view("r", [100, 300], inp=0), generated_tokens=200)
-    assert TrailOrdering().key(v) == pytest.approx(
+    assert TrailOrdering(mem).key(v) == pytest.approx(
         float(request_cost(0, 300) - request_cost(0, 200))
     )
     # outlived everything, no fallback: O_new = 2·o
     v = replace(v, generated_tokens=400)
-    assert TrailOrdering().key(v) == pytest.approx(
+    assert TrailOrdering(mem).key(v) == pytest.approx(
         float(request_cost(0, 800) - request_cost(0, 400))
     )
     # with a fallback sample, conditioned on O > o
     fb = RequestView.create("r", 0.0, 0, [100, 300], fallback=[1000, 50], generated_tokens=400)
-    assert GittinsOrdering().key(fb) == pytest.approx(
+    assert GittinsOrdering(GittinsParams(cost="memory")).key(fb) == pytest.approx(
         float(request_cost(0, 1000) - request_cost(0, 400))
     )
 
@@ -186,7 +188,7 @@ def test_output_cost_ranks_by_decode_steps_for_every_size_based_ordering() -> No
     long_prompt = RequestView.create("long", 0.0, 4000, [100.0, 300.0])
     short_prompt = RequestView.create("short", 1.0, 10, [100.0, 300.0])
     for name in ("sjf", "trail", "gittins"):
-        memory = make_ordering(name)
+        memory = make_ordering(name, {"cost": "memory"})
         output = make_ordering(name, {"cost": "output"})
         assert order(memory, [long_prompt, short_prompt]) == ["short", "long"]
         assert output.key(long_prompt) == output.key(short_prompt)
@@ -198,3 +200,17 @@ def test_output_cost_ranks_by_decode_steps_for_every_size_based_ordering() -> No
     assert float(request_cost(4000, 7.0, "output")) == 7.0
     with pytest.raises(ValidationError):
         make_ordering("gittins", {"cost": "kv"})
+
+
+@pytest.mark.parametrize("name", ["trail", "gittins"])
+def test_preemptive_orderings_default_to_the_output_cost_non_preemptive_to_memory(
+    name: str,
+) -> None:
+    # The measured defaults (docs/benchmarks/ordering.md): output when preemptive,
+    # SageSched's memory cost when not (what the sidecar runs); an explicit cost wins.
+    assert make_ordering(name).params.cost == "output"  # type: ignore[attr-defined]
+    np_params = make_ordering(name, {"max_preemptions": 0}).params  # type: ignore[attr-defined]
+    assert np_params.cost == "memory"
+    explicit = make_ordering(name, {"max_preemptions": 0, "cost": "output"})
+    assert explicit.params.cost == "output"  # type: ignore[attr-defined]
+    assert make_ordering("sjf").params.cost == "memory"  # type: ignore[attr-defined]
