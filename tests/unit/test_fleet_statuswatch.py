@@ -34,3 +34,8 @@ def test_first_arrival_of_each_count_is_kept_and_reached_is_measured_from_the_bu
     # Reached before the bump (cannot happen for a real bump): counted from the bump.
     assert watch.reached("t/b", 4, since=11.5) == 11.5
     assert watch.scopes == ["/namespaces/t"]
+
+
+def test_wait_open_is_false_until_every_scope_has_opened() -> None:
+    watch = StatusWatch(Rest.__new__(Rest), ["t", "u"])
+    assert not watch.wait_open(0.01)  # never started: no scope opened

@@ -225,6 +225,7 @@ class FleetRun:
         self.lag_timeout_s = lag_timeout_s
         self.operator_threads = operator_threads  # >0: default executor size (opwrap)
         self.lag_probe = lag_probe
+        self._watch: StatusWatch | None = None  # opened at apply time (lag_probe "watch")
         self.rest = cluster.admin_rest()
         self.namespaces = namespace_names(plan, prefix)
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -460,8 +461,12 @@ class FleetRun:
 
     def _watched_lags(self) -> tuple[list[float], int]:
         """The same bumps, with each service's catch-up stamped by a status watch."""
-        watch = StatusWatch(self.rest, None if self.clusterwide else self.namespaces)
-        watch.start()
+        watch = self._watch
+        if watch is None:
+            watch = StatusWatch(self.rest, None if self.clusterwide else self.namespaces)
+            watch.start()
+        if not watch.wait_open(self.lag_timeout_s):
+            raise FleetRunError("the status watch did not open", "status lag")
         keys = [f"{s['metadata']['namespace']}/{s['metadata']['name']}"
                 for s in service_manifests(self.plan, self.prefix)]
         lags: list[float] = []
@@ -502,6 +507,10 @@ class FleetRun:
             p0, a0 = proc_sample(operator.pid), self._api_counts()
             started = time.monotonic()
             self._apply_workload()
+            if self.lag_probe == "watch":  # open long before the bumps (see wait_open)
+                self._watch = StatusWatch(self.rest,
+                                          None if self.clusterwide else self.namespaces)
+                self._watch.start()
             try:
                 running_s = self._wait("pods running",
                                        lambda: self._running_pods() >= self.plan.pods, started)

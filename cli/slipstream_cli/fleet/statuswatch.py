@@ -55,6 +55,7 @@ class StatusWatch:
         self._threads: list[threading.Thread] = []
         self.events = 0
         self.reopened = 0
+        self._open: dict[str, threading.Event] = {w: threading.Event() for w in self.scopes}
 
     def start(self) -> None:
         for where in self.scopes:
@@ -62,6 +63,16 @@ class StatusWatch:
                                       name=f"statuswatch{where or '-all'}")
             thread.start()
             self._threads.append(thread)
+
+    def wait_open(self, timeout_s: float) -> bool:
+        """Block until every scope's watch has been opened once (its first LIST done).
+
+        Start the watch well before the change it is to time: a LIST of hundreds of services
+        can take tens of seconds on a loaded API server, and changes made meanwhile would be
+        stamped when the LIST or the watch's replay delivers them, not when they happened.
+        """
+        deadline = time.monotonic() + timeout_s
+        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._open.values())
 
     def stop(self) -> None:
         self._stop.set()  # the threads are daemons blocked on a read: they end with the process
@@ -110,6 +121,7 @@ class StatusWatch:
         if self.rest.token:
             request.add_header("Authorization", f"Bearer {self.rest.token}")
         with urllib.request.urlopen(request, context=self.rest.context, timeout=600) as stream:
+            self._open[where].set()
             for line in stream:
                 if self._stop.is_set():
                     return
