@@ -302,6 +302,20 @@ class OrderingQueue:
     request's priority inside vLLM, so displacing means abort and resume as a
     continuation (digest §2.8 (a)).
 
+    Lazy keys (``lazy_keys``, default on): a request pushed into an empty
+    queue is held as the *lone* request, unkeyed: a key only orders it against
+    others, so its prediction and key wait until the next ``push`` (which keys
+    it first, so ties keep the eager order), ``reorder_victim`` or
+    :meth:`settle`. Taken while still lone it costs nothing, and for a
+    preemptive ordering its running view is built when first needed
+    (``progressed``, ``reorder_victim``, ``settle``). The order is exactly the
+    eager one because nothing the key depends on may change meanwhile: the
+    fallback's refresh is checked at push as before, a lone request carrying
+    a vector is predicted at push (the sidecar's predictor hands over a
+    sample prepared for that vector, which must not linger), and the
+    dispatcher calls :meth:`settle` before it feeds the predictor a finished
+    request (a later prediction would see a longer history).
+
     Every view carries the predictor's global distribution (``prior_sample``,
     when the predictor has one) as the fallback of the outliving rule: a
     request that ran past every length of its sample is ranked on the global
@@ -318,6 +332,7 @@ class OrderingQueue:
         *,
         fallback_samples: int = 256,
         fallback_refresh_every: int = 64,
+        lazy_keys: bool = True,
     ) -> None:
         if fallback_samples < 0 or fallback_refresh_every < 1:
             raise ValueError("fallback_samples must be >= 0, fallback_refresh_every >= 1")
@@ -329,6 +344,11 @@ class OrderingQueue:
         self._preemptions: dict[str, int] = {}
         self._samples: dict[str, npt.NDArray[np.float64]] = {}
         self._running: dict[str, tuple[RequestView, float]] = {}
+        self._lazy = lazy_keys
+        # Invariant: while ``_lone`` is set, ``_q`` is empty (the lone request is the queue).
+        self._lone: Incoming | None = None
+        # Taken while lone by a preemptive ordering, no running view yet: id -> tokens at take.
+        self._unviewed: dict[str, int] = {}
         self._fb_k = fallback_samples
         self._fb_every = fallback_refresh_every
         self._fb_sampler = predictor if isinstance(predictor, PriorSampler) else None
@@ -352,7 +372,7 @@ class OrderingQueue:
         """A request finished and was fed to the predictor: the fallback may be stale."""
         self._observed += 1
 
-    def _view(self, req: Incoming, generated: int, keyed_at: int = -1) -> RequestView:
+    def _sample(self, req: Incoming) -> npt.NDArray[np.float64]:
         rid = req.request_id
         sample = self._samples.get(rid)
         if sample is None:
@@ -360,30 +380,75 @@ class OrderingQueue:
                 np.asarray(self._predictor.predict(req.vector, req.prompt_tokens), np.float64)
             )
             self._samples[rid] = sample
+        return sample
+
+    def _view(self, req: Incoming, generated: int, keyed_at: int = -1) -> RequestView:
+        rid = req.request_id
         return RequestView(
             request_id=rid,
             arrival_s=req.arrival_s,
             input_tokens=req.prompt_tokens,
-            lengths=sample,
+            lengths=self._sample(req),
             generated_tokens=generated,
             fallback=self.fallback,
             keyed_at_tokens=keyed_at,
             preemptions=self._preemptions.get(rid, 0),
         )
 
+    def _key_lone(self) -> None:
+        """Key the lone request into the heap (it is no longer alone, or a key is asked for)."""
+        lone = self._lone
+        if lone is not None:
+            self._lone = None
+            rid = lone.request_id
+            self._q.push(rid, self.ordering.key(self._view(lone, self._generated.get(rid, 0))))
+
+    def _view_unviewed(self) -> None:
+        """Build the running views of the requests taken while lone (preemptive orderings)."""
+        if self._unviewed:
+            pending, self._unviewed = self._unviewed, {}
+            for rid, g in pending.items():
+                view = self._view(self._held[rid], g, g)
+                self._running[rid] = (view, self.ordering.key(view))
+
+    def settle(self) -> None:
+        """Compute every deferred prediction and key now (before the predictor learns more)."""
+        self._key_lone()
+        self._view_unviewed()
+
     def push(self, request: Incoming) -> None:
         rid = request.request_id
         self._held[rid] = request
         self._running.pop(rid, None)
+        self._unviewed.pop(rid, None)
+        lone = self._lone
+        if lone is not None and lone.request_id == rid:
+            self._lone = request  # pushed again while lone: still alone, still unkeyed
+            return
+        if self._lazy and lone is None and not len(self._q):
+            self.fallback  # noqa: B018  (the refresh check eager keying would make here)
+            if request.vector is not None:
+                self._sample(request)
+            self._lone = request
+            return
+        self._key_lone()
         view = self._view(request, self._generated.get(rid, 0))
         self._q.push(rid, self.ordering.key(view))
 
     def head(self, n: int, now_s: float) -> list[str]:
+        if self._lone is not None:
+            return [self._lone.request_id] if n > 0 else []
         if n == 1 and len(self._q):
             return [self._q.peek()[0]]
         return [rid for rid, _ in self._q.smallest(n)]
 
     def take(self, request_id: str, now_s: float) -> None:
+        lone = self._lone
+        if lone is not None and lone.request_id == request_id:
+            self._lone = None
+            if self.ordering.preemptive:
+                self._unviewed[request_id] = self._generated.get(request_id, 0)
+            return
         self._q.remove(request_id)
         if self.ordering.preemptive:
             req = self._held[request_id]
@@ -392,21 +457,29 @@ class OrderingQueue:
             self._running[request_id] = (view, self.ordering.key(view))
 
     def remove(self, request_id: str) -> None:
-        if request_id in self._q:
-            self._q.remove(request_id)
         self.forget(request_id)
 
     def forget(self, request_id: str) -> None:
-        """The request left for good."""
+        """The request left for good (queued or not)."""
+        lone = self._lone
+        if lone is not None and lone.request_id == request_id:
+            self._lone = None
+        elif request_id in self._q:
+            self._q.remove(request_id)
         self._held.pop(request_id, None)
         self._generated.pop(request_id, None)
         self._preemptions.pop(request_id, None)
         self._samples.pop(request_id, None)
         self._running.pop(request_id, None)
+        self._unviewed.pop(request_id, None)
 
     def progressed(self, request_id: str, generated_total: int) -> None:
         """Output tokens produced so far (all submissions); re-keys at bucket boundaries."""
         self._generated[request_id] = generated_total
+        g0 = self._unviewed.pop(request_id, None)
+        if g0 is not None:
+            view0 = self._view(self._held[request_id], g0, g0)
+            self._running[request_id] = (view0, self.ordering.key(view0))
         cur = self._running.get(request_id)
         if cur is None:
             return
@@ -426,21 +499,27 @@ class OrderingQueue:
             self._running[request_id] = (fresh, self.ordering.key(fresh))
 
     def set_ordering(self, ordering: Ordering) -> None:
-        """Switch orderings at run time: held and in-flight requests are re-keyed."""
+        """Switch orderings at run time: held and in-flight requests are re-keyed.
+
+        A lone request and running views not built yet stay deferred: they are
+        keyed with the ordering in force when first needed.
+        """
         self.ordering = ordering
         for rid, req in self._held.items():
             if rid in self._q:
                 self._q.push(rid, ordering.key(self._view(req, self._generated.get(rid, 0))))
         if not ordering.preemptive:
             self._running.clear()
+            self._unviewed.clear()
             return
         for rid, (view, _) in list(self._running.items()):
             self._running[rid] = (view, ordering.key(view))
 
     def reorder_victim(self) -> str | None:
         """An in-flight request the best waiting one may displace, if the ordering allows."""
-        if not self.ordering.preemptive or not self._running or not len(self._q):
+        if not self.ordering.preemptive or not (self._running or self._unviewed) or not len(self):
             return None
+        self.settle()
         _, best = self._q.peek()
         rid, (view, key) = max(self._running.items(), key=lambda kv: kv[1][1])
         if self.ordering.may_preempt(best, view, key):
@@ -449,7 +528,7 @@ class OrderingQueue:
         return None
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._q) + (self._lone is not None)
 
 
 @dataclass(slots=True)
@@ -498,10 +577,13 @@ class Dispatcher:
         self._n_inflight = {RequestClass.ONLINE: 0, RequestClass.OFFLINE: 0}
         # Running sums of the requests in flight and not being aborted (the planner's
         # input, kept incrementally): count and sum of prompt + generated per class,
-        # and those still in prefill (no token yet on this submission), in order.
+        # and those still in prefill (no token yet on this submission), in order, each
+        # with its planner view built once at submission (it cannot change before the
+        # first token), valid for the (chunk, online, offline priority) in ``_pf_stamp``.
         self._n_live = {RequestClass.ONLINE: 0, RequestClass.OFFLINE: 0}
         self._ctx_sum = {RequestClass.ONLINE: 0, RequestClass.OFFLINE: 0}
-        self._prefilling: dict[str, _Rec] = {}
+        self._prefilling: dict[str, RunningRequest] = {}
+        self._pf_stamp = self._view_stamp()
         self._dirty = True
         self._bs = self.limits.block_size
         # KV estimate: prompt blocks in flight counted once per distinct hash
@@ -553,6 +635,9 @@ class Dispatcher:
         self._forget(rec)
         self._finished += 1
         if self.length_predictor is not None and rec.cls is RequestClass.ONLINE:
+            if isinstance(self.online_queue, OrderingQueue):
+                # Deferred keys first: they must see the history the eager ones saw.
+                self.online_queue.settle()
             self.length_predictor.observe(rec.incoming.vector, rec.prompt_tokens, rec.generated)
             if isinstance(self.online_queue, OrderingQueue):
                 self.online_queue.observed()
@@ -739,11 +824,19 @@ class Dispatcher:
             chunk = lim.long_prefill_token_threshold
         return chunk
 
+    def _view_stamp(self) -> tuple[int, int, int]:
+        """What a prefilling request's planner view depends on besides the request."""
+        return self._chunk(), self.config.online_priority, self.config.offline_priority
+
     def _in_flight_sums(self) -> InFlight:
         """The planner's view of what is in flight, from the running sums (O(in prefill))."""
-        on_p, off_p = self.config.online_priority, self.config.offline_priority
-        chunk = self._chunk()
-        prefilling = [self._running(rec, chunk, on_p, off_p) for rec in self._prefilling.values()]
+        stamp = self._view_stamp()
+        chunk, on_p, off_p = stamp
+        if stamp != self._pf_stamp:  # limits or config replaced: rebuild the cached views
+            self._pf_stamp = stamp
+            for rid in self._prefilling:
+                self._prefilling[rid] = self._running(self._recs[rid], chunk, on_p, off_p)
+        prefilling = list(self._prefilling.values())
         on, off = RequestClass.ONLINE, RequestClass.OFFLINE
 
         def offline() -> Iterator[RunningRequest]:
@@ -845,7 +938,8 @@ class Dispatcher:
         self._n_inflight[rec.cls] += 1
         self._n_live[rec.cls] += 1
         self._ctx_sum[rec.cls] += rec.prompt_tokens + rec.generated
-        self._prefilling[rec.request_id] = rec
+        # rec.cached is set: the view is final until the first token (or an abort).
+        self._prefilling[rec.request_id] = self._running(rec, *self._pf_stamp)
         refs = self._block_refs
         for h in rec.incoming.block_hashes:
             refs[h] = refs.get(h, 0) + 1

@@ -414,3 +414,22 @@ def test_incremental_in_flight_sums_match_a_full_rebuild(ops: list[tuple[int, in
         a = planner.plan_in_flight(fast, online_queue=on_q, offline_queue=off_q, **kw)
         b = planner.plan_in_flight(full, online_queue=on_q, offline_queue=off_q, **kw)
         assert a == b
+
+
+def test_cached_prefill_views_follow_a_replaced_limit_or_priority() -> None:
+    # A prefilling request's planner view is built once at submission; a chunk
+    # limit or priority replaced later must still show in the next plan's input.
+    lim = EngineLimits(max_num_seqs=8, long_prefill_token_threshold=64)
+    planner = build_planner("budget", latency_model=_context_model(), mode=PlannerMode.ADMISSION)
+    d = Dispatcher(DispatcherConfig(), planner, limits=lim, kv_blocks=10_000, budget_s=1.0)
+    for k, cls in enumerate((ON, OFF, ON)):
+        d.arrive(_inc(f"r{k}", cls, prompt=300 + 100 * k), 0.0)
+    assert len(d.decide(0.0).submit) == 3
+    before = list(d._in_flight_sums().prefilling)
+    assert before == list(InFlight.of(tuple(d._running_view())).prefilling)
+    d.limits = EngineLimits(max_num_seqs=8, long_prefill_token_threshold=128)
+    d.config = DispatcherConfig(offline_priority=50)
+    after = list(d._in_flight_sums().prefilling)
+    assert after == list(InFlight.of(tuple(d._running_view())).prefilling)
+    assert [r.computed_tokens for r in after] == [r.computed_tokens - 64 for r in before]
+    assert {r.priority for r in after} == {0, 50}
