@@ -46,6 +46,9 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--offline-priority": ("offline_priority", int, "vLLM priority of offline requests"),
     "--online-prompt-tokens": ("online_prompt_tokens", str, "tokenize | estimate"),
     "--length-predictor": ("length_predictor", str, "text (default) | semantic | input"),
+    "--sync-prefill-limit": (
+        "sync_prefill_limit", int, "grant online arrivals at once while at most this many "
+        "granted requests await their first token (default 16; 0: never)"),
 }
 
 

@@ -110,7 +110,12 @@ class Sidecar:
             metrics=self.metrics,
         )
         self.dispatcher = build_dispatcher(settings, self.brain, self.lengths)
-        self.controller = Controller(self.dispatcher, self.metrics, tick_s=settings.tick_s)
+        self.controller = Controller(
+            self.dispatcher,
+            self.metrics,
+            tick_s=settings.tick_s,
+            sync_prefill_limit=settings.sync_prefill_limit,
+        )
         self.controller.latency_model = self.brain.latency_model
         self.proxy_state = ProxyState()
         self.proxy = Proxy(

@@ -110,6 +110,14 @@ class SidecarSettings(BaseSettings):
     tick_s: float = Field(
         default=0.005, gt=0, description="Period of the dispatcher's time-driven decide (s)."
     )
+    sync_prefill_limit: int = Field(
+        default=16,
+        ge=0,
+        description="An online arrival that fits is granted inside its own registration (no "
+        "wait for the event loop's next turn) only while at most this many granted requests "
+        "await their first token (requests); each such decision costs the core O(requests in "
+        "prefill). 0: every grant waits for the coalesced decision. Default 16.",
+    )
     status_interval_s: float = Field(
         default=1.0, gt=0, description="Default WatchStatus period (s)."
     )

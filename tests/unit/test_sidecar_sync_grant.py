@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from pydantic import ValidationError
 
 from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.types import RequestClass
+from slipstream_sidecar import __main__ as sidecar_main
+from slipstream_sidecar.app import Sidecar
 from slipstream_sidecar.brain import BrainConfig, build_dispatcher
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
@@ -163,3 +168,21 @@ async def test_an_arrival_decided_at_once_preempts_offline_work_in_that_decision
     assert victim.aborting and ctl.preempted_total["offline"] == 1
     ctl.aborted(victim)
     assert ctl.held["offline"] == 1 and ctl.in_flight == {"online": 1, "offline": 1}
+
+
+async def test_the_sync_prefill_limit_setting_reaches_the_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = argparse.ArgumentParser()
+    sidecar_main.add_arguments(parser)
+    assert parser.parse_args(["--sync-prefill-limit", "5"]).sync_prefill_limit == 5
+    with pytest.raises(ValidationError):
+        SidecarSettings(sync_prefill_limit=-1)
+    monkeypatch.setenv("SLIPSTREAM_SIDECAR_SYNC_PREFILL_LIMIT", "0")
+    sc = Sidecar(SidecarSettings(state_dir=tmp_path))
+    assert sc.controller.sync_prefill_limit == 0
+    ticket = sc.controller.register(_on("a"), grant_now=True)  # 0: never decided at once
+    assert not ticket._fut.done() and sc.controller.sync_grants == 0
+    await asyncio.sleep(0)  # the coalesced pump grants it
+    assert ticket._fut.done()
+    sc.lengths.close()
