@@ -21,7 +21,8 @@ the plan depends on changed (an arrival, a finish, a first token, an abort,
 a budget change) and there is something to admit; token progress alone only
 updates the running estimate. One plan per call at most. The estimate is
 kept incrementally (per class: requests in flight and the sum of their
-prompt + generated tokens; the requests still in prefill, in order), so a
+prompt + generated tokens; the requests still in prefill, in order, with
+their planner views built once at submission), so a
 plan costs O(queue lookahead + requests in prefill) with a
 :class:`~slipstream_scheduler.planner.TwoPhasePlanner` in ADMISSION mode;
 the in-flight offline requests are listed only when something must be
@@ -302,7 +303,7 @@ class OrderingQueue:
     request's priority inside vLLM, so displacing means abort and resume as a
     continuation (digest §2.8 (a)).
 
-    Lazy keys (``lazy_keys``, default on): a request pushed into an empty
+    Lazy keys (attribute ``lazy_keys``, default True): a request pushed into an empty
     queue is held as the *lone* request, unkeyed: a key only orders it against
     others, so its prediction and key wait until the next ``push`` (which keys
     it first, so ties keep the eager order), ``reorder_victim`` or
@@ -332,7 +333,6 @@ class OrderingQueue:
         *,
         fallback_samples: int = 256,
         fallback_refresh_every: int = 64,
-        lazy_keys: bool = True,
     ) -> None:
         if fallback_samples < 0 or fallback_refresh_every < 1:
             raise ValueError("fallback_samples must be >= 0, fallback_refresh_every >= 1")
@@ -344,7 +344,9 @@ class OrderingQueue:
         self._preemptions: dict[str, int] = {}
         self._samples: dict[str, npt.NDArray[np.float64]] = {}
         self._running: dict[str, tuple[RequestView, float]] = {}
-        self._lazy = lazy_keys
+        # False: key every request on push, as before lazy keys (set before the first push;
+        # tests and benchmarks compare against it).
+        self.lazy_keys = True
         # Invariant: while ``_lone`` is set, ``_q`` is empty (the lone request is the queue).
         self._lone: Incoming | None = None
         # Taken while lone by a preemptive ordering, no running view yet: id -> tokens at take.
@@ -425,7 +427,7 @@ class OrderingQueue:
         if lone is not None and lone.request_id == rid:
             self._lone = request  # pushed again while lone: still alone, still unkeyed
             return
-        if self._lazy and lone is None and not len(self._q):
+        if self.lazy_keys and lone is None and not len(self._q):
             self.fallback  # noqa: B018  (the refresh check eager keying would make here)
             if request.vector is not None:
                 self._sample(request)

@@ -15,12 +15,14 @@ offline request to abort to make room. This module only feeds it events on
   the rest (``docs/benchmarks/sidecar.md``). It is the dispatcher's own
   ``decide``, so what it submits and in which order is what the coalesced
   pump would decide; only its timing moves. Each such decision costs the core
-  O(requests in prefill), so it is taken only while at most
-  ``sync_prefill_limit`` granted requests still await their first token
-  (16: measured at 8 and 32 on a loaded 2-core host, 32 cost about 0.3 ms
-  more sidecar CPU per request than 8 at 64 streams; past about 20-30 in
-  prefill one more decision delays the rest of a burst by more than it saves
-  its own request); beyond that, arrivals are coalesced as below;
+  O(requests in prefill) (a list of views cached at submission; the lone
+  arrival itself is neither predicted nor keyed), so it is taken only while at
+  most ``sync_prefill_limit`` (the sidecar setting) granted requests still
+  await their first token (16: measured at 8 and 32 on a loaded 2-core host,
+  before the views were cached, 32 cost about 0.3 ms more sidecar CPU per
+  request than 8 at 64 streams; past about 20-30 in prefill one more decision
+  delayed the rest of a burst by more than it saved its own request; not
+  re-measured end to end since); beyond that, arrivals are coalesced as below;
 * the streams report ``progress`` / ``finished`` / ``failed`` / ``aborted``;
 * after every event a *pump* runs ``decide`` once per event-loop turn
   (coalesced: a burst of arrivals in one turn is planned once), resolves the

@@ -166,10 +166,8 @@ def test_lazy_keys_give_the_eager_order(name: str, ops: list[tuple[int, int]]) -
     preds = [InputLengthHistoryPredictor() for _ in range(2)]
     for p in preds:
         p.observe(None, 100, 50)
-    queues = [
-        OrderingQueue(make_ordering(name), preds[0], fallback_refresh_every=4, lazy_keys=False),
-        OrderingQueue(make_ordering(name), preds[1], fallback_refresh_every=4),
-    ]
+    queues = [OrderingQueue(make_ordering(name), p, fallback_refresh_every=4) for p in preds]
+    queues[0].lazy_keys = False
     states: list[dict[str, Any]] = [
         {"n": 0, "queued": [], "running": [], "gen": {}} for _ in range(2)
     ]
@@ -200,11 +198,9 @@ def test_a_dispatcher_decides_the_same_with_lazy_keys(
         pred = InputLengthHistoryPredictor()
         pred.observe(None, 100, 50)
         queue = OrderingQueue(
-            make_ordering("gittins", {"max_preemptions": preempt}),
-            pred,
-            fallback_refresh_every=4,
-            lazy_keys=lazy,
+            make_ordering("gittins", {"max_preemptions": preempt}), pred, fallback_refresh_every=4
         )
+        queue.lazy_keys = lazy
         planner = build_planner("naive", mode=PlannerMode.ADMISSION)
         disps.append(
             Dispatcher(
@@ -245,3 +241,19 @@ def test_a_dispatcher_decides_the_same_with_lazy_keys(
         eager, lazy = (d.online_queue for d in disps)
         assert isinstance(eager, OrderingQueue) and isinstance(lazy, OrderingQueue)
         assert _keys(eager) == _keys(copy.deepcopy(lazy))
+
+
+def test_switching_orderings_keys_deferred_requests_with_the_new_one() -> None:
+    got = []
+    for lazy in (False, True):
+        pred = _fed(InputLengthHistoryPredictor())
+        q = OrderingQueue(make_ordering("gittins"), pred)
+        q.lazy_keys = lazy
+        q.push(_inc("run", 900))
+        q.take("run", 0.0)  # lazily: no running view yet
+        q.push(_inc("lone", 300, 1.0))  # lazily: unkeyed
+        q.set_ordering(make_ordering("trail", {"cost": "memory"}))
+        q.progressed("run", 250)
+        q.push(_inc("next", 60, 2.0))
+        got.append((q.head(3, 0.0), q.reorder_victim(), _keys(q)))
+    assert got[0] == got[1]

@@ -24,7 +24,11 @@ a warm-up), in microseconds. Inputs come from the real data in
 * ``trie_insert_us``/``trie_pop_us``: ``PsmQueue.push``/``pop`` with MMLU
   5-shot prompts (long shared prefixes);
 * ``plan_us``: one ``budget`` plan in ITERATION mode at 1,000 queued and 256
-  running requests from the Azure trace (also ADMISSION mode and ``naive``).
+  running requests from the Azure trace (also ADMISSION mode and ``naive``);
+* as extras, ``arrive_us_N_prefilling`` / ``decide_us_N_prefilling``: the
+  dispatcher's ``arrive`` and ``decide`` for one online arrival granted at once
+  (the sidecar's ``register``) with N requests awaiting their first token, and
+  their same-run baselines without lazy keys and without cached prefill views.
 
 Timings are printed and written (``--json``), never asserted. Deliberately
 left out: end-to-end scheduling quality (``bench colocation`` and friends).
@@ -113,6 +117,98 @@ def time_each_us(fns: Sequence[Callable[[], object]], *, rounds: int) -> float:
             fn()
         per_call.append((time.perf_counter_ns() - t0) / len(fns) / 1e3)
     return statistics.median(per_call)
+
+
+# ----------------------------------------------------------------------------- dispatcher
+
+
+def dispatch_costs(
+    model: LinearLatencyModel,
+    lengths: Sequence[tuple[int, int]],
+    *,
+    prefilling: int,
+    ordering: str = "gittins",
+    lazy_keys: bool = True,
+    rebuild_views: bool = False,
+    rounds: int,
+    inner: int,
+) -> tuple[float, float]:
+    """(``arrive``, ``decide``) µs of one online arrival granted at once, as the sidecar's
+    ``register`` does, with ``prefilling`` granted requests awaiting their first token.
+
+    The dispatcher is the sidecar's: the budget planner in ADMISSION mode, the
+    online queue in the ordering without displacement, its length predictor the
+    input-length history filled from the Azure trace. Each arrival is granted
+    by the ``decide`` and then taken out (``failed``, not timed), so every
+    sample sees the same state. Baselines for the same run: ``lazy_keys=False``
+    keys the lone arrival on push (the queue before lazy keys),
+    ``rebuild_views=True`` rebuilds every prefilling request's planner view per
+    ``decide`` (the dispatcher before it cached them).
+    """
+    from slipstream_scheduler.dispatcher import (
+        Dispatcher,
+        DispatcherConfig,
+        Incoming,
+        OrderingQueue,
+    )
+    from slipstream_scheduler.lengths import InputLengthHistoryPredictor
+    from slipstream_scheduler.ordering import make_ordering
+
+    predictor = InputLengthHistoryPredictor()
+    for p, o in lengths[:10_000]:
+        predictor.observe(None, p, o)
+    params: dict[str, object] = {} if ordering == "fcfs" else {"max_preemptions": 0}
+    queue = OrderingQueue(make_ordering(ordering, params), predictor)
+    queue.lazy_keys = lazy_keys
+    d = Dispatcher(
+        DispatcherConfig(),
+        build_planner("budget", latency_model=model, mode=PlannerMode.ADMISSION),
+        online_queue=queue,
+        length_predictor=predictor,
+        limits=EngineLimits(max_num_seqs=prefilling + 8),
+        budget_s=1.0,
+    )
+    on = RequestClass.ONLINE
+    for k in range(prefilling):
+        p, o = lengths[k % len(lengths)]
+        d.arrive(Incoming(f"p{k}", on, p, o, 0.0), 0.0)
+    while d.decide(0.0):
+        pass
+    serial = iter(range(1 << 62))
+    arrive_ns: list[int] = []
+    decide_ns: list[int] = []
+
+    def one() -> None:
+        k = next(serial)
+        p, o = lengths[k % len(lengths)]
+        rid = f"a{k}"
+        if rebuild_views:
+            d._pf_stamp = (-1, -1, -1)  # stale: the next plan rebuilds every view
+        t0 = time.perf_counter_ns()
+        d.arrive(Incoming(rid, on, p, o, 1.0), 1.0)
+        t1 = time.perf_counter_ns()
+        dec = d.decide(1.0)
+        t2 = time.perf_counter_ns()
+        if len(dec.submit) != 1:
+            raise RuntimeError("the bench arrival was not granted at once")
+        d.failed(rid, 1.0)
+        d.decide(1.0)  # the exit is planned too (nothing to admit: no plan)
+        arrive_ns.append(t1 - t0)
+        decide_ns.append(t2 - t1)
+
+    for _ in range(50):
+        one()
+    arrive_ns.clear()
+    decide_ns.clear()
+    arrive_us, decide_us = [], []
+    for _ in range(rounds):
+        for _ in range(inner):
+            one()
+        arrive_us.append(sum(arrive_ns) / len(arrive_ns) / 1e3)
+        decide_us.append(sum(decide_ns) / len(decide_ns) / 1e3)
+        arrive_ns.clear()
+        decide_ns.clear()
+    return statistics.median(arrive_us), statistics.median(decide_us)
 
 
 # ----------------------------------------------------------------------------- data
@@ -394,6 +490,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     extra["plan_scheduled"] = float(len(plan.scheduled))
     extra["plan_admitted"] = float(len(plan.admitted))
     extra["plan_predicted_over_budget"] = plan.predicted_step_s / (snap_b.budget_s or 1.0)
+
+    # -- one online arrival granted at once (the sidecar's register), N in prefill
+    for n in (0, 16, 64):
+        cost = partial(dispatch_costs, model, lengths, prefilling=n, rounds=rounds, inner=inner)
+        arrive, decide = cost()
+        extra[f"arrive_us_{n}_prefilling"], extra[f"decide_us_{n}_prefilling"] = arrive, decide
+        eager, _ = cost(lazy_keys=False)
+        _, rebuild = cost(rebuild_views=True)
+        extra[f"arrive_eager_keys_us_{n}_prefilling"] = eager
+        extra[f"decide_rebuilt_views_us_{n}_prefilling"] = rebuild
+        ratios[f"arrive_lazy_vs_eager_keys_{n}_prefilling"] = arrive / eager
+        ratios[f"decide_cached_vs_rebuilt_views_{n}_prefilling"] = decide / rebuild
+    extra["arrive_fcfs_us_0_prefilling"], _ = dispatch_costs(
+        model, lengths, prefilling=0, ordering="fcfs", rounds=rounds, inner=inner
+    )
 
     # -- length prediction, embedding, Gittins (another engineer's modules)
     pairs = alpaca_prompts(root)
