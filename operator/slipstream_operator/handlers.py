@@ -550,6 +550,7 @@ class Handlers:
         roots = tuple(self.settings.storage_roots)
         settings = JobSettings(max_shards_per_pod=self.settings.max_shards_per_pod,
                                stall_timeout_s=self.settings.stall_timeout_s,
+                               preempt_after_s=self.settings.preempt_after_s,
                                storage_roots=roots)
         if storage_scope_error(spec, namespace, roots):
             # Refused before planning: nothing is read or staged for this job.

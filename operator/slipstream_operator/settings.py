@@ -68,6 +68,14 @@ class OperatorSettings(BaseSettings):
         gt=0,
         description="Seconds without progress before a shard moves. Default: 120.",
     )
+    preempt_after_s: float = Field(
+        default=30.0,
+        ge=0,
+        description=(
+            "Seconds an OfflineJob finds no free shard slot before it preempts jobs of lower "
+            "priority; restarted whenever more ready pods appear. Default: 30."
+        ),
+    )
     prefix_chars: int = Field(
         default=256,
         ge=1,

@@ -80,3 +80,14 @@ def test_kopf_scanning_is_off_only_in_namespaced_mode(clusterwide: bool) -> None
     settings = kopf.OperatorSettings()
     configure_kopf(settings, clusterwide=clusterwide)
     assert settings.scanning.disabled is (not clusterwide)
+
+
+def test_preempt_after_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_from_args(parser.parse_args([])).preempt_after_s == 30.0
+    monkeypatch.setenv("SLIPSTREAM_OPERATOR_PREEMPT_AFTER_S", "5")
+    assert settings_from_args(parser.parse_args([])).preempt_after_s == 5.0
+    monkeypatch.setenv("SLIPSTREAM_OPERATOR_PREEMPT_AFTER_S", "-1")
+    with pytest.raises(ValueError, match="preempt_after_s"):
+        settings_from_args(parser.parse_args([]))
