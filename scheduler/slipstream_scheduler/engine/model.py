@@ -453,6 +453,29 @@ class EngineModel:
             fifo.popleft()
         return fifo[0] if fifo else None
 
+    def _start(self, r: _Req, hit_keys: list[Hashable], need: int, num_tokens: int) -> None:
+        """Move a waiting request into the running batch: reuse its prefix-cache
+        hit (``hit_keys``), take ``need`` fresh blocks, count its cache use. The
+        caller has taken it off the waiting queue and checked the blocks fit."""
+        pool = self.pool
+        pool.touch(hit_keys)
+        pool.take(need)
+        hit = len(hit_keys) * self._bs
+        r.blocks = [*hit_keys, *([None] * need)]
+        r.nreg = len(hit_keys)
+        r.computed = hit
+        if self._cache:
+            self._q_tokens += num_tokens
+            self._hit_tokens += hit
+        if r.first_admit:
+            self._prompt_tokens += r.prompt
+            r.first_admit = False
+        r.state = RequestState.RUNNING
+        r.adm = self._adm
+        self._adm += 1
+        self._running.append(r)
+        self._prefilling.append(r)
+
     def _pop_waiting(self) -> None:
         self._n_waiting -= 1
         if self._prio:
@@ -605,22 +628,7 @@ class EngineModel:
             if need > pool.free - evictable:
                 break
             self._pop_waiting()
-            pool.touch(hit_keys)
-            pool.take(need)
-            r.blocks = [*hit_keys, *([None] * need)]
-            r.nreg = len(hit_keys)
-            r.computed = hit
-            if self._cache:
-                self._q_tokens += num_tokens
-                self._hit_tokens += hit
-            if r.first_admit:
-                self._prompt_tokens += r.prompt
-                r.first_admit = False
-            r.state = RequestState.RUNNING
-            r.adm = self._adm
-            self._adm += 1
-            self._running.append(r)
-            self._prefilling.append(r)
+            self._start(r, hit_keys, need, num_tokens)
             out.append((r, n))
             budget -= n
         return budget

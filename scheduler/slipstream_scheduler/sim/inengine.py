@@ -293,20 +293,5 @@ class PlannedEngine(EngineModel):
             if need > pool.free - evictable:
                 continue
             self._n_waiting -= 1  # its heap entry is dropped lazily
-            pool.touch(hit_keys)
-            pool.take(need)
-            r.blocks = [*hit_keys, *([None] * need)]
-            r.nreg = len(hit_keys)
-            r.computed = hit
-            if self._cache:
-                self._q_tokens += num_tokens
-                self._hit_tokens += hit
-            if r.first_admit:
-                self._prompt_tokens += r.prompt
-                r.first_admit = False
-            r.state = RequestState.RUNNING
-            r.adm = self._adm
-            self._adm += 1
-            self._running.append(r)
-            self._prefilling.append(r)
+            self._start(r, hit_keys, need, num_tokens)
             chunks.append((r, n))
