@@ -498,6 +498,9 @@ class ShardRunner:
     ) -> tuple[_Outcome, int, bytes]:
         if ticket.aborting:
             return _Outcome.ABORTED, 0, b""
+        if _used_up(asm, max_tokens):  # nothing left to ask for (see below)
+            asm.finish_reason = asm.finish_reason or "length"
+            return _Outcome.DONE, 200, b""
         data = self._segment_body(req, asm, max_tokens, priority)
         path = req.url
         try:
@@ -535,11 +538,16 @@ class ShardRunner:
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ValueError):
                 if not ticket.aborting:
                     log.warning("%s: engine stream broke", ticket.request_id)
+            if finished or asm.finish_reason is not None or _used_up(asm, max_tokens):
+                # Every token it may have arrived; only the finish chunk or [DONE] may be
+                # missing (the stream closed for a preemption or broke after the last token).
+                # A continuation would ask for max_tokens 0, which vLLM rejects with a 400.
+                if asm.finish_reason is None:
+                    asm.finish_reason = "length"
+                complete = finished
+                return _Outcome.DONE, 200, b""
             if ticket.aborting:
                 return _Outcome.ABORTED, 0, b""
-            if finished or asm.finish_reason is not None:
-                complete = True
-                return _Outcome.DONE, 200, b""
             return _Outcome.ENGINE_DOWN, 0, b""
         finally:
             ticket.on_abort(None)
@@ -548,3 +556,8 @@ class ShardRunner:
                 resp.release()
             else:
                 resp.close()  # the engine aborts the request when its connection drops
+
+
+def _used_up(asm: Assembly, max_tokens: int) -> bool:
+    """All ``max_tokens`` output tokens were received, over every segment so far."""
+    return asm.tokens >= max_tokens
