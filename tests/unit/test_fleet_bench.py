@@ -49,3 +49,29 @@ def test_baseline_rows_are_shown_but_never_the_headline() -> None:
     assert "| operator | nodes |" in table
     assert "| before | 500 | 250 |" in table and "| after | 100 | 50 |" in table
     assert "| operator" not in markdown(summary([_scale(100)], None))
+
+
+def test_lags_are_reported_per_bump_and_overall() -> None:
+    from slipstream_cli.fleet.clusterrun import BumpLags, FleetResult, Phase
+    from slipstream_cli.fleet.workload import plan_for_nodes
+
+    first = BumpLags(1, tuple(float(x) for x in range(1, 101)))  # 1..100 s
+    second = BumpLags(2, (2.0,) * 99 + (120.0,), timeouts=1)
+    phase = Phase(1.0, 0.5, 10.0, 20.0)
+    result = FleetResult(
+        plan=plan_for_nodes(25), interval_s=5.0, pods_running_s=1.0, services_ready_s=1.0,
+        shards_placed_s=1.0, ready_s=1.0,
+        status_lags_s=first.lags_s + second.lags_s, lag_timeouts=1, ramp=phase, steady=phase,
+        operator_rss_mb=1.0, operator_hwm_mb=1.0, bumps=(first, second),
+    ).to_dict()
+    # The overall keys keep their meaning: over all 200 lags.
+    assert result["status_lag_samples"] == 200 and result["status_lag_max_s"] == 120.0
+    assert result["status_lag_p99_s"] == 100.0 and result["status_lag_timeouts"] == 1
+    one, two = result["status_lag_bumps"]
+    assert (one["bump"], one["p50_s"], one["p99_s"], one["max_s"]) == (1, 51.0, 100.0, 100.0)
+    assert (two["p50_s"], two["p99_s"], two["max_s"], two["timeouts"]) == (2.0, 120.0, 120.0, 1)
+    row = dict(_scale(25), status_lag_bumps=[one, two])
+    table = markdown(summary([row], None))
+    assert "| nodes | bump | services seen | timeouts | lag p50 s |" in table
+    assert "| 25 | 1 | 100 | 0 | 51.0 | 100.0 | 100.0 |" in table
+    assert "| 25 | 2 | 100 | 1 | 2.0 | 120.0 | 120.0 |" in table

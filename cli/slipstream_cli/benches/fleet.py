@@ -249,6 +249,15 @@ def markdown(result: dict[str, Any]) -> str:
             f"{s['pods_running_s']} | {s['ready_s']} | {s['status_lag_p50_s']} | "
             f"{s['status_lag_p99_s']} | {s['operator_cpu_cores']} | {s['ramp']['cpu_cores']} | "
             f"{s['operator_rss_mb']} | {s['api_rps']} | {s['ramp']['api_rps']} |")
+    per_bump = [(s, b) for s in result["scales"] if s.get("ok")
+                 for b in s.get("status_lag_bumps") or ()]
+    if per_bump:
+        lines += ["", ("| operator " if labelled else "")
+                  + "| nodes | bump | services seen | timeouts | lag p50 s | lag p99 s | "
+                  "lag max s |", "|" + "---|" * (8 if labelled else 7)]
+        lines += [(f"| {s.get('operator') or ''} " if labelled else "")
+                  + f"| {s['nodes']} | {b['bump']} | {b['samples']} | {b['timeouts']} | "
+                  f"{b['p50_s']} | {b['p99_s']} | {b['max_s']} |" for s, b in per_bump]
     sim = result.get("sim")
     if sim:
         lines += ["", "| engines | requests | shards | decision µs/request | decision ms total |",

@@ -18,7 +18,9 @@ Steps (:class:`FleetRun`):
    lag is the time from the bump to the bench seeing it. The default probe
    (``lag_probe="watch"``, :mod:`.statuswatch`) stamps each status change as its
    watch event arrives; ``"list"`` polls LIST as earlier runs did, which adds up
-   to one LIST period (seconds at 500 services) to every lag.
+   to one LIST period (seconds at 500 services) to every lag. The lags are kept
+   per bump (:class:`BumpLags`): the first bump changes every service's budget at
+   once, and its cost would otherwise hide in one p99 with the steady-state bumps.
 5. The operator's CPU (``/proc/<pid>/stat`` utime+stime), RSS (``VmRSS``,
    ``VmHWM``) and API requests per second, over the ramp (apply to ready) and
    over the steady state (the bumps).
@@ -39,7 +41,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -128,6 +130,35 @@ class Phase:
                      round((api_b[0] - api_a[0]) / span, 1), round((api_b[1] - api_a[1]) / span, 1))
 
 
+def _p99(values: Sequence[float]) -> float | None:
+    """The bench's p99: the value at index int(0.99 n) of the sorted values (None if none)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+@dataclass(frozen=True, slots=True)
+class BumpLags:
+    """The status lags of one bump (seconds, one per service), in bump order."""
+
+    bump: int  # 1-based
+    lags_s: tuple[float, ...]
+    timeouts: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        lags = sorted(self.lags_s)
+        p99 = _p99(lags)
+        return {
+            "bump": self.bump,
+            "samples": len(lags),
+            "timeouts": self.timeouts,
+            "p50_s": round(lags[len(lags) // 2], 2) if lags else None,
+            "p99_s": round(p99, 2) if p99 is not None else None,
+            "max_s": round(lags[-1], 2) if lags else None,
+        }
+
+
 @dataclass(frozen=True, slots=True)
 class FleetResult:
     """Everything one run measured (``to_dict`` gives the bench's JSON keys)."""
@@ -147,13 +178,13 @@ class FleetResult:
     standin: dict[str, int] = field(default_factory=dict)
     standin_cpu_cores: float = 0.0  # the stand-in's own CPU over the steady phase
     checks: dict[str, Any] = field(default_factory=dict)
+    # The same lags split by bump (status_lags_s is their concatenation), and each bump's
+    # count of services that never caught up (counted in the lags at lag_timeout_s).
+    bumps: tuple[BumpLags, ...] = ()
 
     @property
     def status_lag_p99_s(self) -> float | None:
-        if not self.status_lags_s:
-            return None
-        ordered = sorted(self.status_lags_s)
-        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return _p99(self.status_lags_s)
 
     def to_dict(self) -> dict[str, Any]:
         lags = sorted(self.status_lags_s)
@@ -178,6 +209,7 @@ class FleetResult:
             "steady": asdict(self.steady),
             "standin": self.standin,
             "standin_cpu_cores": self.standin_cpu_cores,
+            "status_lag_bumps": [b.to_dict() for b in self.bumps],
         }
 
 
@@ -432,13 +464,13 @@ class FleetRun:
                 return False
         return True
 
-    def _lags(self) -> tuple[list[float], int]:
-        """Bump the fake pods and time each service's status catching up."""
+    def _lags(self) -> list[BumpLags]:
+        """Bump the fake pods and time each service's status catching up, per bump."""
         if self.lag_probe == "watch":
             return self._watched_lags()
-        lags: list[float] = []
-        timeouts = 0
-        for _ in range(self.bumps):
+        out: list[BumpLags] = []
+        for bump in range(1, self.bumps + 1):
+            lags: list[float] = []
             time.sleep(self.bump_gap_s)
             answer = self._standin("POST", "/bump")
             bumped_at, number = float(answer["at"]), int(answer["bump"])
@@ -455,11 +487,11 @@ class FleetRun:
                         waiting.discard(key)
                         lags.append(seen_at - bumped_at)
                 time.sleep(0.25)
-            timeouts += len(waiting)
             lags.extend(self.lag_timeout_s for _ in waiting)
-        return lags, timeouts
+            out.append(BumpLags(bump, tuple(lags), len(waiting)))
+        return out
 
-    def _watched_lags(self) -> tuple[list[float], int]:
+    def _watched_lags(self) -> list[BumpLags]:
         """The same bumps, with each service's catch-up stamped by a status watch."""
         watch = self._watch
         if watch is None:
@@ -469,10 +501,10 @@ class FleetRun:
             raise FleetRunError("the status watch did not open", "status lag")
         keys = [f"{s['metadata']['namespace']}/{s['metadata']['name']}"
                 for s in service_manifests(self.plan, self.prefix)]
-        lags: list[float] = []
-        timeouts = 0
+        out: list[BumpLags] = []
         try:
-            for _ in range(self.bumps):
+            for bump in range(1, self.bumps + 1):
+                lags: list[float] = []
                 time.sleep(self.bump_gap_s)
                 answer = self._standin("POST", "/bump")
                 bumped_at, number = float(answer["at"]), int(answer["bump"])
@@ -486,12 +518,12 @@ class FleetRun:
                             waiting.discard(key)
                             lags.append(at - bumped_at)
                     time.sleep(0.1)
-                timeouts += len(waiting)
                 lags.extend(self.lag_timeout_s for _ in waiting)
+                out.append(BumpLags(bump, tuple(lags), len(waiting)))
         finally:
             watch.stop()
         logger.info("status watch: %d events, reopened %d times", watch.events, watch.reopened)
-        return lags, timeouts
+        return out
 
     # ------------------------------------------------------------------ the run
 
@@ -528,7 +560,7 @@ class FleetRun:
             p1, a1 = proc_sample(operator.pid), self._api_counts()
             assert self._standin_proc is not None
             s1 = proc_sample(self._standin_proc.pid)
-            lags, timeouts = self._lags()
+            bumps = self._lags()
             p2, a2 = proc_sample(operator.pid), self._api_counts()
             s2 = proc_sample(self._standin_proc.pid)
             checks = self._checks()
@@ -536,7 +568,8 @@ class FleetRun:
         return FleetResult(
             plan=self.plan, interval_s=self.interval_s, pods_running_s=running_s,
             services_ready_s=services_s, shards_placed_s=shards_s, ready_s=ready_s,
-            status_lags_s=tuple(lags), lag_timeouts=timeouts,
+            status_lags_s=tuple(lag for b in bumps for lag in b.lags_s),
+            lag_timeouts=sum(b.timeouts for b in bumps), bumps=tuple(bumps),
             ramp=Phase.between(p0, p1, a0, a1), steady=Phase.between(p1, p2, a1, a2),
             operator_rss_mb=p2.rss_mb, operator_hwm_mb=p2.hwm_mb, standin=standin,
             standin_cpu_cores=round((s2.cpu_s - s1.cpu_s) / max(s2.at_s - s1.at_s, 1e-9), 3),
