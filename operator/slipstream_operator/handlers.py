@@ -12,8 +12,10 @@ A tick:
   index, each running pod's Status (gRPC, pod IP, shared with the job ticks)
   and ``/metrics`` (HTTP, pod IP), then ``reconcile_service``; apply the
   children that changed since they were last applied (or are due for a
-  resync), push Configure to pods behind the generation, write the status keys
-  that changed, emit events.
+  resync), write the status keys that changed, emit events, and push Configure
+  to pods behind the generation in the background (the status is not held for
+  it; ``BudgetReady`` turns True on the tick that sees every pod at the new
+  generation).
 * OfflineJob: plan the input once (file thread), the matching services from
   the service index and their pods from the pod index, their sidecars' Status
   (concurrently), verify finished shards against their logs (one file-thread
@@ -25,7 +27,8 @@ call at all unless its status changed. Blocking ``kubernetes``-client calls run
 on the operator's own executor (``kube_threads``) and file work on another, so
 neither waits behind the other, nor job ticks behind service ticks; sidecar
 calls go through one :class:`~slipstream_operator.sidecar_client.SharedSidecarControl`
-(``sidecar_concurrency`` in flight, one Status per pod per interval).
+(``sidecar_concurrency`` in flight, one Status per pod per interval, a service tick's
+Status served before job ticks' calls).
 
 Handlers return None (kopf would otherwise store return values under
 ``status.<handler>``, which the structural schema prunes). kopf's own state
@@ -109,6 +112,7 @@ from slipstream_operator.shards import (
     plan_input,
 )
 from slipstream_operator.sidecar_client import (
+    ConfigureCall,
     PodAddress,
     ShardAssignment,
     SharedSidecarControl,
@@ -229,6 +233,7 @@ class Handlers:
         self._profiles: dict[tuple[str, str], tuple[Profile | None, float]] = {}
         self._resyncing: dict[str, asyncio.Future[None]] = {}
         self._refreshing: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._pushing: dict[str, asyncio.Future[None]] = {}  # service uid -> its Configure round
         self.kube_calls = 0
         """Blocking Kubernetes client calls made (applies and Secret reads)."""
 
@@ -353,7 +358,8 @@ class Handlers:
 
         async def ask() -> SidecarStatus | None:
             try:
-                return await self.control.status(address)
+                # Urgent: this tick holds the service's status; job ticks' looks can wait.
+                return await self.control.status(address, urgent=True)
             except SidecarError as exc:
                 logger.info("%s", exc)
                 return None
@@ -441,28 +447,43 @@ class Handlers:
         if stale and uid not in self._resyncing:
             self._resyncing[uid] = asyncio.ensure_future(
                 self._resync(uid, ref, token, stale, now_s))
-        by_name = {v.name: v for v in views}
-
-        async def push(pod_name: str, call: Any) -> int:
-            view = by_name[pod_name]
-            address = PodAddress(pod_name, view.ip, spec.sidecar.grpc_port, token)
-            try:
-                acked_gen = await self.control.configure(address, call)
-            except SidecarError as exc:
-                logger.warning("%s", exc)
-                return 0
-            return int(acked_gen >= call.generation)
-
-        acked = sum(await asyncio.gather(*(push(p, c) for p, c in outcome.pushes)))
         self.state.services[uid] = outcome.memory
-        if outcome.pushes and acked == len(outcome.pushes):
-            # Every behind pod took the new generation: say so now, not on the next tick.
-            reason, message = outcome.on_pushed
-            set_condition(outcome.status["conditions"], "BudgetReady", True, reason=reason,
-                          message=message, now=now, observed_generation=generation)
+        # The status is written first (kopf PATCHes it when the tick returns); Configure goes
+        # to the pods behind in the background, and BudgetReady turns True on the tick that
+        # sees every ready pod at the new generation. One push round per service at a time.
+        if outcome.pushes and uid not in self._pushing:
+            by_ip = {v.name: v.ip for v in views}
+            self._pushing[uid] = asyncio.ensure_future(self._push(
+                uid, namespace, name, [(PodAddress(pod, by_ip[pod], spec.sidecar.grpc_port,
+                                                   token), call)
+                                       for pod, call in outcome.pushes]))
         _patch_status(patch, outcome.status, previous)
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
+
+    async def _push(self, uid: str, namespace: str, name: str,
+                    pushes: list[tuple[PodAddress, ConfigureCall]]) -> None:
+        """Push Configure to the pods behind (a background task of the service tick)."""
+
+        async def one(address: PodAddress, call: ConfigureCall) -> bool:
+            try:
+                return await self.control.configure(address, call) >= call.generation
+            except SidecarError as exc:
+                logger.warning("%s", exc)
+                return False
+
+        try:
+            acked = sum(await asyncio.gather(*(one(a, c) for a, c in pushes)))
+            logger.debug("configured %d/%d pods of %s/%s", acked, len(pushes), namespace, name)
+        except Exception as exc:  # a background task: log whatever it was, the next tick retries
+            logger.warning("Configure of %s/%s failed: %s", namespace, name, exc)
+        finally:
+            self._pushing.pop(uid, None)
+
+    async def settle(self) -> None:
+        """Wait for the Configure pushes in flight (the ticks that started them returned)."""
+        while self._pushing:
+            await asyncio.gather(*self._pushing.values(), return_exceptions=True)
 
     async def _prometheus_window(
         self, namespace: str, name: str

@@ -10,9 +10,15 @@ handlers depend on, and tests pass an in-memory fake implementing it.
 :class:`SharedSidecarControl` wraps any :class:`SidecarControl` for the handlers:
 one ``Status`` per pod per ``max_age_s`` shared by every object that looks at the
 pod (a service tick and the ticks of the jobs that select it), one call in flight
-per pod (concurrent askers await the same reply), every call under one semaphore
-(bounded fan-out), and a pod's cached reply dropped when the operator changes the
-pod (Configure, AssignShard, RevokeShard) so the next look sees the change.
+per pod (concurrent askers await the same reply), every call under one bounded set of
+slots (bounded fan-out) in which an urgent ``Status`` (a service tick's: it holds the
+service's status) is served before the rest (job ticks' ``Status``, Configure,
+AssignShard, RevokeShard), and a pod's cached reply dropped when the operator changes
+the pod's shards (AssignShard, RevokeShard) so the next look sees the change. A
+Configure the pod acknowledged at the call's generation updates the cached reply's
+configuration fields from the call instead (``ConfigureResponse`` carries only the
+generation in force, and at that generation the configuration is the call's), so a
+fleet-wide budget change does not make every tick ask every pod again.
 
 Deliberately left out: WatchStatus streaming (the operator polls Status on its
 reconcile timer, which also bounds how stale a dead pod can look) and retries
@@ -24,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from slipstream_operator.errors import SidecarError
@@ -299,15 +306,83 @@ class _Cached:
     at_s: float
 
 
+class _Waiter:
+    """One caller waiting for a slot; ``urgent`` may be raised while it waits."""
+
+    __slots__ = ("future", "urgent")
+
+    def __init__(self, future: asyncio.Future[None], urgent: bool) -> None:
+        self.future = future
+        self.urgent = urgent
+
+
+class PrioritySlots:
+    """A counting semaphore whose waiters are served urgent first, each class in arrival order.
+
+    A waiter can be made urgent while it waits (:meth:`promote`): it is then queued with the
+    urgent ones too, and whichever queue reaches it first grants it (the other entry is
+    skipped). A waiter cancelled after being granted gives its slot back.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit}")
+        self._free = limit
+        self._urgent: deque[_Waiter] = deque()
+        self._normal: deque[_Waiter] = deque()
+
+    def waiter(self, urgent: bool) -> _Waiter:
+        return _Waiter(asyncio.get_running_loop().create_future(), urgent)
+
+    async def acquire(self, waiter: _Waiter) -> None:
+        if self._free > 0:  # free slots only while nobody waits (release hands slots over)
+            self._free -= 1
+            waiter.future.set_result(None)
+            return
+        (self._urgent if waiter.urgent else self._normal).append(waiter)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release()  # granted just as it was cancelled: pass the slot on
+            raise
+
+    def promote(self, waiter: _Waiter) -> None:
+        """Serve ``waiter`` as urgent from now on (no-op once it holds a slot)."""
+        if not waiter.urgent and not waiter.future.done():
+            waiter.urgent = True
+            self._urgent.append(waiter)
+
+    def release(self) -> None:
+        for queue in (self._urgent, self._normal):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.future.done():  # skip the cancelled and the already granted
+                    waiter.future.set_result(None)
+                    return
+        self._free += 1
+
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a slot (a promoted one is queued twice but counted once)."""
+        return len({id(w) for q in (self._urgent, self._normal) for w in q
+                    if not w.future.done()})
+
+
 class SharedSidecarControl:
     """A :class:`SidecarControl` that shares Status replies per pod and bounds concurrency.
 
     ``status(address)`` returns the pod's last reply if it is younger than ``max_age_s``
     (and asked with the same token), else asks the pod; while one ask is in flight, others
-    for the same pod await it. Failures are not cached. ``configure``, ``assign`` and
-    ``revoke`` go straight through and drop the pod's cached reply, both before and after the
-call (a reply asked for while the change was in flight is not kept either). At most ``limit`` calls
-    of any kind are in flight at once.
+    for the same pod await it. Failures are not cached. ``assign`` and ``revoke`` go straight
+    through and drop the pod's cached reply, both before and after the call (a reply asked
+    for while the change was in flight is not kept either). ``configure`` does the same,
+    except that once the pod answers with the call's generation, the reply cached before the
+    call (or one asked meanwhile) is kept with ``generation``, ``budget_s`` and (when the
+    call carries coefficients) the latency model fields set from the call, and its age
+    unchanged. At most ``limit`` calls of any
+    kind are in flight at once; ``status(..., urgent=True)`` waits ahead of every other
+    call, and makes a call in flight for the same pod that still waits for a slot urgent.
     """
 
     def __init__(self, inner: SidecarControl, *, max_age_s: float, limit: int,
@@ -316,12 +391,14 @@ call (a reply asked for while the change was in flight is not kept either). At m
         self.max_age_s = max_age_s
         self.limit = limit
         self._clock = clock
-        self._semaphore = asyncio.Semaphore(limit)
+        self._slots = PrioritySlots(limit)
         self._cache: dict[str, _Cached] = {}
-        self._flying: dict[str, tuple[asyncio.Future[SidecarStatus], int]] = {}
+        self._flying: dict[str, tuple[asyncio.Future[SidecarStatus], int, _Waiter]] = {}
         self._epochs: dict[str, int] = {}
         self.asked = 0
         """Status calls that reached the inner control (the rest were answered from memory)."""
+        self.refreshed = 0
+        """Cached replies updated from an acknowledged Configure instead of dropped."""
 
     @staticmethod
     def _key(address: PodAddress) -> str:
@@ -345,7 +422,7 @@ call (a reply asked for while the change was in flight is not kept either). At m
                     if k.split("@", 1)[0] in pods and k not in self._flying]:
             del self._epochs[key]
 
-    async def status(self, address: PodAddress) -> SidecarStatus:
+    async def status(self, address: PodAddress, *, urgent: bool = False) -> SidecarStatus:
         key = self._key(address)
         cached = self._cache.get(key)
         if cached is not None and self._clock() - cached.at_s < self.max_age_s:
@@ -354,14 +431,20 @@ call (a reply asked for while the change was in flight is not kept either). At m
         flying = self._flying.get(key)
         if flying is not None and flying[1] == epoch:
             # Join the call in flight, unless it started before the pod was changed.
+            if urgent:
+                self._slots.promote(flying[2])
             return await asyncio.shield(flying[0])
         future: asyncio.Future[SidecarStatus] = asyncio.get_running_loop().create_future()
-        self._flying[key] = (future, epoch)
+        waiter = self._slots.waiter(urgent)
+        self._flying[key] = (future, epoch, waiter)
         try:
-            async with self._semaphore:
+            await self._slots.acquire(waiter)
+            try:
                 self.asked += 1
                 started = self._clock()
                 status = await self.inner.status(address)
+            finally:
+                self._slots.release()
         except asyncio.CancelledError:
             future.cancel()
             raise
@@ -375,21 +458,46 @@ call (a reply asked for while the change was in flight is not kept either). At m
             future.set_result(status)
             return status
         finally:
-            if self._flying.get(key, (None, 0))[0] is future:
+            if self._flying.get(key, (None, 0, None))[0] is future:
                 del self._flying[key]
+
+    async def _bounded(self, call: Callable[[], Awaitable[T]]) -> T:
+        await self._slots.acquire(self._slots.waiter(urgent=False))
+        try:
+            return await call()
+        finally:
+            self._slots.release()
 
     async def _change(self, address: PodAddress, call: Callable[[], Awaitable[T]]) -> T:
         """A call that changes the pod: its cached reply is dropped before and after (a
         Status that started meanwhile may predate the change)."""
         self.forget(address)
         try:
-            async with self._semaphore:
-                return await call()
+            return await self._bounded(call)
         finally:
             self.forget(address)
 
     async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
-        return await self._change(address, lambda: self.inner.configure(address, call))
+        key = self._key(address)
+        before = self._cache.get(key)
+        self.forget(address)
+        acked = 0
+        try:
+            acked = await self._bounded(lambda: self.inner.configure(address, call))
+            return acked
+        finally:
+            meanwhile = self._cache.get(key)  # asked after the forget: may predate the change
+            self.forget(address)  # and so may any reply still in flight
+            base = meanwhile or before
+            if acked == call.generation and base is not None:
+                # At the call's generation the pod runs the call's configuration (a call
+                # without coefficients keeps the pod's latency model, as the sidecar does).
+                status = replace(base.status, generation=acked, budget_s=call.budget_s)
+                if call.latency_coefficients:
+                    status = replace(status, latency_kind=call.latency_kind,
+                                     latency_curve_knots=len(call.latency_token_curve))
+                self._cache[key] = _Cached(status, base.at_s)
+                self.refreshed += 1
 
     async def assign(self, address: PodAddress, shard: ShardAssignment) -> bool:
         return await self._change(address, lambda: self.inner.assign(address, shard))

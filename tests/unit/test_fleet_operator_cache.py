@@ -246,28 +246,34 @@ async def test_status_is_shared_per_pod_and_dropped_when_the_operator_changes_th
         status = await shared.status(a)
         assert counting.calls["status"] == 3
         assert [s.shard_id for s in status.shards] == ["job-0001"]
+        # A Configure the pod took at the call's generation updates the cached reply from the
+        # call instead of dropping it: no Status on the wire, and the pod agrees.
         assert await shared.configure(a, ConfigureCall(generation=2, budget_s=0.1)) == 2
-        assert (await shared.status(a)).generation == 2
+        refreshed = await shared.status(a)
+        assert (refreshed.generation, refreshed.budget_s) == (2, 0.1)
+        assert refreshed.shards == status.shards and counting.calls["status"] == 3
+        on_pod = await grpc_client.status(a)
+        assert (on_pod.generation, on_pod.budget_s) == (2, 0.1)
         assert await shared.revoke(a, "job-0001")
         assert not (await shared.status(a)).shards
-        assert counting.calls == {"status": 5, "assign": 1, "configure": 1, "revoke": 1}
+        assert counting.calls == {"status": 4, "assign": 1, "configure": 1, "revoke": 1}
 
         # Fan-out over every pod stays within the limit.
         counting.peak = 0
         clock.now += 10.0
         await asyncio.gather(*(shared.status(x) for x in addresses for _ in range(3)))
         assert counting.peak <= 3
-        assert counting.calls["status"] == 5 + 6  # one per pod, shared by the three askers
+        assert counting.calls["status"] == 4 + 6  # one per pod, shared by the three askers
 
         # A pod that is gone is forgotten; a refused call is not cached.
         shared.forget_pods({"pod-1"})
         await shared.status(addresses[1])
-        assert counting.calls["status"] == 12
+        assert counting.calls["status"] == 11
         wrong = PodAddress("pod-2", addresses[2].ip, grpc_port, "not-the-token")
         for _ in range(2):
             with pytest.raises(SidecarError, match="UNAUTHENTICATED"):
                 await shared.status(wrong)
-        assert counting.calls["status"] == 14
+        assert counting.calls["status"] == 13
     finally:
         await grpc_client.close()
         await standin.stop()
@@ -356,3 +362,116 @@ def test_a_preempted_shard_leaves_its_owners_placements() -> None:
         assert handlers.state.jobs["uid-low"].placements == {f"{low}-0001": kept}
     finally:
         handlers.close()
+
+
+async def test_a_configure_at_another_generation_drops_the_cached_reply() -> None:
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    counting = Counting(grpc_client)
+    shared = SharedSidecarControl(counting, max_age_s=60.0, limit=4)
+    try:
+        pod = await standin.add_pod("pod-c", "127.1.251.60", "tok")
+        a = PodAddress("pod-c", "127.1.251.60", grpc_port, "tok")
+        assert await shared.configure(a, ConfigureCall(generation=5, budget_s=0.2)) == 5
+        assert (await shared.status(a)).generation == 5  # nothing was cached: asked
+        assert counting.calls["status"] == 1
+        # An older generation is ignored by the pod (it answers 5): what is in force is not
+        # the call's, so the reply is dropped, and the next look asks the pod.
+        assert await shared.configure(a, ConfigureCall(generation=3, budget_s=0.9)) == 5
+        again = await shared.status(a)
+        assert (again.generation, again.budget_s) == (5, 0.2) and counting.calls["status"] == 2
+        # A failed Configure drops it too.
+        pod.token = "rotated"
+        with pytest.raises(SidecarError, match="UNAUTHENTICATED"):
+            await shared.configure(a, ConfigureCall(generation=6, budget_s=0.3))
+        pod.token = "tok"
+        assert (await shared.status(a)).generation == 5 and counting.calls["status"] == 3
+        assert shared.refreshed == 0
+    finally:
+        await grpc_client.close()
+        await standin.stop()
+
+
+class Ordered(Counting):
+    """Records the order in which Status calls reach the wire; the first one waits at a gate."""
+
+    def __init__(self, inner: GrpcSidecarControl) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.order: list[str] = []
+
+    async def status(self, address: PodAddress) -> SidecarStatus:
+        self.order.append(address.pod)
+        if len(self.order) == 1:
+            await self.gate.wait()
+        return await super().status(address)
+
+
+async def test_a_service_ticks_status_is_served_before_job_ticks_calls() -> None:
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    ordered = Ordered(grpc_client)
+    shared = SharedSidecarControl(ordered, max_age_s=60.0, limit=1)
+    try:
+        addresses = {}
+        for i, name in enumerate(["held", "job-a", "job-b", "svc", "both"]):
+            ip = f"127.1.251.{70 + i}"
+            await standin.add_pod(name, ip, "tok")
+            addresses[name] = PodAddress(name, ip, grpc_port, "tok")
+        held = asyncio.ensure_future(shared.status(addresses["held"]))  # takes the one slot
+        await asyncio.sleep(0.01)
+        # Job ticks queue first (a Status each and a Configure), then a service tick asks.
+        jobs = [asyncio.ensure_future(shared.status(addresses[n]))
+                for n in ("job-a", "both", "job-b")]
+        configure = asyncio.ensure_future(
+            shared.configure(addresses["job-a"], ConfigureCall(generation=1, budget_s=0.1)))
+        await asyncio.sleep(0.01)
+        service = asyncio.ensure_future(shared.status(addresses["svc"], urgent=True))
+        # A service tick joining a job tick's call still waiting for a slot makes it urgent.
+        joined = asyncio.ensure_future(shared.status(addresses["both"], urgent=True))
+        await asyncio.sleep(0.01)
+        assert ordered.order == ["held"] and shared._slots.waiting == 5
+        ordered.gate.set()
+        await asyncio.gather(held, service, joined, configure, *jobs)
+        assert ordered.order == ["held", "svc", "both", "job-a", "job-b"]
+        assert ordered.calls == {"status": 5, "configure": 1}
+        assert (await joined) is (await jobs[1])
+    finally:
+        ordered.gate.set()
+        await grpc_client.close()
+        await standin.stop()
+
+
+async def test_priority_slots_keep_the_limit_and_pass_on_a_cancelled_waiters_slot() -> None:
+    from slipstream_operator.sidecar_client import PrioritySlots
+
+    slots = PrioritySlots(2)
+    first, second = slots.waiter(False), slots.waiter(True)
+    await slots.acquire(first)
+    await slots.acquire(second)  # both free slots taken at once
+    late = [slots.waiter(False) for _ in range(3)]
+    tasks = [asyncio.ensure_future(slots.acquire(w)) for w in late]
+    await asyncio.sleep(0)
+    assert slots.waiting == 3 and not any(t.done() for t in tasks)
+    tasks[0].cancel()  # gives up while waiting: skipped
+    slots.release()
+    await asyncio.sleep(0)
+    assert tasks[1].done() and not tasks[2].done() and tasks[0].cancelled()
+    slots.release()
+    slots.release()  # the last waiter is served; one slot is free again
+    await asyncio.sleep(0)
+    assert tasks[2].done() and slots.waiting == 0
+    extra = slots.waiter(False)
+    await slots.acquire(extra)  # the freed slot
+    blocked = asyncio.ensure_future(slots.acquire(slots.waiter(False)))
+    await asyncio.sleep(0)
+    assert not blocked.done()  # the limit holds: two in use
+    blocked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    with pytest.raises(ValueError, match="at least 1"):
+        PrioritySlots(0)
