@@ -10,7 +10,10 @@ previous budget memory, it returns
 * the status to write (conditions Ready / SLOMet / BudgetReady, observed
   latency, budget, offline throughput, replica counts);
 * the Configure calls to push (ready pods whose configuration generation is
-  behind), and the next budget memory.
+  behind), and the next budget memory. ``BudgetReady`` is ``Pushing`` while any
+  ready pod is behind; the handler writes the status before it pushes, so the
+  condition turns True on the first reconcile that sees every pod at the
+  generation.
 
 Latency model: the profile's model times the calibration scale refitted from
 the pods' predicted/observed step times (``calibration``); the scaled
@@ -160,8 +163,6 @@ class ServiceOutcome:
     pushes: tuple[tuple[str, ConfigureCall], ...]  # (pod name, call)
     memory: ServiceMemory
     events: tuple[tuple[str, str, str], ...] = field(default=())  # (type, reason, message)
-    # BudgetReady's reason and message once every push was acknowledged (for the handler).
-    on_pushed: tuple[str, str] = ("Pushed", "")
 
 
 def names(ref: ObjectRef) -> dict[str, str]:
@@ -496,7 +497,6 @@ def reconcile_service(
         evidence = "; " + budget.searched.summary(limit=4)
         if not budget.searched.feasible:
             pushed_reason = "SLOUnattainable"
-    on_pushed = (pushed_reason, f"configuration generation {generation}{evidence}")
     if model is None:
         set_condition(conditions, "BudgetReady", False, reason="NoLatencyModel",
                       message=f"no latency profile for {spec.model} on {spec.engine.gpu_type}",
@@ -563,5 +563,4 @@ def reconcile_service(
         pushes=pushes,
         memory=new_memory,
         events=tuple(events),
-        on_pushed=on_pushed,
     )
