@@ -13,8 +13,9 @@ pod (a service tick and the ticks of the jobs that select it), one call in fligh
 per pod (concurrent askers await the same reply), every call under one bounded set of
 slots (bounded fan-out) in which an urgent ``Status`` (a service tick's: it holds the
 service's status) is served before the rest (job ticks' ``Status``, Configure,
-AssignShard, RevokeShard), and a pod's cached reply dropped when the operator changes
-the pod's shards (AssignShard, RevokeShard) so the next look sees the change. A
+AssignShard, RevokeShard), up to three in a row while the rest wait, and a pod's
+cached reply dropped when the operator changes the pod's shards (AssignShard,
+RevokeShard) so the next look sees the change. A
 Configure the pod acknowledged at the call's generation updates the cached reply's
 configuration fields from the call instead (``ConfigureResponse`` carries only the
 generation in force, and at that generation the configuration is the call's), so a
@@ -317,17 +318,25 @@ class _Waiter:
 
 
 class PrioritySlots:
-    """A counting semaphore whose waiters are served urgent first, each class in arrival order.
+    """A counting semaphore whose waiters are served urgent first, each class in arrival order,
+    except that after ``urgent_run`` urgent grants in a row a waiting normal one goes next.
 
-    A waiter can be made urgent while it waits (:meth:`promote`): it is then queued with the
-    urgent ones too, and whichever queue reaches it first grants it (the other entry is
-    skipped). A waiter cancelled after being granted gives its slot back.
+    So under contention normal callers still get at least 1 / (``urgent_run`` + 1) of the
+    slots: a steady stream of urgent calls (a service tick's ``Status`` for every pod of a
+    large fleet) cannot starve them (job ticks' ``Status`` and ``AssignShard``). A waiter can
+    be made urgent while it waits (:meth:`promote`): it is then queued with the urgent ones
+    too, and whichever queue reaches it first grants it (the other entry is skipped). A
+    waiter cancelled after being granted gives its slot back.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, urgent_run: int = 3) -> None:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, not {limit}")
+        if urgent_run < 1:
+            raise ValueError(f"urgent_run must be at least 1, not {urgent_run}")
         self._free = limit
+        self.urgent_run = urgent_run
+        self._run = 0  # urgent grants since the last normal one
         self._urgent: deque[_Waiter] = deque()
         self._normal: deque[_Waiter] = deque()
 
@@ -353,13 +362,23 @@ class PrioritySlots:
             waiter.urgent = True
             self._urgent.append(waiter)
 
+    @staticmethod
+    def _next(queue: deque[_Waiter]) -> _Waiter | None:
+        while queue:
+            waiter = queue.popleft()
+            if not waiter.future.done():  # skip the cancelled and the already granted
+                return waiter
+        return None
+
     def release(self) -> None:
-        for queue in (self._urgent, self._normal):
-            while queue:
-                waiter = queue.popleft()
-                if not waiter.future.done():  # skip the cancelled and the already granted
-                    waiter.future.set_result(None)
-                    return
+        urgent_first = self._run < self.urgent_run
+        for queue in ((self._urgent, self._normal) if urgent_first
+                      else (self._normal, self._urgent)):
+            waiter = self._next(queue)
+            if waiter is not None:
+                self._run = self._run + 1 if queue is self._urgent else 0
+                waiter.future.set_result(None)
+                return
         self._free += 1
 
     @property
@@ -380,9 +399,10 @@ class SharedSidecarControl:
     except that once the pod answers with the call's generation, the reply cached before the
     call (or one asked meanwhile) is kept with ``generation``, ``budget_s`` and (when the
     call carries coefficients) the latency model fields set from the call, and its age
-    unchanged. At most ``limit`` calls of any
-    kind are in flight at once; ``status(..., urgent=True)`` waits ahead of every other
-    call, and makes a call in flight for the same pod that still waits for a slot urgent.
+    unchanged. At most ``limit`` calls of any kind are in flight at once;
+    ``status(..., urgent=True)`` waits ahead of every other call (:class:`PrioritySlots`: up
+    to three urgent grants in a row), and makes a call in flight for the same pod that still
+    waits for a slot urgent.
     """
 
     def __init__(self, inner: SidecarControl, *, max_age_s: float, limit: int,

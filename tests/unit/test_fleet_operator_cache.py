@@ -475,3 +475,27 @@ async def test_priority_slots_keep_the_limit_and_pass_on_a_cancelled_waiters_slo
         await blocked
     with pytest.raises(ValueError, match="at least 1"):
         PrioritySlots(0)
+
+
+async def test_a_stream_of_urgent_calls_leaves_every_fourth_slot_to_the_rest() -> None:
+    from slipstream_operator.sidecar_client import PrioritySlots
+
+    slots = PrioritySlots(1)  # urgent_run 3
+    await slots.acquire(slots.waiter(False))
+    granted: list[str] = []
+
+    async def take(name: str, urgent: bool) -> None:
+        await slots.acquire(slots.waiter(urgent))
+        granted.append(name)
+
+    tasks = [asyncio.ensure_future(take(f"job-{i}", False)) for i in range(2)]
+    tasks += [asyncio.ensure_future(take(f"svc-{i}", True)) for i in range(8)]
+    await asyncio.sleep(0)
+    for _ in range(10):
+        slots.release()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert granted == ["svc-0", "svc-1", "svc-2", "job-0", "svc-3", "svc-4", "svc-5", "job-1",
+                       "svc-6", "svc-7"]
+    with pytest.raises(ValueError, match="urgent_run"):
+        PrioritySlots(1, urgent_run=0)
