@@ -294,7 +294,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [s for s in result["scales"] if s.get("ok")]
+    # The current operator's trend: rows kept for comparison (``baseline``) are left out,
+    # unless there is nothing else to show.
+    ok = ([s for s in result["scales"] if s.get("ok") and not s.get("baseline")]
+          or [s for s in result["scales"] if s.get("ok")])
     if not ok:
         return
     nodes = [s["nodes"] for s in ok]
