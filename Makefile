@@ -31,7 +31,12 @@ $(VENV)/.installed: pyproject.toml
 	@echo "==> Python environment in $(VENV) (extras: $(EXTRAS)); the first time this downloads torch for the [semantic] extra"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -m pip install --quiet --upgrade pip
-	@$(BIN)/python -m pip install --quiet --progress-bar off -e '.[$(EXTRAS)]'
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	  if [ "$$free" -lt 10 ]; then \
+	    echo "==> warning: $$free GiB free on this disk; the install needs about 10 GiB (torch with its CUDA libraries is 5.2 GiB, plus the downloads)"; \
+	  fi
+	@$(BIN)/python -m pip install --quiet --progress-bar off -e '.[$(EXTRAS)]' || { \
+	  echo "==> pip failed; free space on this disk now:"; df -h .; exit 1; }
 	@touch $@
 
 system-deps:
