@@ -364,13 +364,17 @@ class Handlers:
                 logger.info("%s", exc)
                 return None
 
-        # The gRPC Status and the /metrics scrape go out together: a tick waits for the
-        # slower of the two, not for both in a row.
-        status, text = await asyncio.gather(ask(), self._scrape(pod.ip, spec.sidecar.http_port))
-        if text is not None:
-            history.setdefault(pod.name, PodHistory()).add(
-                parse_sample(text, now_s), self.settings.window_s
-            )
+        # Status carries the online histograms and counters, so one call per pod gives the
+        # latency window; a sidecar that does not send them (older, or a malformed histogram)
+        # is scraped on /metrics, as is one whose Status failed.
+        status = await ask()
+        sample = status.online_sample if status is not None else None
+        if sample is None:
+            text = await self._scrape(pod.ip, spec.sidecar.http_port)
+            if text is not None:
+                sample = parse_sample(text, now_s)
+        if sample is not None:
+            history.setdefault(pod.name, PodHistory()).add(sample, self.settings.window_s)
         return PodView(pod.name, pod.ip, True, status)
 
     async def service_tick(

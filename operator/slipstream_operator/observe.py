@@ -226,6 +226,10 @@ class PodHistory:
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=512))
 
     def add(self, sample: Sample, window_s: float) -> None:
+        """Append ``sample`` unless it is not newer than the last one (a cached ``Status``
+        reply seen by a second tick carries the time it arrived, not the tick's)."""
+        if self.samples and sample.at_s <= self.samples[-1].at_s:
+            return
         self.samples.append(sample)
         while len(self.samples) > 2 and sample.at_s - self.samples[1].at_s >= window_s:
             self.samples.popleft()

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from slipstream_operator.errors import SidecarError
+from slipstream_operator.observe import Histogram, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class SidecarStatus:
     observed_step_s: float = 0.0
     latency_kind: str = ""  # feature set of the latency model in force; "": none (or old pod)
     latency_curve_knots: int = 0  # values of its token curve; 0: no curve
+    online_sample: Sample | None = None
+    """The online class's histograms and counters, stamped with the operator's monotonic
+    clock when the reply arrived; None from a sidecar that does not send them (the operator
+    then scrapes its ``/metrics``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,23 +153,48 @@ class SidecarControl(Protocol):
 _STATES = {0: "unknown", 1: "pending", 2: "running", 3: "succeeded", 4: "failed", 5: "revoked"}
 
 
+def _online_sample(counters: object, taken_s: float) -> Sample | None:
+    """A :class:`Sample` from a ``ClassCounters`` message; None when a histogram is
+    malformed (bounds and counts of different lengths), so the pod is scraped instead."""
+    from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+    assert isinstance(counters, pb.ClassCounters)
+
+    def histogram(h: pb.Histogram) -> Histogram | None:
+        if len(h.upper_bounds) != len(h.cumulative_counts):
+            return None
+        return Histogram(buckets=tuple(sorted(zip(h.upper_bounds, h.cumulative_counts,
+                                                  strict=True))),
+                         total=h.sum, count=h.count)
+
+    ttft, tbt = histogram(counters.ttft_seconds), histogram(counters.tbt_seconds)
+    if ttft is None or tbt is None:
+        logger.warning("a sidecar sent a malformed histogram in Status; scraping it instead")
+        return None
+    return Sample(at_s=taken_s, ttft=ttft, tbt=tbt, admitted=counters.admitted,
+                  finished=counters.finished_ok, output_tokens=counters.output_tokens)
+
+
 class GrpcSidecarControl:
     """:class:`SidecarControl` over grpc.aio, one channel per pod address."""
 
     def __init__(self, timeout_s: float = 5.0) -> None:
         self._timeout_s = timeout_s
-        self._channels: dict[str, object] = {}
+        self._channels: dict[str, tuple[object, object]] = {}  # target: (channel, stub)
 
     def _stub(self, address: PodAddress) -> object:
         import grpc
 
         from slipstream_sidecar.proto import sidecar_pb2_grpc
 
-        channel = self._channels.get(address.target)
-        if channel is None:
+        # One channel and one stub per pod address: building a stub builds a multicallable
+        # per method, which at fleet size cost as much as the calls' own setup.
+        held = self._channels.get(address.target)
+        if held is None:
             channel = grpc.aio.insecure_channel(address.target)
-            self._channels[address.target] = channel
-        return sidecar_pb2_grpc.SidecarStub(channel)
+            held = (channel, sidecar_pb2_grpc.SidecarStub(channel))
+            self._channels[address.target] = held
+        return held[1]
 
     async def _call(self, address: PodAddress, method: str, request: object) -> object:
         import grpc
@@ -172,10 +202,10 @@ class GrpcSidecarControl:
         stub = self._stub(address)
         metadata = (("authorization", f"Bearer {address.token}"),)
         try:
-            return await asyncio.wait_for(
-                getattr(stub, method)(request, metadata=metadata, timeout=self._timeout_s),
-                self._timeout_s + 1.0,
-            )
+            # The call's own deadline bounds it (connecting included); an asyncio.wait_for
+            # around it would add a task per call, which shows at 2,000 pods.
+            return await getattr(stub, method)(request, metadata=metadata,
+                                               timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise SidecarError(f"{method} failed: {exc.code().name}: {exc.details()}",
                                pod=address.pod, address=address.target) from exc
@@ -215,6 +245,8 @@ class GrpcSidecarControl:
             observed_step_s=reply.observed_step_s,
             latency_kind=reply.latency_model.kind,
             latency_curve_knots=len(reply.latency_model.token_curve),
+            online_sample=(_online_sample(reply.online_counters, time.monotonic())
+                           if reply.HasField("online_counters") else None),
         )
 
     async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
@@ -275,7 +307,7 @@ class GrpcSidecarControl:
         return bool(reply.revoked)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel, _ in self._channels.values():
             await channel.close()  # type: ignore[attr-defined]
         self._channels.clear()
 

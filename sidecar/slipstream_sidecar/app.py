@@ -19,7 +19,7 @@ from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
-from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.metrics import ClassCounters, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, make_embedder
 from slipstream_sidecar.proxy import Proxy, ProxyState
 from slipstream_sidecar.settings import SidecarSettings
@@ -79,6 +79,7 @@ class SidecarStatus:
     ordering: str
     idle_budget_s: float | None = None
     latency_model: LinearLatencyModel | None = None  # the model in force (None: none)
+    online_counters: ClassCounters | None = None  # /metrics' online series, now
 
 
 class Sidecar:
@@ -309,6 +310,7 @@ class Sidecar:
             ordering=self.brain.ordering,
             idle_budget_s=self.dispatcher.config.idle_budget_s,
             latency_model=self.brain.latency_model,
+            online_counters=self.metrics.counters("online"),
         )
 
     async def drain(self, timeout_s: float) -> tuple[bool, int]:

@@ -26,6 +26,7 @@ from slipstream_scheduler.latency import (
 from slipstream_scheduler.storage_scope import ScopeError, check_uri
 from slipstream_sidecar.app import ConfigUpdate, Sidecar, SidecarStatus, Slo
 from slipstream_sidecar.auth import BearerAuthInterceptor, TokenFile
+from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 from slipstream_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from slipstream_sidecar.shards import ShardProgress, ShardSpec
@@ -72,7 +73,21 @@ def status_pb(s: SidecarStatus) -> pb.StatusResponse:
         msg.budget_s = s.budget_s
     if s.idle_budget_s is not None:
         msg.idle_budget_s = s.idle_budget_s
+    if s.online_counters is not None:
+        msg.online_counters.CopyFrom(counters_pb(s.online_counters))
     return msg
+
+
+def histogram_pb(h: HistogramSnapshot) -> pb.Histogram:
+    return pb.Histogram(upper_bounds=[le for le, _ in h.buckets],
+                        cumulative_counts=[c for _, c in h.buckets], sum=h.total, count=h.count)
+
+
+def counters_pb(c: ClassCounters) -> pb.ClassCounters:
+    return pb.ClassCounters(
+        ttft_seconds=histogram_pb(c.ttft), tbt_seconds=histogram_pb(c.tbt),
+        admitted=c.admitted, finished_ok=c.finished_ok, output_tokens=c.output_tokens,
+    )
 
 
 def shard_spec(shard: pb.Shard) -> ShardSpec:

@@ -12,6 +12,8 @@ cardinality) and anything derived over time windows (that is PromQL's job).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 CLASSES = ("online", "offline")
@@ -29,6 +31,48 @@ _OVERHEAD_BUCKETS = (
     25e-3, 50e-3, 100e-3, 250e-3, 1.0,
 )
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """One class's cumulative histogram: (upper bound, count at or below it), sum, count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    total: float
+    count: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClassCounters:
+    """One class's latency histograms and counters, as ``/metrics`` exports them now."""
+
+    ttft: HistogramSnapshot
+    tbt: HistogramSnapshot
+    admitted: float
+    finished_ok: float
+    output_tokens: float
+
+
+def _histogram(family: Histogram, cls: str) -> HistogramSnapshot:
+    buckets: list[tuple[float, float]] = []
+    total = count = 0.0
+    for metric in family.collect():
+        for sample in metric.samples:
+            if sample.labels.get("class") != cls:
+                continue
+            if sample.name.endswith("_bucket"):
+                buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_count"):
+                count = sample.value
+    return HistogramSnapshot(tuple(sorted(buckets)), total, count)
+
+
+def _counter(family: Counter, **labels: str) -> float:
+    return sum(sample.value for metric in family.collect() for sample in metric.samples
+               if sample.name.endswith("_total")
+               and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
 class SidecarMetrics:
@@ -151,3 +195,14 @@ class SidecarMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def counters(self, cls: str) -> ClassCounters:
+        """The class's TTFT and TBT histograms and request and token counters, read from
+        the same families ``/metrics`` renders (so the two always agree)."""
+        return ClassCounters(
+            ttft=_histogram(self.ttft, cls),
+            tbt=_histogram(self.tbt, cls),
+            admitted=_counter(self.admitted, **{"class": cls}),
+            finished_ok=_counter(self.finished, **{"class": cls, "outcome": "ok"}),
+            output_tokens=_counter(self.output_tokens, **{"class": cls}),
+        )

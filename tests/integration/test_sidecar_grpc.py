@@ -204,3 +204,36 @@ def test_a_curve_model_is_configured_reported_and_durable(stack: tuple[Proc, Pro
     with ch:
         st = stub.Status(pb.StatusRequest(), metadata=md)
     assert st.generation == 7 and st.latency_model == spec, "the curve survives a restart"
+
+
+async def test_status_carries_the_same_online_counters_as_metrics(
+    stack: tuple[Proc, Proc, Path],
+) -> None:
+    """The operator reads its latency window from Status alone: the histograms and counters
+    there must be the ones the real sidecar's /metrics shows after real online traffic."""
+    from slipstream_operator.observe import parse_sample
+    from slipstream_operator.sidecar_client import GrpcSidecarControl, PodAddress
+
+    _, sc, _ = stack
+    for stream in (False, True, True):
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 6, "stream": stream}
+        req = urllib.request.Request(sc.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+            resp.read()
+    address = PodAddress("pod-0", "127.0.0.1", sc.extra_ports["grpc"], TOKEN)
+    control = GrpcSidecarControl(timeout_s=10.0)
+    try:
+        status = await control.status(address)
+        with urllib.request.urlopen(sc.url + "/metrics", timeout=10) as resp:
+            scraped = parse_sample(resp.read().decode(), 0.0)
+    finally:
+        await control.close()
+    sample = status.online_sample
+    assert sample is not None
+    assert sample.admitted == scraped.admitted == 3
+    assert sample.finished == scraped.finished == 3
+    assert sample.output_tokens == scraped.output_tokens > 0
+    assert sample.ttft == scraped.ttft and sample.ttft.count >= 2  # the streamed two at least
+    assert sample.tbt == scraped.tbt and sample.tbt.count > 0

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--operator-threads", type=int, default=0,
                         help="experiment: the operator's default thread pool size "
                         "(0: unchanged, min(32, CPUs + 4))")
+    parser.add_argument("--no-status-counters", dest="status_counters", action="store_false",
+                        help="experiment: the stand-in answers Status without online_counters, "
+                        "as sidecars before them did, so the operator scrapes every pod's "
+                        "/metrics each tick (the earlier rows' cost)")
     parser.add_argument("--bumps", type=int, default=3, help="status-lag probes per scale")
     parser.add_argument("--lag-probe", choices=("watch", "list"), default="watch",
                         help="how the bench sees a status change: a watch (stamped on arrival) "
@@ -115,8 +119,10 @@ def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]
             row["cluster_up_s"] = round(time.monotonic() - began, 1)
             run = FleetRun(cluster, plan, workdir, data_dir=_data_dir(args),
                            interval_s=args.interval, bumps=args.bumps, timeout_s=args.timeout,
-                           operator_threads=args.operator_threads, lag_probe=args.lag_probe)
+                           operator_threads=args.operator_threads, lag_probe=args.lag_probe,
+                           status_counters=args.status_counters)
             row.update(run.run().to_dict())
+            row["status_counters"] = args.status_counters
             row["operator_threads"] = args.operator_threads or None
             row["lag_probe"] = args.lag_probe
             if args.label:

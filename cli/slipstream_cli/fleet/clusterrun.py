@@ -241,7 +241,8 @@ class FleetRun:
                  data_dir: Path, prefix: str = "fleet", interval_s: float = 5.0,
                  bumps: int = 3, bump_gap_s: float | None = None, clusterwide: bool = True,
                  timeout_s: float = 1800.0, lag_timeout_s: float = 120.0,
-                 operator_threads: int = 0, lag_probe: str = "watch") -> None:
+                 operator_threads: int = 0, lag_probe: str = "watch",
+                 status_counters: bool = True) -> None:
         if lag_probe not in ("watch", "list"):
             raise ValueError(f"lag_probe must be 'watch' or 'list', not {lag_probe!r}")
         self.cluster = cluster
@@ -257,6 +258,7 @@ class FleetRun:
         self.lag_timeout_s = lag_timeout_s
         self.operator_threads = operator_threads  # >0: default executor size (opwrap)
         self.lag_probe = lag_probe
+        self.status_counters = status_counters  # False: the stand-in plays older sidecars
         self._watch: StatusWatch | None = None  # opened at apply time (lag_probe "watch")
         self.rest = cluster.admin_rest()
         self.namespaces = namespace_names(plan, prefix)
@@ -373,6 +375,8 @@ class FleetRun:
     def _start_standin(self) -> None:
         argv = [sys.executable, "-m", "slipstream_cli.fleet.server",
                 "--kubeconfig", str(self.cluster.admin_kubeconfig), "--lines-per-second", "0.001"]
+        if not self.status_counters:
+            argv.append("--no-status-counters")
         if not self.clusterwide:
             for ns in self.namespaces:
                 argv += ["-n", ns]

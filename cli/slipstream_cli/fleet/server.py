@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="loopback port of the control API (default: any free)")
     parser.add_argument("--lines-per-second", type=float, default=2.0,
                         help="progress of a running fake shard (lines/s, default 2)")
+    parser.add_argument("--no-status-counters", dest="status_counters", action="store_false",
+                        help="answer Status without online_counters, as sidecars before "
+                        "them did (the operator then scrapes /metrics)")
     parser.add_argument("--finish-shards", action="store_true",
                         help="report shards succeeded once their lines are done")
     parser.add_argument("-n", "--namespace", action="append", dest="namespaces", default=[],
@@ -62,7 +65,8 @@ async def serve(args: argparse.Namespace) -> int:
     limit = raise_fd_limit(args.fd_limit)
     logger.info("descriptor limit %d", limit)
     standin = Standin(StandinConfig(lines_per_second=args.lines_per_second,
-                                    finish_shards=args.finish_shards))
+                                    finish_shards=args.finish_shards,
+                                    status_counters=args.status_counters))
     await standin.start()
     runner = web.AppRunner(control_app(standin), access_log=None)
     await runner.setup()

@@ -5,15 +5,17 @@ and engine per pod. The stand-in answers exactly what the operator calls on a
 pod (``observe.py``/``handlers.py``): the real control gRPC service
 (``sidecar.proto``, the generated ``SidecarServicer``) on ``<pod IP>:9000``
 with bearer-token checks, and ``GET /metrics`` on ``<pod IP>:8000`` with the
-sidecar's metric names. Each pod gets its own grpc.aio server (the servicer must
-know which pod it is, and gRPC does not tell a handler which local address was
-dialled); the HTTP side is one aiohttp app with one listening site per IP (a
-handler reads its local address from the transport).
+sidecar's metric names (the operator scrapes it only from pods whose ``Status``
+has no ``online_counters``; ``status_counters=False`` plays such older sidecars).
+Each pod gets its own grpc.aio server (the servicer must know which pod it is,
+and gRPC does not tell a handler which local address was dialled); the HTTP
+side is one aiohttp app with one listening site per IP (a handler reads its
+local address from the transport).
 
 Values change in a way a benchmark can time: :meth:`Standin.bump` adds one
 online request per pod at a known time (TTFT/TBT histograms and counters move),
 so an InferenceService's ``status.observed.samples`` rises by its replica count
-once the operator has scraped every pod after the bump. Shards the operator
+once the operator has read every pod after the bump. Shards the operator
 assigns are reported ``running`` with steady progress (a fixed number of lines
 per second, never finishing unless ``finish_shards`` is set), spare capacity
 varies per pod, and Configure is versioned like the real sidecar's.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import resource
 import time
 import zlib
@@ -66,6 +69,7 @@ class StandinConfig:
     tokens_per_line: int = 64  # output tokens credited per finished line
     finish_shards: bool = False  # True: a shard reaches `succeeded` when its lines are done
     watch_interval_s: float = 1.0
+    status_counters: bool = True  # False: Status without online_counters (an older sidecar)
 
 
 @dataclass
@@ -127,7 +131,25 @@ class FakePod:
         )
         if self.budget_s is not None:
             msg.budget_s = self.budget_s
+        if config.status_counters:
+            msg.online_counters.CopyFrom(online_counters(self))
         return msg
+
+
+def _histogram_pb(n: int, buckets: tuple[float, ...], value: float) -> pb.Histogram:
+    return pb.Histogram(upper_bounds=[*buckets, math.inf],
+                        cumulative_counts=[n if value <= le else 0 for le in buckets] + [n],
+                        sum=value * n, count=n)
+
+
+def online_counters(pod: FakePod) -> pb.ClassCounters:
+    """The same online series as :func:`render_metrics`, as ``Status`` carries them."""
+    n = pod.online_requests
+    return pb.ClassCounters(
+        ttft_seconds=_histogram_pb(n, TTFT_BUCKETS, 0.3),
+        tbt_seconds=_histogram_pb(n, TBT_BUCKETS, 0.04),
+        admitted=n, finished_ok=n, output_tokens=n * 128,
+    )
 
 
 def render_metrics(pod: FakePod) -> str:

@@ -500,6 +500,81 @@ class ClassStatus(_message.Message):
 Global___ClassStatus: _TypeAlias = ClassStatus  # noqa: Y015
 
 @_typing.final
+class Histogram(_message.Message):
+    """A cumulative histogram as /metrics exports it: counts of observations at or
+    below each upper bound (ascending, the last +Inf), their sum and count.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPPER_BOUNDS_FIELD_NUMBER: _builtins.int
+    CUMULATIVE_COUNTS_FIELD_NUMBER: _builtins.int
+    SUM_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    sum: _builtins.float
+    count: _builtins.float
+    @_builtins.property
+    def upper_bounds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def cumulative_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        upper_bounds: _abc.Iterable[_builtins.float] | None = ...,
+        cumulative_counts: _abc.Iterable[_builtins.float] | None = ...,
+        sum: _builtins.float = ...,
+        count: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "cumulative_counts", b"cumulative_counts", "sum", b"sum", "upper_bounds", b"upper_bounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Histogram: _TypeAlias = Histogram  # noqa: Y015
+
+@_typing.final
+class ClassCounters(_message.Message):
+    """One class's latency histograms and counters since the sidecar started: the
+    same numbers as its slipstream_* series on /metrics, taken at the Status
+    call, so the operator reads its latency window without scraping the pod.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTFT_SECONDS_FIELD_NUMBER: _builtins.int
+    TBT_SECONDS_FIELD_NUMBER: _builtins.int
+    ADMITTED_FIELD_NUMBER: _builtins.int
+    FINISHED_OK_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    admitted: _builtins.float
+    """slipstream_requests_admitted_total"""
+    finished_ok: _builtins.float
+    """slipstream_requests_finished_total with outcome="ok" """
+    output_tokens: _builtins.float
+    """slipstream_output_tokens_total"""
+    @_builtins.property
+    def ttft_seconds(self) -> Global___Histogram: ...
+    @_builtins.property
+    def tbt_seconds(self) -> Global___Histogram: ...
+    def __init__(
+        self,
+        *,
+        ttft_seconds: Global___Histogram | None = ...,
+        tbt_seconds: Global___Histogram | None = ...,
+        admitted: _builtins.float = ...,
+        finished_ok: _builtins.float = ...,
+        output_tokens: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tbt_seconds", b"tbt_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finished_ok", b"finished_ok", "output_tokens", b"output_tokens", "tbt_seconds", b"tbt_seconds", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassCounters: _TypeAlias = ClassCounters  # noqa: Y015
+
+@_typing.final
 class StatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -516,6 +591,7 @@ class StatusResponse(_message.Message):
     ORDERING_FIELD_NUMBER: _builtins.int
     IDLE_BUDGET_S_FIELD_NUMBER: _builtins.int
     LATENCY_MODEL_FIELD_NUMBER: _builtins.int
+    ONLINE_COUNTERS_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     budget_s: _builtins.float
     spare_capacity: _builtins.float
@@ -541,6 +617,12 @@ class StatusResponse(_message.Message):
         empty kind and coefficients: none (admission is then naive).
         """
 
+    @_builtins.property
+    def online_counters(self) -> Global___ClassCounters:
+        """The online class's counters (absent from sidecars older than this field:
+        the operator then scrapes /metrics).
+        """
+
     def __init__(
         self,
         *,
@@ -557,10 +639,11 @@ class StatusResponse(_message.Message):
         ordering: _builtins.str = ...,
         idle_budget_s: _builtins.float | None = ...,
         latency_model: Global___LatencyModelSpec | None = ...,
+        online_counters: Global___ClassCounters | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "offline", b"offline", "online", b"online"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "offline", b"offline", "online", b"online", "online_counters", b"online_counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "online_counters", b"online_counters", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__budget_s: _TypeAlias = _typing.Literal["budget_s"]  # noqa: Y015
     _WhichOneofArgType__budget_s: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s"]  # noqa: Y015

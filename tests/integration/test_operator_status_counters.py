@@ -1,0 +1,103 @@
+"""A service tick reads each pod's latency window from its Status, and scrapes only pods
+whose Status does not carry it.
+
+The real handler (``Handlers.service_tick``) against the local cluster's kube-apiserver, and
+the fleet stand-in's fake sidecars over loopback gRPC and HTTP (the real ``.proto``), once as
+current sidecars (``online_counters`` in Status) and once as older ones (without). Both must
+give the same observed window; only the older ones are scraped on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, cast
+
+import aiohttp
+import kopf
+import pytest
+from kopf._core.engines import posting
+from kubernetes import client
+
+from slipstream_cli.fleet.standin import Standin, StandinConfig
+from slipstream_cli.fleet.workload import MODEL
+from slipstream_operator import kube
+from slipstream_operator.handlers import Handlers
+from slipstream_operator.reconcile_service import SERVICE_LABEL, TOKEN_KEY
+from slipstream_operator.settings import OperatorSettings
+from slipstream_operator.sidecar_client import GrpcSidecarControl
+
+pytestmark = [pytest.mark.cluster, pytest.mark.integration]
+
+_ports = itertools.count(47000 + (id(object()) % 400) * 8, 2)
+TOKEN = "test-token-for-the-fake-sidecars"
+
+
+async def _observed_after_ticks(api: client.ApiClient, namespace: str, name: str,
+                                counters: bool, net: int) -> tuple[list[dict[str, Any]], int]:
+    client.CoreV1Api(api).create_namespaced_secret(namespace, client.V1Secret(
+        metadata=client.V1ObjectMeta(name=f"{name}-control-token"),
+        string_data={TOKEN_KEY: TOKEN}))
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port,
+                                    status_counters=counters))
+    await standin.start()
+    ips = [f"127.1.{net}.{10 + i}" for i in range(3)]
+    for i, ip in enumerate(ips):
+        await standin.add_pod(f"{name}-{i}", ip, TOKEN)
+    pods_index = {(namespace, name): [
+        kube.PodInfo(f"{name}-{i}", ip, True, {SERVICE_LABEL: name}) for i, ip in enumerate(ips)
+    ]}
+    body: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
+                     "generation": 1},
+        "spec": {"model": MODEL,
+                 "engine": {"image": "vllm/vllm-openai:v0.11.0", "gpus": 1, "gpuType": "h100"},
+                 "replicas": 3,
+                 "slo": {"ttft": {"p99": "2s"}, "tbt": {"p99": "150ms"}},
+                 "sidecar": {"httpPort": grpc_port + 1, "grpcPort": grpc_port}},
+        "status": {},
+    }
+    kopf_settings = kopf.OperatorSettings()
+    kopf_settings.posting.enabled = False
+    posting.settings_var.set(kopf_settings)
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    http = aiohttp.ClientSession()
+    # A Status max age of 0: every tick asks every pod, as ticks an interval apart do.
+    handlers = Handlers(OperatorSettings(loopback_only=True, reconcile_interval_s=1e-9),
+                        api, grpc_client, http)
+    seen: list[dict[str, Any]] = []
+    try:
+        for _ in range(4):
+            patch = kopf.Patch()
+            await handlers.service_tick(cast(kopf.Body, body), patch, name=name,
+                                        namespace=namespace, uid=f"uid-{name}", generation=1,
+                                        pods_index=pods_index)
+            body["status"] = {**body["status"], **dict(patch.status or {})}
+            seen.append(dict(body["status"]["observed"]))
+            standin.bump()
+        scrapes = sum(p.calls.get("metrics", 0) for p in standin.pods.values())
+    finally:
+        await handlers.settle()
+        handlers.close()
+        await http.close()
+        await grpc_client.close()
+        await standin.stop()
+    return seen, scrapes
+
+
+async def test_the_window_comes_from_status_and_older_sidecars_are_scraped(
+    admin_api: client.ApiClient, namespace: str,
+) -> None:
+    current, current_scrapes = await _observed_after_ticks(admin_api, namespace, "cur",
+                                                           counters=True, net=249)
+    older, older_scrapes = await _observed_after_ticks(admin_api, namespace, "old",
+                                                       counters=False, net=248)
+    assert current_scrapes == 0
+    assert older_scrapes == 4 * 3  # every pod, every tick
+    # The same window either way: no samples until a bump has landed, then one more online
+    # request per pod per bump (3 pods), with the stand-in's TTFT 0.3 s and TBT 40 ms.
+    assert [o["samples"] for o in current] == [o["samples"] for o in older] == [0, 3, 6, 9]
+    for observed in (current[-1], older[-1]):
+        assert observed["source"] == "sidecar"
+        assert observed["ttftMean"] == "300ms" and observed["tbtMean"] == "40ms"
+    assert current[-1] == older[-1]
