@@ -125,6 +125,13 @@ class OperatorSettings(BaseSettings):
         description="Sidecar control calls (Status, Configure, AssignShard, RevokeShard) in "
         "flight at once, across all objects. Default: 64.",
     )
+    job_tick_concurrency: int = Field(
+        default=8,
+        ge=1,
+        description="OfflineJob reconciles that run at once; the others wait their turn, so "
+        "on a busy operator job ticks come less often instead of delaying the "
+        "InferenceService ticks (which take no slot). Default: 8.",
+    )
     sidecar_image: str = Field(
         default=DEFAULT_SIDECAR_IMAGE,
         min_length=1,

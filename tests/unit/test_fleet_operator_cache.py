@@ -499,3 +499,39 @@ async def test_a_stream_of_urgent_calls_leaves_every_fourth_slot_to_the_rest() -
                        "svc-6", "svc-7"]
     with pytest.raises(ValueError, match="urgent_run"):
         PrioritySlots(1, urgent_run=0)
+
+
+async def test_job_ticks_run_in_bounded_slots_and_in_turn() -> None:
+    from kubernetes import client
+
+    from slipstream_operator.handlers import Handlers
+    from slipstream_operator.settings import OperatorSettings
+
+    handlers = Handlers(OperatorSettings(job_tick_concurrency=2), client.ApiClient(),
+                        GrpcSidecarControl())
+    release = asyncio.Event()
+    running: list[str] = []
+    started: list[str] = []
+    peak = 0
+
+    async def inner(body: Any, patch: Any, *, name: str, **kwargs: Any) -> None:
+        nonlocal peak
+        started.append(name)
+        running.append(name)
+        peak = max(peak, len(running))
+        await release.wait()
+        running.remove(name)
+
+    handlers._job_tick = inner  # type: ignore[method-assign]
+    try:
+        ticks = [asyncio.ensure_future(handlers.job_tick(
+            {}, None, name=f"job-{i}", namespace="ns", uid=f"u{i}", generation=1,  # type: ignore[arg-type]
+            pods_index={}, services_index={}, jobs_index={})) for i in range(5)]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert started == ["job-0", "job-1"]  # the rest wait for a slot
+        release.set()
+        await asyncio.gather(*ticks)
+        assert started == [f"job-{i}" for i in range(5)] and peak == 2  # first come, first in
+    finally:
+        handlers.close()

@@ -17,7 +17,6 @@ from slipstream_operator.observe import PodHistory, Sample, parse_sample
 from slipstream_operator.sidecar_client import GrpcSidecarControl, PodAddress, _online_sample
 from slipstream_sidecar.grpc_server import counters_pb
 from slipstream_sidecar.metrics import SidecarMetrics
-from slipstream_sidecar.proto import sidecar_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
