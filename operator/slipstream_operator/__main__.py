@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between reconciles of one object (default 5)")
     parser.add_argument("--window", type=float, dest="window_s",
                         help="seconds of the observed-latency window (default 300)")
-    parser.add_argument("--prometheus-url", help="Prometheus base URL (default: scrape sidecars)")
+    parser.add_argument("--prometheus-url",
+                        help="Prometheus base URL (default: the sidecars' own counters)")
     parser.add_argument("--profiles-dir", help="extra folder of latency profiles")
     parser.add_argument("--stall-timeout", type=float, dest="stall_timeout_s",
                         help="seconds without progress before a shard moves (default 120)")
@@ -102,7 +103,7 @@ async def _main(args: argparse.Namespace) -> int:
         api = client.ApiClient()
     control = GrpcSidecarControl(timeout_s=settings.sidecar_timeout_s)
     # One connection per pod kept open across ticks (the default pool of 100 would make
-    # most of a large fleet's /metrics scrapes reconnect every tick).
+    # most of a large fleet's fallback /metrics scrapes reconnect every tick).
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=2)
     async with aiohttp.ClientSession(connector=connector) as http:
         handlers = Handlers(settings, api, control, http)

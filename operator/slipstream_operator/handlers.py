@@ -139,6 +139,9 @@ JOB_INDEX = "slipstream_jobs"
 
 STATUS_MAX_AGE = 0.8
 """A cached sidecar Status is reused for this fraction of the reconcile interval."""
+SERVICE_STATUS_MAX_AGE = 0.2
+"""The same for a service tick, whose reply becomes the service's status: a reply a job tick
+asked for up to 0.8 intervals earlier would make a change on the pod wait one more tick."""
 FILE_THREADS = 4
 """Threads for planning, shard-log counting and merging (file work, off the kube executor)."""
 
@@ -226,7 +229,6 @@ class Handlers:
         self.state = OperatorState()
         self.applied = kube.AppliedChildren(settings.apply_resync_s)
         self.budget_searches = BudgetSearches(settings.budget_search)
-        self._job_slots = asyncio.Semaphore(settings.job_tick_concurrency)
         self._kube_pool = ThreadPoolExecutor(settings.kube_threads, thread_name_prefix="kube")
         kube.widen_connection_pool(api, settings.kube_threads)
         self._file_pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
@@ -360,7 +362,9 @@ class Handlers:
         async def ask() -> SidecarStatus | None:
             try:
                 # Urgent: this tick holds the service's status; job ticks' looks can wait.
-                return await self.control.status(address, urgent=True)
+                return await self.control.status(
+                    address, urgent=True,
+                    max_age_s=SERVICE_STATUS_MAX_AGE * self.settings.reconcile_interval_s)
             except SidecarError as exc:
                 logger.info("%s", exc)
                 return None
@@ -554,22 +558,6 @@ class Handlers:
         return plan
 
     async def job_tick(
-        self, body: kopf.Body, patch: kopf.Patch, *, name: str, namespace: str, uid: str,
-        generation: int, pods_index: PodIndex, services_index: ServiceIndex,
-        jobs_index: JobIndex,
-    ) -> None:
-        """One OfflineJob reconcile, in one of ``job_tick_concurrency`` slots.
-
-        Service ticks take no slot: they hold the SLO status and the budget, so on a busy
-        event loop job ticks wait for each other (each job's next tick comes later) rather
-        than make every service tick wait behind them.
-        """
-        async with self._job_slots:
-            await self._job_tick(body, patch, name=name, namespace=namespace, uid=uid,
-                                 generation=generation, pods_index=pods_index,
-                                 services_index=services_index, jobs_index=jobs_index)
-
-    async def _job_tick(
         self, body: kopf.Body, patch: kopf.Patch, *, name: str, namespace: str, uid: str,
         generation: int, pods_index: PodIndex, services_index: ServiceIndex,
         jobs_index: JobIndex,

@@ -1,7 +1,10 @@
-"""Online latency and load over a window, from the sidecars' own ``/metrics``.
+"""Online latency and load over a window, from the sidecars' own counters.
 
-The operator scrapes each ready pod's sidecar ``/metrics`` (by pod IP) on its
-reconcile timer and keeps a short history of cumulative samples per pod.
+On its reconcile timer the operator reads each ready pod's online histograms and
+counters from the pod's ``Status`` reply (``online_counters``, the same numbers as
+the sidecar's ``/metrics``; ``sidecar_client`` turns them into a :class:`Sample`),
+or scrapes ``/metrics`` by pod IP from a sidecar whose ``Status`` lacks them, and
+keeps a short history of cumulative samples per pod.
 Subtracting the oldest sample inside the window from the newest gives the
 window's histogram of TTFT and TBT (online class), from which the mean
 (sum/count) and the P99 (linear interpolation inside the bucket, as PromQL's

@@ -50,7 +50,9 @@ class OperatorSettings(BaseSettings):
         description="Window of the observed latency statistics (s). Default: 300.",
     )
     prometheus_url: str | None = Field(
-        default=None, description="Prometheus base URL; unset: scrape sidecars' /metrics directly."
+        default=None,
+        description="Prometheus base URL; unset: the sidecars' own latency counters, which "
+        "each pod's Status carries (its /metrics for a sidecar without them).",
     )
     default_prompt_tokens: float = Field(
         default=1000.0,
@@ -124,13 +126,6 @@ class OperatorSettings(BaseSettings):
         ge=1,
         description="Sidecar control calls (Status, Configure, AssignShard, RevokeShard) in "
         "flight at once, across all objects. Default: 64.",
-    )
-    job_tick_concurrency: int = Field(
-        default=8,
-        ge=1,
-        description="OfflineJob reconciles that run at once; the others wait their turn, so "
-        "on a busy operator job ticks come less often instead of delaying the "
-        "InferenceService ticks (which take no slot). Default: 8.",
     )
     sidecar_image: str = Field(
         default=DEFAULT_SIDECAR_IMAGE,

@@ -501,37 +501,28 @@ async def test_a_stream_of_urgent_calls_leaves_every_fourth_slot_to_the_rest() -
         PrioritySlots(1, urgent_run=0)
 
 
-async def test_job_ticks_run_in_bounded_slots_and_in_turn() -> None:
-    from kubernetes import client
-
-    from slipstream_operator.handlers import Handlers
-    from slipstream_operator.settings import OperatorSettings
-
-    handlers = Handlers(OperatorSettings(job_tick_concurrency=2), client.ApiClient(),
-                        GrpcSidecarControl())
-    release = asyncio.Event()
-    running: list[str] = []
-    started: list[str] = []
-    peak = 0
-
-    async def inner(body: Any, patch: Any, *, name: str, **kwargs: Any) -> None:
-        nonlocal peak
-        started.append(name)
-        running.append(name)
-        peak = max(peak, len(running))
-        await release.wait()
-        running.remove(name)
-
-    handlers._job_tick = inner  # type: ignore[method-assign]
+async def test_a_look_may_ask_for_a_younger_reply_than_the_shared_max_age() -> None:
+    """A service tick (its reply becomes the service's status) accepts a younger reply than a
+    job tick: one a job tick cached just before a change on the pod would hide the change
+    for one more tick."""
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    counting = Counting(grpc_client)
+    clock = Clock()
+    shared = SharedSidecarControl(counting, max_age_s=4.0, limit=4, clock=clock)
     try:
-        ticks = [asyncio.ensure_future(handlers.job_tick(
-            {}, None, name=f"job-{i}", namespace="ns", uid=f"u{i}", generation=1,  # type: ignore[arg-type]
-            pods_index={}, services_index={}, jobs_index={})) for i in range(5)]
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert started == ["job-0", "job-1"]  # the rest wait for a slot
-        release.set()
-        await asyncio.gather(*ticks)
-        assert started == [f"job-{i}" for i in range(5)] and peak == 2  # first come, first in
+        await standin.add_pod("pod-y", "127.1.251.70", "tok")
+        a = PodAddress("pod-y", "127.1.251.70", grpc_port, "tok")
+        first = await shared.status(a)  # a job tick's look
+        standin.bump()  # the pod changes
+        clock.now += 2.0
+        assert await shared.status(a) is first  # a job tick still takes the cached reply
+        fresh = await shared.status(a, urgent=True, max_age_s=1.0)  # a service tick's does not
+        assert counting.calls["status"] == 2
+        assert fresh.online_admitted_total == first.online_admitted_total + 1
+        assert await shared.status(a) is fresh  # and the fresh reply is shared from then on
     finally:
-        handlers.close()
+        await grpc_client.close()
+        await standin.stop()
