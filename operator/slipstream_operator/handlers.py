@@ -139,9 +139,7 @@ JOB_INDEX = "slipstream_jobs"
 
 STATUS_MAX_AGE = 0.8
 """A cached sidecar Status is reused for this fraction of the reconcile interval."""
-SERVICE_STATUS_MAX_AGE = 0.2
-"""The same for a service tick, whose reply becomes the service's status: a reply a job tick
-asked for up to 0.8 intervals earlier would make a change on the pod wait one more tick."""
+
 FILE_THREADS = 4
 """Threads for planning, shard-log counting and merging (file work, off the kube executor)."""
 
@@ -362,9 +360,7 @@ class Handlers:
         async def ask() -> SidecarStatus | None:
             try:
                 # Urgent: this tick holds the service's status; job ticks' looks can wait.
-                return await self.control.status(
-                    address, urgent=True,
-                    max_age_s=SERVICE_STATUS_MAX_AGE * self.settings.reconcile_interval_s)
+                return await self.control.status(address, urgent=True)
             except SidecarError as exc:
                 logger.info("%s", exc)
                 return None

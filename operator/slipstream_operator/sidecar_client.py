@@ -422,17 +422,16 @@ class SharedSidecarControl:
     """A :class:`SidecarControl` that shares Status replies per pod and bounds concurrency.
 
     ``status(address)`` returns the pod's last reply if it is younger than ``max_age_s`` (and
-    asked with the same token; a look may ask for a younger one), else asks the pod; while one
-    ask is in flight, others for the same pod await it. Failures are not cached. ``assign`` and
-    ``revoke`` go straight through and drop the pod's cached reply, both before and after the
-    call (a reply asked for while the change was in flight is not kept either). ``configure``
-    does the same, except that once the pod answers with the call's generation, the reply cached
-    before the call (or one asked meanwhile) is kept with ``generation``, ``budget_s`` and (when
-    the call carries coefficients) the latency model fields set from the call, and its age
-    unchanged. At most ``limit`` calls of any kind are in flight at once; ``status(...,
-    urgent=True)`` waits ahead of every other call (:class:`PrioritySlots`: up to three urgent
-    grants in a row), and makes a call in flight for the same pod that still waits for a slot
-    urgent.
+    asked with the same token), else asks the pod; while one ask is in flight, others for the
+    same pod await it. Failures are not cached. ``assign`` and ``revoke`` go straight through
+    and drop the pod's cached reply, both before and after the call (a reply asked for while the
+    change was in flight is not kept either). ``configure`` does the same, except that once the
+    pod answers with the call's generation, the reply cached before the call (or one asked
+    meanwhile) is kept with ``generation``, ``budget_s`` and (when the call carries
+    coefficients) the latency model fields set from the call, and its age unchanged. At most
+    ``limit`` calls of any kind are in flight at once; ``status(..., urgent=True)`` waits ahead
+    of every other call (:class:`PrioritySlots`: up to three urgent grants in a row), and makes
+    a call in flight for the same pod that still waits for a slot urgent.
     """
 
     def __init__(self, inner: SidecarControl, *, max_age_s: float, limit: int,
@@ -472,12 +471,10 @@ class SharedSidecarControl:
                     if k.split("@", 1)[0] in pods and k not in self._flying]:
             del self._epochs[key]
 
-    async def status(self, address: PodAddress, *, urgent: bool = False,
-                     max_age_s: float | None = None) -> SidecarStatus:
+    async def status(self, address: PodAddress, *, urgent: bool = False) -> SidecarStatus:
         key = self._key(address)
         cached = self._cache.get(key)
-        limit = self.max_age_s if max_age_s is None else max_age_s
-        if cached is not None and self._clock() - cached.at_s < limit:
+        if cached is not None and self._clock() - cached.at_s < self.max_age_s:
             return cached.status
         epoch = self._epochs.get(key, 0)
         flying = self._flying.get(key)

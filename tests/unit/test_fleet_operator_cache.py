@@ -500,29 +500,3 @@ async def test_a_stream_of_urgent_calls_leaves_every_fourth_slot_to_the_rest() -
     with pytest.raises(ValueError, match="urgent_run"):
         PrioritySlots(1, urgent_run=0)
 
-
-async def test_a_look_may_ask_for_a_younger_reply_than_the_shared_max_age() -> None:
-    """A service tick (its reply becomes the service's status) accepts a younger reply than a
-    job tick: one a job tick cached just before a change on the pod would hide the change
-    for one more tick."""
-    grpc_port = next(_ports)
-    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
-    await standin.start()
-    grpc_client = GrpcSidecarControl(timeout_s=5.0)
-    counting = Counting(grpc_client)
-    clock = Clock()
-    shared = SharedSidecarControl(counting, max_age_s=4.0, limit=4, clock=clock)
-    try:
-        await standin.add_pod("pod-y", "127.1.251.70", "tok")
-        a = PodAddress("pod-y", "127.1.251.70", grpc_port, "tok")
-        first = await shared.status(a)  # a job tick's look
-        standin.bump()  # the pod changes
-        clock.now += 2.0
-        assert await shared.status(a) is first  # a job tick still takes the cached reply
-        fresh = await shared.status(a, urgent=True, max_age_s=1.0)  # a service tick's does not
-        assert counting.calls["status"] == 2
-        assert fresh.online_admitted_total == first.online_admitted_total + 1
-        assert await shared.status(a) is fresh  # and the fresh reply is shared from then on
-    finally:
-        await grpc_client.close()
-        await standin.stop()
