@@ -9,8 +9,9 @@ A tick:
 
 * InferenceService: the control token (kept in memory, re-read every
   ``apply_resync_s``), the latency profile, the service's pods from the pod
-  index, each running pod's Status (gRPC, pod IP, shared with the job ticks)
-  and ``/metrics`` (HTTP, pod IP), then ``reconcile_service``; apply the
+  index, each running pod's Status (gRPC, pod IP, shared with the job ticks;
+  it carries the pod's online latency counters, and ``/metrics`` is scraped
+  only from a sidecar whose Status does not), then ``reconcile_service``; apply the
   children that changed since they were last applied (or are due for a
   resync), write the status keys that changed, emit events, and push Configure
   to pods behind the generation in the background (the status is not held for
@@ -139,7 +140,6 @@ JOB_INDEX = "slipstream_jobs"
 
 STATUS_MAX_AGE = 0.8
 """A cached sidecar Status is reused for this fraction of the reconcile interval."""
-
 FILE_THREADS = 4
 """Threads for planning, shard-log counting and merging (file work, off the kube executor)."""
 
