@@ -70,6 +70,10 @@ def test_lags_are_reported_per_bump_and_overall() -> None:
     one, two = result["status_lag_bumps"]
     assert (one["bump"], one["p50_s"], one["p99_s"], one["max_s"]) == (1, 51.0, 100.0, 100.0)
     assert (two["p50_s"], two["p99_s"], two["max_s"], two["timeouts"]) == (2.0, 120.0, 120.0, 1)
+    # Stamps 1 s apart are no burst; 99 services stamped at one instant are.
+    assert (one["largest_burst"], two["largest_burst"]) == (1, 99)
+    assert one["probe_reopened"] == two["probe_reopened"] == 0
+    assert BumpLags(3, (5.0, 5.02, 5.04, 5.06, 9.0)).largest_burst() == 3
     row = dict(_scale(25), status_lag_bumps=[one, two])
     table = markdown(summary([row], None))
     assert "| nodes | bump | services seen | timeouts | lag p50 s |" in table

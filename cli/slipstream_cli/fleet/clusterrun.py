@@ -145,6 +145,21 @@ class BumpLags:
     bump: int  # 1-based
     lags_s: tuple[float, ...]
     timeouts: int = 0
+    # Times the probe's watch was re-opened (LIST again) while this bump was timed: services
+    # first seen by that LIST are stamped when it returned, not when their status changed.
+    probe_reopened: int = 0
+
+    def largest_burst(self, within_s: float = 0.05) -> int:
+        """Most services stamped within ``within_s`` of each other. Ticks spread over an
+        interval PATCH statuses apart, so a burst of most of a bump's services points at the
+        probe (a watch that held events back, or a re-LIST), not at the operator."""
+        lags = sorted(self.lags_s)
+        most, start = 0, 0
+        for end, lag in enumerate(lags):
+            while lag - lags[start] > within_s:
+                start += 1
+            most = max(most, end - start + 1)
+        return most
 
     def to_dict(self) -> dict[str, Any]:
         lags = sorted(self.lags_s)
@@ -156,6 +171,8 @@ class BumpLags:
             "p50_s": round(lags[len(lags) // 2], 2) if lags else None,
             "p99_s": round(p99, 2) if p99 is not None else None,
             "max_s": round(lags[-1], 2) if lags else None,
+            "largest_burst": self.largest_burst(),
+            "probe_reopened": self.probe_reopened,
         }
 
 
@@ -514,6 +531,7 @@ class FleetRun:
                 bumped_at, number = float(answer["at"]), int(answer["bump"])
                 want = number * self.plan.replicas
                 waiting = set(keys)
+                reopened = watch.reopened
                 deadline = time.time() + self.lag_timeout_s
                 while waiting and time.time() < deadline:
                     for key in list(waiting):
@@ -523,7 +541,8 @@ class FleetRun:
                             lags.append(at - bumped_at)
                     time.sleep(0.1)
                 lags.extend(self.lag_timeout_s for _ in waiting)
-                out.append(BumpLags(bump, tuple(lags), len(waiting)))
+                out.append(BumpLags(bump, tuple(lags), len(waiting),
+                                    probe_reopened=watch.reopened - reopened))
         finally:
             watch.stop()
         logger.info("status watch: %d events, reopened %d times", watch.events, watch.reopened)
