@@ -17,14 +17,12 @@ from typing import Any, cast
 import aiohttp
 import kopf
 import pytest
+from helpers_standin import standin_service
 from kopf._core.engines import posting
 from kubernetes import client
 
-from slipstream_cli.fleet.standin import Standin, StandinConfig
 from slipstream_cli.fleet.workload import MODEL
-from slipstream_operator import kube
 from slipstream_operator.handlers import Handlers
-from slipstream_operator.reconcile_service import SERVICE_LABEL, TOKEN_KEY
 from slipstream_operator.settings import OperatorSettings
 from slipstream_operator.sidecar_client import (
     ConfigureCall,
@@ -78,18 +76,10 @@ async def test_the_status_is_written_before_configure_and_budget_ready_follows(
     admin_api: client.ApiClient, namespace: str,
 ) -> None:
     name = "svc"
-    client.CoreV1Api(admin_api).create_namespaced_secret(namespace, client.V1Secret(
-        metadata=client.V1ObjectMeta(name=f"{name}-control-token"),
-        string_data={TOKEN_KEY: TOKEN}))
     grpc_port = next(_ports)
-    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
-    await standin.start()
-    ips = [f"127.1.253.{10 + i}" for i in range(3)]
-    for i, ip in enumerate(ips):
-        await standin.add_pod(f"{name}-{i}", ip, TOKEN)
-    pods_index = {(namespace, name): [
-        kube.PodInfo(f"{name}-{i}", ip, True, {SERVICE_LABEL: name}) for i, ip in enumerate(ips)
-    ]}
+    standin, pods_index = await standin_service(admin_api, namespace, name, TOKEN,
+                                                grpc_port=grpc_port, net=253)
+    ips = [p.ip for p in pods_index[(namespace, name)]]
     body = {
         "metadata": {"name": name, "namespace": namespace, "uid": "uid-status-first",
                      "generation": 1},

@@ -15,14 +15,12 @@ from typing import Any, cast
 import aiohttp
 import kopf
 import pytest
+from helpers_standin import standin_service
 from kopf._core.engines import posting
 from kubernetes import client
 
-from slipstream_cli.fleet.standin import Standin, StandinConfig
 from slipstream_cli.fleet.workload import MODEL
-from slipstream_operator import kube
 from slipstream_operator.handlers import Handlers
-from slipstream_operator.reconcile_service import SERVICE_LABEL, TOKEN_KEY
 from slipstream_operator.settings import OperatorSettings
 from slipstream_operator.sidecar_client import GrpcSidecarControl
 
@@ -34,19 +32,9 @@ TOKEN = "test-token-for-the-fake-sidecars"
 
 async def _observed_after_ticks(api: client.ApiClient, namespace: str, name: str,
                                 counters: bool, net: int) -> tuple[list[dict[str, Any]], int]:
-    client.CoreV1Api(api).create_namespaced_secret(namespace, client.V1Secret(
-        metadata=client.V1ObjectMeta(name=f"{name}-control-token"),
-        string_data={TOKEN_KEY: TOKEN}))
     grpc_port = next(_ports)
-    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port,
-                                    status_counters=counters))
-    await standin.start()
-    ips = [f"127.1.{net}.{10 + i}" for i in range(3)]
-    for i, ip in enumerate(ips):
-        await standin.add_pod(f"{name}-{i}", ip, TOKEN)
-    pods_index = {(namespace, name): [
-        kube.PodInfo(f"{name}-{i}", ip, True, {SERVICE_LABEL: name}) for i, ip in enumerate(ips)
-    ]}
+    standin, pods_index = await standin_service(api, namespace, name, TOKEN, grpc_port=grpc_port,
+                                                net=net, status_counters=counters)
     body: dict[str, Any] = {
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
                      "generation": 1},
