@@ -88,6 +88,7 @@ from slipstream_operator.reconcile_job import (
     JobObserved,
     JobOutcome,
     JobSettings,
+    candidate_pod,
     job_prefix,
     reconcile_job,
     storage_scope_error,
@@ -600,6 +601,7 @@ class Handlers:
         # Jobs of one namespace share its pods: one places at a time, so none plans on a
         # load another is about to change (the other ticks of the fleet run alongside).
         async with self._placing.setdefault(namespace, asyncio.Lock()):
+            prefix = job_prefix(namespace, name)
             priorities = {
                 job_prefix(namespace, j.name): j.priority
                 for j in jobs_index.get(namespace, ()) if j.uid != uid
@@ -637,17 +639,10 @@ class Handlers:
                     silent.add(address.pod)
                     continue
                 addresses[address.pod] = address
-                others = tuple(
-                    (r.shard_id, priorities[r.shard_id.rsplit("-", 1)[0]])
-                    for r in status.shards
-                    if r.state in ("pending", "running")
-                    and r.shard_id.rsplit("-", 1)[0] in priorities
-                )
-                candidates.append(CandidatePod(
-                    name=address.pod, service=svc_name,
-                    ready=status.engine_ready and not status.draining,
-                    spare_capacity=status.spare_capacity, shards=status.shards,
-                    other_priorities=others,
+                candidates.append(candidate_pod(
+                    address.pod, svc_name, ready=status.engine_ready and not status.draining,
+                    spare_capacity=status.spare_capacity, by_job=status.by_job, job=prefix,
+                    priority=spec.priority, priorities=priorities,
                 ))
             done = self.state.done.setdefault(uid, {})
             if plan is not None:
@@ -742,7 +737,9 @@ class Handlers:
 
     async def _verify(self, plan: Plan, pods: list[CandidatePod],
                       done: dict[str, tuple[int, int]], memory: JobMemory) -> None:
-        """Count the logs of shards that may have finished: reported succeeded, or unplaced."""
+        """Count the logs of shards that may have finished: reported succeeded, or unplaced.
+
+        ``pods`` carry this job's own shard reports only (:func:`candidate_pod`)."""
         active = {r.shard_id for p in pods for r in p.shards if r.state in ("pending", "running")}
         succeeded = {r.shard_id for p in pods for r in p.shards if r.state == "succeeded"}
         first = not memory.history  # a fresh operator checks every shard once

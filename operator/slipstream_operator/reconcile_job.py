@@ -44,6 +44,7 @@ reports after an operator restart.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -51,22 +52,54 @@ from typing import Any
 from slipstream_operator.api import OfflineJobSpec, Phase, format_duration, parse_duration
 from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.shards import MergeResult, Plan, ShardPlan
-from slipstream_operator.sidecar_client import ShardReport
+from slipstream_operator.sidecar_client import ACTIVE_STATES, JobShards, ShardReport
 from slipstream_scheduler.storage_scope import ScopeError, check_uri
-
-ACTIVE_STATES = ("pending", "running")
 
 
 @dataclass(frozen=True, slots=True)
 class CandidatePod:
-    """A pod that may host the job, as its sidecar reports it."""
+    """A pod that may host the job, as its sidecar reports it (built by :func:`candidate_pod`).
+
+    Only this job's own shard reports are carried; other jobs' shards count towards the
+    pod's load (``others_active``), and the ones this job may preempt are listed with their
+    job's priority.
+    """
 
     name: str
     service: str
     ready: bool
     spare_capacity: float
-    shards: tuple[ShardReport, ...] = ()
-    other_priorities: tuple[tuple[str, int], ...] = ()  # (shard_id, job priority) of other jobs
+    shards: tuple[ShardReport, ...] = ()  # this job's shards on the pod, in any state
+    others_active: int = 0  # pending or running shards of other jobs on the pod
+    # (shard_id, job priority) of other jobs' pending or running shards whose job has a lower
+    # priority than this one: the only ones a preemption may take.
+    other_priorities: tuple[tuple[str, int], ...] = ()
+
+
+def candidate_pod(
+    name: str, service: str, *, ready: bool, spare_capacity: float,
+    by_job: Mapping[str, JobShards], job: str, priority: int, priorities: Mapping[str, int],
+) -> CandidatePod:
+    """The pod as job ``job`` (its :func:`job_prefix`) of ``priority`` sees it.
+
+    ``by_job`` is the pod's shards grouped by job (``SidecarStatus.by_job``, computed once per
+    reply); ``priorities`` holds the other jobs of the namespace. The cost is one step per job
+    on the pod plus the shards of lower-priority jobs, not one per shard: a namespace's job
+    ticks all read the same replies.
+    """
+    own = by_job.get(job)
+    others_active = 0
+    lower: list[tuple[str, int]] = []
+    for other, shards in by_job.items():
+        if other == job:
+            continue
+        others_active += shards.active
+        other_priority = priorities.get(other)
+        if shards.active and other_priority is not None and other_priority < priority:
+            lower.extend((r.shard_id, other_priority) for r in shards.reports
+                         if r.state in ACTIVE_STATES)
+    return CandidatePod(name, service, ready, spare_capacity, own.reports if own else (),
+                        others_active, tuple(lower))
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +248,6 @@ def reconcile_job(
             return finish(Phase.FAILED)
         return finish(Phase.PENDING)
 
-    prefix = job_prefix(ref_namespace, ref_name)
     by_id = {s.shard_id: s for s in plan.shards}
 
     # -- where the shards are -----------------------------------------------------------------
@@ -364,10 +396,7 @@ def reconcile_job(
         cond("Suspended", False, "Resumed", "spec.suspend is false")
 
     # -- placement --------------------------------------------------------------------------------
-    load: dict[str, int] = {}
-    for pod in observed.pods:
-        load[pod.name] = sum(1 for r in pod.shards if r.state in ACTIVE_STATES
-                             and not r.shard_id.startswith(prefix + "-"))
+    load = {pod.name: pod.others_active for pod in observed.pods}
     for placement in placements.values():
         load[placement.pod] = load.get(placement.pod, 0) + 1
     pending = [s for s in plan.shards

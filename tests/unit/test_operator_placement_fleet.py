@@ -22,15 +22,15 @@ import pytest
 
 from slipstream_operator.api import OfflineJobSpec
 from slipstream_operator.reconcile_job import (
-    CandidatePod,
     JobMemory,
     JobObserved,
     JobSettings,
+    candidate_pod,
     job_prefix,
     reconcile_job,
 )
 from slipstream_operator.shards import Plan, ShardPlan
-from slipstream_operator.sidecar_client import ShardReport
+from slipstream_operator.sidecar_client import ShardReport, group_by_job
 
 pytestmark = pytest.mark.unit
 
@@ -87,11 +87,12 @@ class Fleet:
                 if pod == silent:
                     continue
                 shards = self.running[pod]
-                candidates.append(CandidatePod(
-                    name=pod, service="svc", ready=True, spare_capacity=0.5,
-                    shards=tuple(ShardReport(s, "running", total=1) for s in sorted(shards)),
-                    other_priorities=tuple((s, self.owner(s).priority) for s in sorted(shards)
-                                           if self.owner(s) is not job),
+                reports = tuple(ShardReport(s, "running", total=1) for s in sorted(shards))
+                candidates.append(candidate_pod(
+                    pod, "svc", ready=True, spare_capacity=0.5, by_job=group_by_job(reports),
+                    job=job_prefix("ns", job.name), priority=job.priority,
+                    priorities={job_prefix("ns", j.name): j.priority for j in self.jobs
+                                if j is not job},
                 ))
             observed = JobObserved(plan=job.plan, pods=tuple(candidates), done={},
                                    services_selected=1,

@@ -15,11 +15,12 @@ from slipstream_operator.reconcile_job import (
     JobOutcome,
     JobSettings,
     Placement,
+    candidate_pod,
     reconcile_job,
     storage_scope_error,
 )
 from slipstream_operator.shards import MergeResult, Plan, ShardPlan
-from slipstream_operator.sidecar_client import ShardReport
+from slipstream_operator.sidecar_client import ShardReport, group_by_job
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +48,12 @@ def spec(**overrides: Any) -> OfflineJobSpec:
 
 def pod(name: str, spare: float = 0.5, shards: tuple[ShardReport, ...] = (), ready: bool = True,
         others: tuple[tuple[str, int], ...] = ()) -> CandidatePod:
-    return CandidatePod(name, "chat", ready, spare, shards, others)
+    """The pod as the handler builds it for this job: its own reports, the others counted."""
+    by_job = group_by_job(shards)
+    own = by_job.get(PREFIX)
+    others_active = sum(j.active for k, j in by_job.items() if k != PREFIX)
+    return CandidatePod(name, "chat", ready, spare, own.reports if own else (), others_active,
+                        others)
 
 
 def running(shard: str, completed: int = 0, tps: float = 0.0) -> ShardReport:
@@ -306,3 +312,33 @@ def test_roots_configured_after_placement_take_the_shards_back() -> None:
     out = scoped_tick(outside, previous={"phase": "Running"}, memory=memory)
     assert out.revoke == (("p0", f"{PREFIX}-00000"),)
     assert out.memory.placements == {}
+
+
+def test_candidate_pod_keeps_own_reports_counts_others_and_lists_only_lower_priorities() -> None:
+    reports = (
+        running(f"{PREFIX}-00000"), ShardReport(f"{PREFIX}-00001", "succeeded", total=10),
+        running("ns.low-00000"), ShardReport("ns.low-00001", "revoked"),
+        running("ns.high-00003"), running("ns.gone-00002"),
+        running("ns.job-b-00000"),  # a job whose name extends this one's: not this job's
+    )
+    seen = candidate_pod("a", "chat", ready=True, spare_capacity=0.3,
+                         by_job=group_by_job(reports), job=PREFIX, priority=5,
+                         priorities={"ns.low": 0, "ns.high": 9, "ns.job-b": 5})
+    assert [r.shard_id for r in seen.shards] == [f"{PREFIX}-00000", f"{PREFIX}-00001"]
+    # Active shards of every other job count, known or not ("ns.gone" was deleted).
+    assert seen.others_active == 4
+    assert seen.other_priorities == (("ns.low-00000", 0),)  # not revoked, not >= 5
+    # Equal priorities cannot preempt: nothing to list.
+    level = candidate_pod("a", "chat", ready=True, spare_capacity=0.3,
+                          by_job=group_by_job(reports), job=PREFIX, priority=0,
+                          priorities={"ns.low": 0, "ns.high": 9})
+    assert level.other_priorities == () and level.others_active == 4
+
+
+def test_other_jobs_shards_fill_the_pods_slots() -> None:
+    # Two slots per pod: one taken by another job, so this job places one shard on "a" and
+    # the rest on the empty pod "b".
+    p = plan([10, 10, 10])
+    out = tick(p, (pod("a", spare=0.9, shards=(running("ns.other-00000"),)),
+                   pod("b", spare=0.1)))
+    assert sorted(name for name, _ in out.assign) == ["a", "b", "b"]
