@@ -139,8 +139,13 @@ SERVICE_INDEX = "slipstream_services"
 JOB_INDEX = "slipstream_jobs"
 """Ids of the kopf indexes; kopf passes each index to handlers as the keyword of its id."""
 
-STATUS_MAX_AGE = 0.8
-"""A cached sidecar Status is reused for this fraction of the reconcile interval."""
+STATUS_MAX_AGE = 1.2
+"""A job tick reuses a pod's cached Status for this fraction of the reconcile interval: longer
+than one interval, so the reply the pod's service tick asked for serves every job tick until
+the next service tick, and job ticks ask a pod themselves only when its service ticks lag."""
+SERVICE_STATUS_MAX_AGE = 0.2
+"""A service tick (its reply becomes the service's status) reuses one only this young: a reply
+cached before a change on the pod would hide the change for one more tick."""
 FILE_THREADS = 4
 """Threads for planning, shard-log counting and merging (file work, off the kube executor)."""
 
@@ -361,7 +366,9 @@ class Handlers:
         async def ask() -> SidecarStatus | None:
             try:
                 # Urgent: this tick holds the service's status; job ticks' looks can wait.
-                return await self.control.status(address, urgent=True)
+                return await self.control.status(
+                    address, urgent=True,
+                    max_age_s=SERVICE_STATUS_MAX_AGE * self.settings.reconcile_interval_s)
             except SidecarError as exc:
                 logger.info("%s", exc)
                 return None

@@ -9,7 +9,9 @@ handlers depend on, and tests pass an in-memory fake implementing it.
 
 :class:`SharedSidecarControl` wraps any :class:`SidecarControl` for the handlers:
 one ``Status`` per pod per ``max_age_s`` shared by every object that looks at the
-pod (a service tick and the ticks of the jobs that select it), one call in flight
+pod (a service tick and the ticks of the jobs that select it; a look may ask for a
+younger reply: the handlers' service ticks ask the pod at every tick, and job ticks
+take the service tick's reply for up to 1.2 intervals), one call in flight
 per pod (concurrent askers await the same reply), every call under one bounded set of
 slots (bounded fan-out) in which an urgent ``Status`` (a service tick's: it holds the
 service's status) is served before the rest (job ticks' ``Status``, Configure,
@@ -457,16 +459,17 @@ class SharedSidecarControl:
     """A :class:`SidecarControl` that shares Status replies per pod and bounds concurrency.
 
     ``status(address)`` returns the pod's last reply if it is younger than ``max_age_s`` (and
-    asked with the same token), else asks the pod; while one ask is in flight, others for the
-    same pod await it. Failures are not cached. ``assign`` and ``revoke`` go straight through
-    and drop the pod's cached reply, both before and after the call (a reply asked for while the
-    change was in flight is not kept either). ``configure`` does the same, except that once the
-    pod answers with the call's generation, the reply cached before the call (or one asked
-    meanwhile) is kept with ``generation``, ``budget_s`` and (when the call carries
-    coefficients) the latency model fields set from the call, and its age unchanged. At most
-    ``limit`` calls of any kind are in flight at once; ``status(..., urgent=True)`` waits ahead
-    of every other call (:class:`PrioritySlots`: up to three urgent grants in a row), and makes
-    a call in flight for the same pod that still waits for a slot urgent.
+    asked with the same token; a look may ask for a younger one with its own ``max_age_s``),
+    else asks the pod; while one ask is in flight, others for the same pod await it. Failures
+    are not cached. ``assign`` and ``revoke`` go straight through and drop the pod's cached
+    reply, both before and after the call (a reply asked for while the change was in flight is
+    not kept either). ``configure`` does the same, except that once the pod answers with the
+    call's generation, the reply cached before the call (or one asked meanwhile) is kept with
+    ``generation``, ``budget_s`` and (when the call carries coefficients) the latency model
+    fields set from the call, and its age unchanged. At most ``limit`` calls of any kind are in
+    flight at once; ``status(..., urgent=True)`` waits ahead of every other call
+    (:class:`PrioritySlots`: up to three urgent grants in a row), and makes a call in flight
+    for the same pod that still waits for a slot urgent.
     """
 
     def __init__(self, inner: SidecarControl, *, max_age_s: float, limit: int,
@@ -506,10 +509,12 @@ class SharedSidecarControl:
                     if k.split("@", 1)[0] in pods and k not in self._flying]:
             del self._epochs[key]
 
-    async def status(self, address: PodAddress, *, urgent: bool = False) -> SidecarStatus:
+    async def status(self, address: PodAddress, *, urgent: bool = False,
+                     max_age_s: float | None = None) -> SidecarStatus:
         key = self._key(address)
         cached = self._cache.get(key)
-        if cached is not None and self._clock() - cached.at_s < self.max_age_s:
+        limit = self.max_age_s if max_age_s is None else max_age_s
+        if cached is not None and self._clock() - cached.at_s < limit:
             return cached.status
         epoch = self._epochs.get(key, 0)
         flying = self._flying.get(key)

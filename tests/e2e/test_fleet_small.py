@@ -54,5 +54,13 @@ def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_pat
     # Two bumps of one online request per pod: every service's window shows 2 x replicas.
     assert checks["samples"] == [2 * plan.replicas]
     assert result.lag_timeouts == 0 and len(result.status_lags_s) == 2 * plan.services
+    # The lag is stamped with the API server's own time of each status write (never later
+    # than the probe read it), which the real server records in managedFields.
+    assert checks["status_write_times"] == plan.services
+    for bump in result.bumps:
+        assert len(bump.arrival_lags_s) == len(bump.lags_s)
+        assert all(stamp <= arrival + 1e-6
+                   for stamp, arrival in zip(sorted(bump.lags_s), sorted(bump.arrival_lags_s),
+                                             strict=True))
     assert checks["job_phases"] == ["Running"]
     assert result.steady.api_rps > 0 and result.operator_rss_mb > 0

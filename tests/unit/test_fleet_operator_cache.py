@@ -500,3 +500,70 @@ async def test_a_stream_of_urgent_calls_leaves_every_fourth_slot_to_the_rest() -
     with pytest.raises(ValueError, match="urgent_run"):
         PrioritySlots(1, urgent_run=0)
 
+
+
+async def test_a_look_may_ask_for_a_younger_reply_than_the_shared_max_age() -> None:
+    """A service tick (its reply becomes the service's status) accepts a younger reply than a
+    job tick: one a job tick cached just before a change on the pod would hide the change
+    for one more tick."""
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    counting = Counting(grpc_client)
+    clock = Clock()
+    shared = SharedSidecarControl(counting, max_age_s=4.0, limit=4, clock=clock)
+    try:
+        await standin.add_pod("pod-y", "127.1.251.70", "tok")
+        a = PodAddress("pod-y", "127.1.251.70", grpc_port, "tok")
+        first = await shared.status(a)  # a job tick's look
+        standin.bump()  # the pod changes
+        clock.now += 2.0
+        assert await shared.status(a) is first  # a job tick still takes the cached reply
+        fresh = await shared.status(a, urgent=True, max_age_s=1.0)  # a service tick's does not
+        assert counting.calls["status"] == 2
+        assert fresh.online_admitted_total == first.online_admitted_total + 1
+        assert await shared.status(a) is fresh  # and the fresh reply is shared from then on
+    finally:
+        await grpc_client.close()
+        await standin.stop()
+
+
+async def test_with_the_handlers_ages_job_ticks_ride_on_the_service_ticks_replies() -> None:
+    """With the handlers' ages, a pod is asked once per interval by its service tick and job
+    ticks in between never ask it; they ask only when the service tick is more than 1.2
+    intervals late, and the service sees every change at its next tick."""
+    from slipstream_operator.handlers import SERVICE_STATUS_MAX_AGE, STATUS_MAX_AGE
+
+    interval = 5.0
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    counting = Counting(grpc_client)
+    clock = Clock()
+    shared = SharedSidecarControl(counting, max_age_s=STATUS_MAX_AGE * interval, limit=4,
+                                  clock=clock)
+    service_age = SERVICE_STATUS_MAX_AGE * interval
+    try:
+        await standin.add_pod("pod-z", "127.1.251.71", "tok")
+        a = PodAddress("pod-z", "127.1.251.71", grpc_port, "tok")
+        start = clock.now
+        admitted = []
+        for tick in range(4):  # service ticks every interval, job ticks at every second between
+            clock.now = start + tick * interval
+            standin.bump()
+            seen = await shared.status(a, urgent=True, max_age_s=service_age)
+            admitted.append(seen.online_admitted_total)
+            for second in range(1, int(interval)):
+                clock.now = start + tick * interval + second
+                assert await shared.status(a) is seen
+        assert counting.calls["status"] == 4  # one per service tick, none for the job ticks
+        assert admitted == [admitted[0] + i for i in range(4)]  # every bump seen at once
+        # A service tick that is late: job ticks ask the pod themselves after 1.2 intervals.
+        clock.now = start + 3 * interval + STATUS_MAX_AGE * interval + 0.1
+        await shared.status(a)
+        assert counting.calls["status"] == 5
+    finally:
+        await grpc_client.close()
+        await standin.stop()

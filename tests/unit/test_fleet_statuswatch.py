@@ -39,3 +39,37 @@ def test_first_arrival_of_each_count_is_kept_and_reached_is_measured_from_the_bu
 def test_wait_open_is_false_until_every_scope_has_opened() -> None:
     watch = StatusWatch(Rest.__new__(Rest), ["t", "u"])
     assert not watch.wait_open(0.01)  # never started: no scope opened
+
+
+def written(obj: dict[str, Any], *times: str, subresource: str = "status") -> dict[str, Any]:
+    obj["metadata"]["managedFields"] = [
+        {"manager": "kopf", "operation": "Update", "subresource": subresource, "time": t}
+        for t in times
+    ]
+    return obj
+
+
+def test_the_stamp_is_the_servers_status_write_time_capped_at_the_arrival() -> None:
+    from datetime import datetime
+
+    from slipstream_cli.fleet.statuswatch import status_written
+
+    watch = StatusWatch(Rest.__new__(Rest), ["t"])
+    at = datetime.fromisoformat("2026-11-30T16:04:10+00:00").timestamp()
+    # Written at 16:04:10 (truncated to the second), read 30 s later after a re-LIST: the
+    # stamp is the write's second plus one, the arrival stays what the bench saw.
+    late = written(service("a", 4), "2026-11-30T16:03:00Z", "2026-11-30T16:04:10Z")
+    assert status_written(late) == at
+    watch.record(late, at + 30.0)
+    assert watch.reached("t/a", 4, since=at - 5.0) == at + 1.0
+    assert watch.reached("t/a", 4, since=at - 5.0, arrival=True) == at + 30.0
+    # Read within the second of the write: never stamped later than it arrived.
+    watch.record(written(service("b", 4), "2026-11-30T16:04:10Z"), at + 0.3)
+    assert watch.reached("t/b", 4, since=at - 5.0) == at + 0.3
+    # Only the status subresource's entries count; without one, the arrival is the stamp.
+    spec_only = written(service("c", 4), "2026-11-30T16:04:10Z", subresource="")
+    assert status_written(spec_only) is None
+    watch.record(spec_only, at + 30.0)
+    assert watch.reached("t/c", 4, since=at - 5.0) == at + 30.0
+    bad = written(service("d", 4), "yesterday")
+    assert status_written(bad) is None

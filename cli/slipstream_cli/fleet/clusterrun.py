@@ -50,7 +50,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream_cli.cluster import ApiError, ClusterError, LocalCluster
-from slipstream_cli.fleet.statuswatch import StatusWatch
+from slipstream_cli.fleet.statuswatch import StatusWatch, status_written
 from slipstream_cli.fleet.workload import (
     FleetPlan,
     batch_lines,
@@ -138,6 +138,10 @@ def _p99(values: Sequence[float]) -> float | None:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
 @dataclass(frozen=True, slots=True)
 class BumpLags:
     """The status lags of one bump (seconds, one per service), in bump order."""
@@ -146,8 +150,12 @@ class BumpLags:
     lags_s: tuple[float, ...]
     timeouts: int = 0
     # Times the probe's watch was re-opened (LIST again) while this bump was timed: services
-    # first seen by that LIST are stamped when it returned, not when their status changed.
+    # first seen by that LIST arrived when it returned, not when their status changed.
     probe_reopened: int = 0
+    # The same lags by the time the bench read each change (the watch probe's arrival), where
+    # lags_s uses the API server's time of the status write (statuswatch.py); empty for the
+    # LIST probe, whose lags are arrivals.
+    arrival_lags_s: tuple[float, ...] = ()
 
     def largest_burst(self, within_s: float = 0.05) -> int:
         """Most services stamped within ``within_s`` of each other. Ticks spread over an
@@ -173,6 +181,8 @@ class BumpLags:
             "max_s": round(lags[-1], 2) if lags else None,
             "largest_burst": self.largest_burst(),
             "probe_reopened": self.probe_reopened,
+            "p99_arrival_s": _round(_p99(self.arrival_lags_s)),
+            "max_arrival_s": _round(max(self.arrival_lags_s, default=None)),
         }
 
 
@@ -227,6 +237,8 @@ class FleetResult:
             "standin": self.standin,
             "standin_cpu_cores": self.standin_cpu_cores,
             "status_lag_bumps": [b.to_dict() for b in self.bumps],
+            "status_lag_p99_arrival_s": _round(_p99(
+                [lag for b in self.bumps for lag in b.arrival_lags_s])),
         }
 
 
@@ -526,6 +538,7 @@ class FleetRun:
         try:
             for bump in range(1, self.bumps + 1):
                 lags: list[float] = []
+                arrivals: list[float] = []
                 time.sleep(self.bump_gap_s)
                 answer = self._standin("POST", "/bump")
                 bumped_at, number = float(answer["at"]), int(answer["bump"])
@@ -539,10 +552,14 @@ class FleetRun:
                         if at is not None:
                             waiting.discard(key)
                             lags.append(at - bumped_at)
+                            arrived = watch.reached(key, want, bumped_at, arrival=True)
+                            arrivals.append((arrived or at) - bumped_at)
                     time.sleep(0.1)
                 lags.extend(self.lag_timeout_s for _ in waiting)
+                arrivals.extend(self.lag_timeout_s for _ in waiting)
                 out.append(BumpLags(bump, tuple(lags), len(waiting),
-                                    probe_reopened=watch.reopened - reopened))
+                                    probe_reopened=watch.reopened - reopened,
+                                    arrival_lags_s=tuple(arrivals)))
         finally:
             watch.stop()
         logger.info("status watch: %d events, reopened %d times", watch.events, watch.reopened)
@@ -616,6 +633,8 @@ class FleetRun:
             "shards_assigned": sum(int(((j.get("status") or {}).get("shards") or {})
                                        .get("assigned", 0)) for j in jobs),
             "job_phases": sorted({str((j.get("status") or {}).get("phase")) for j in jobs}),
+            # Services whose status write time the lag probe can read (statuswatch.py).
+            "status_write_times": sum(1 for s in services if status_written(s) is not None),
         }
 
     @contextlib.contextmanager

@@ -6,12 +6,21 @@ CR's status showing it. Polling with LIST loses resolution as the fleet grows: o
 status written just after a LIST began is only seen by the next one. :class:`StatusWatch`
 instead keeps one watch per scope (cluster-wide, or one per namespace) open in a daemon
 thread and records, for every service, when each new ``status.observed.samples`` value
-arrived. The stamp is the bench's clock when the event was read, so it still includes the
-API server's watch delivery, but not a LIST period.
+arrived. Two times are kept for each new value:
 
-Deliberately left out: any other status field, and bookmarks. A watch that ends (the
-server's time-out, a dropped connection) is re-opened from a fresh LIST, whose items are
-stamped at the LIST's return.
+* **arrival**: the bench's clock when the event (or a LIST holding the object) was read. It
+  includes the API server's watch delivery and the bench's own delays in reading, and after
+  a watch ends (the server's time-out, a dropped connection) it is the return of the LIST
+  that re-opens it, which on a loaded API server can be tens of seconds after the write.
+* **stamp** (what :meth:`StatusWatch.reached` reports): the API server's own time of the
+  last write to the object's ``status`` subresource (``metadata.managedFields[].time`` of
+  the ``status`` entries, which the server sets when a write changes a value the writer
+  owns), plus one second because that time is truncated to the second, capped at the
+  arrival. The status was visible to every reader from that write on, so the stamp measures
+  the operator, not the probe. An object without such an entry is stamped at its arrival.
+
+Deliberately left out: any other status field, and bookmarks. A watch that ends is
+re-opened from a fresh LIST.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from slipstream_cli.cluster import ApiError, ClusterError, Rest
@@ -41,8 +51,23 @@ def _samples(obj: dict[str, Any]) -> int:
     return int(((obj.get("status") or {}).get("observed") or {}).get("samples", 0))
 
 
+def status_written(obj: dict[str, Any]) -> float | None:
+    """The server's time (epoch seconds, truncated to the second) of the last write that
+    changed the object's ``status`` subresource; None when no managed-fields entry says."""
+    latest: float | None = None
+    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("subresource") != "status" or not entry.get("time"):
+            continue
+        try:
+            at = datetime.fromisoformat(str(entry["time"]).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        latest = at if latest is None else max(latest, at)
+    return latest
+
+
 class StatusWatch:
-    """Per-service history of ``(time.time(), samples)``, one entry per new value."""
+    """Per-service history of ``(stamp, samples, arrival)``, one entry per new value."""
 
     def __init__(self, rest: Rest, namespaces: list[str] | None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -50,7 +75,7 @@ class StatusWatch:
         self.scopes = [f"/namespaces/{ns}" for ns in namespaces] if namespaces else [""]
         self.clock = clock
         self._lock = threading.Lock()
-        self._history: dict[str, list[tuple[float, int]]] = {}
+        self._history: dict[str, list[tuple[float, int, float]]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.events = 0
@@ -79,20 +104,24 @@ class StatusWatch:
 
     def record(self, obj: dict[str, Any], at: float) -> None:
         key, samples = _key(obj), _samples(obj)
+        written = status_written(obj)
+        stamp = at if written is None else min(at, written + 1.0)
         with self._lock:
             seen = self._history.setdefault(key, [])
             if not seen or seen[-1][1] != samples:
-                seen.append((at, samples))
+                seen.append((stamp, samples, at))
 
-    def reached(self, key: str, want: int, since: float) -> float | None:
-        """When ``key`` first showed ``samples >= want`` at or after ``since`` (None: not yet).
+    def reached(self, key: str, want: int, since: float, *,
+                arrival: bool = False) -> float | None:
+        """When ``key`` first showed ``samples >= want`` at or after ``since`` (None: not yet):
+        its stamp, or with ``arrival`` when the bench read it.
 
         A value that was already reached before ``since`` counts from ``since``.
         """
         with self._lock:
-            for at, samples in self._history.get(key, ()):
+            for stamp, samples, at in self._history.get(key, ()):
                 if samples >= want:
-                    return max(at, since)
+                    return max(at if arrival else stamp, since)
         return None
 
     def _run(self, where: str) -> None:
