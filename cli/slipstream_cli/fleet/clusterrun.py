@@ -328,12 +328,17 @@ class FleetRun:
                 time.sleep(2.0)
         raise AssertionError("unreachable")
 
-    def _list(self, plural: str) -> list[dict[str, Any]]:
+    def _list(self, plural: str, *, cached: bool = False) -> list[dict[str, Any]]:
+        """Every object of ``plural`` in the run's namespaces. ``cached`` reads the API server's
+        watch cache (``resourceVersion=0``: no etcd read, at most a moment behind), for the
+        polls that repeat every second; at 1,000 nodes a consistent LIST of 500 services took
+        over 60 s on the loaded host, four times in a row, and ended a run."""
         items: list[dict[str, Any]] = []
         spaces = [None] if self.clusterwide else self.namespaces
+        query = "?resourceVersion=0" if cached else ""
         for ns in spaces:
             where = f"/namespaces/{ns}" if ns else ""
-            answer = self._read(f"/apis/slipstream.dev/v1alpha1{where}/{plural}")
+            answer = self._read(f"/apis/slipstream.dev/v1alpha1{where}/{plural}{query}")
             items.extend(answer.get("items", []))
         return [i for i in items if i["metadata"]["namespace"] in self.namespaces]
 
@@ -341,7 +346,8 @@ class FleetRun:
         count = 0
         for ns in self.namespaces:
             answer = self._read(
-                f"/api/v1/namespaces/{ns}/pods?labelSelector=slipstream.dev%2Fservice")
+                f"/api/v1/namespaces/{ns}/pods?labelSelector=slipstream.dev%2Fservice"
+                "&resourceVersion=0")  # the watch cache, as _list(cached=True)
             count += sum(1 for p in answer["items"]
                          if (p.get("status") or {}).get("phase") == "Running")
         return count
@@ -483,12 +489,12 @@ class FleetRun:
                 raise FleetRunError(f"{proc.args!r} exited with {proc.returncode}", "processes")
 
     def _services_ready(self) -> bool:
-        items = self._list("inferenceservices")
+        items = self._list("inferenceservices", cached=True)
         return len(items) == self.plan.services and all(
             _condition(i, "Ready") == "True" for i in items)
 
     def _shards_placed(self) -> bool:
-        items = self._list("offlinejobs")
+        items = self._list("offlinejobs", cached=True)
         if len(items) != self.plan.jobs:
             return False
         for job in items:
