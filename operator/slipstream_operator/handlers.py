@@ -139,15 +139,10 @@ SERVICE_INDEX = "slipstream_services"
 JOB_INDEX = "slipstream_jobs"
 """Ids of the kopf indexes; kopf passes each index to handlers as the keyword of its id."""
 
-STATUS_MAX_AGE = 3.0
-"""A job tick reuses a pod's cached Status for this many reconcile intervals: longer than one,
-so the reply the pod's service tick asked for serves every job tick until the next service
-tick, and job ticks ask a pod themselves only when no service tick has for three intervals.
-On an overloaded operator service ticks run late; if job ticks then asked the pods too, each
-pod would be asked twice per interval, which deepens the overload (sixth session, 1,000
-nodes: 30 % more calls with 1.2 intervals). A job's own assigns and revokes drop the pod's
-reply, so what a job changes it sees at once; shard progress is at most three intervals old
-(stall time-outs are minutes)."""
+STATUS_MAX_AGE = 1.2
+"""A job tick reuses a pod's cached Status for this fraction of the reconcile interval: longer
+than one interval, so the reply the pod's service tick asked for serves every job tick until
+the next service tick, and job ticks ask a pod themselves only when its service ticks lag."""
 SERVICE_STATUS_MAX_AGE = 0.2
 """A service tick (its reply becomes the service's status) reuses one only this young: a reply
 cached before a change on the pod would hide the change for one more tick."""

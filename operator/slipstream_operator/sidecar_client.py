@@ -11,7 +11,7 @@ handlers depend on, and tests pass an in-memory fake implementing it.
 one ``Status`` per pod per ``max_age_s`` shared by every object that looks at the
 pod (a service tick and the ticks of the jobs that select it; a look may ask for a
 younger reply: the handlers' service ticks ask the pod at every tick, and job ticks
-take the service tick's reply for up to 3 intervals), one call in flight
+take the service tick's reply for up to 1.2 intervals), one call in flight
 per pod (concurrent askers await the same reply), every call under one bounded set of
 slots (bounded fan-out) in which an urgent ``Status`` (a service tick's: it holds the
 service's status) is served before the rest (job ticks' ``Status``, Configure,

@@ -531,7 +531,7 @@ async def test_a_look_may_ask_for_a_younger_reply_than_the_shared_max_age() -> N
 
 async def test_with_the_handlers_ages_job_ticks_ride_on_the_service_ticks_replies() -> None:
     """With the handlers' ages, a pod is asked once per interval by its service tick and job
-    ticks in between never ask it; they ask only when the service tick is more than 3
+    ticks in between never ask it; they ask only when the service tick is more than 1.2
     intervals late, and the service sees every change at its next tick."""
     from slipstream_operator.handlers import SERVICE_STATUS_MAX_AGE, STATUS_MAX_AGE
 
@@ -560,7 +560,7 @@ async def test_with_the_handlers_ages_job_ticks_ride_on_the_service_ticks_replie
                 assert await shared.status(a) is seen
         assert counting.calls["status"] == 4  # one per service tick, none for the job ticks
         assert admitted == [admitted[0] + i for i in range(4)]  # every bump seen at once
-        # No service tick for three intervals: job ticks ask the pod themselves.
+        # A service tick that is late: job ticks ask the pod themselves after 1.2 intervals.
         clock.now = start + 3 * interval + STATUS_MAX_AGE * interval + 0.1
         await shared.status(a)
         assert counting.calls["status"] == 5
