@@ -8,7 +8,9 @@ counting wrapper around the real client records what reached the wire.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -501,21 +503,28 @@ async def test_a_stream_of_urgent_calls_leaves_every_fourth_slot_to_the_rest() -
         PrioritySlots(1, urgent_run=0)
 
 
+@contextlib.asynccontextmanager
+async def _one_pod(pod: str, ip: str) -> AsyncIterator[tuple[Standin, Counting, PodAddress]]:
+    """A stand-in serving one fake pod, and a counting gRPC client for it."""
+    grpc_port = next(_ports)
+    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
+    await standin.start()
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    try:
+        await standin.add_pod(pod, ip, "tok")
+        yield standin, Counting(grpc_client), PodAddress(pod, ip, grpc_port, "tok")
+    finally:
+        await grpc_client.close()
+        await standin.stop()
+
 
 async def test_a_look_may_ask_for_a_younger_reply_than_the_shared_max_age() -> None:
     """A service tick (its reply becomes the service's status) accepts a younger reply than a
     job tick: one a job tick cached just before a change on the pod would hide the change
     for one more tick."""
-    grpc_port = next(_ports)
-    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
-    await standin.start()
-    grpc_client = GrpcSidecarControl(timeout_s=5.0)
-    counting = Counting(grpc_client)
-    clock = Clock()
-    shared = SharedSidecarControl(counting, max_age_s=4.0, limit=4, clock=clock)
-    try:
-        await standin.add_pod("pod-y", "127.1.251.70", "tok")
-        a = PodAddress("pod-y", "127.1.251.70", grpc_port, "tok")
+    async with _one_pod("pod-y", "127.1.251.70") as (standin, counting, a):
+        clock = Clock()
+        shared = SharedSidecarControl(counting, max_age_s=4.0, limit=4, clock=clock)
         first = await shared.status(a)  # a job tick's look
         standin.bump()  # the pod changes
         clock.now += 2.0
@@ -524,9 +533,6 @@ async def test_a_look_may_ask_for_a_younger_reply_than_the_shared_max_age() -> N
         assert counting.calls["status"] == 2
         assert fresh.online_admitted_total == first.online_admitted_total + 1
         assert await shared.status(a) is fresh  # and the fresh reply is shared from then on
-    finally:
-        await grpc_client.close()
-        await standin.stop()
 
 
 async def test_with_the_handlers_ages_job_ticks_ride_on_the_service_ticks_replies() -> None:
@@ -536,18 +542,11 @@ async def test_with_the_handlers_ages_job_ticks_ride_on_the_service_ticks_replie
     from slipstream_operator.handlers import SERVICE_STATUS_MAX_AGE, STATUS_MAX_AGE
 
     interval = 5.0
-    grpc_port = next(_ports)
-    standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
-    await standin.start()
-    grpc_client = GrpcSidecarControl(timeout_s=5.0)
-    counting = Counting(grpc_client)
-    clock = Clock()
-    shared = SharedSidecarControl(counting, max_age_s=STATUS_MAX_AGE * interval, limit=4,
-                                  clock=clock)
-    service_age = SERVICE_STATUS_MAX_AGE * interval
-    try:
-        await standin.add_pod("pod-z", "127.1.251.71", "tok")
-        a = PodAddress("pod-z", "127.1.251.71", grpc_port, "tok")
+    async with _one_pod("pod-z", "127.1.251.71") as (standin, counting, a):
+        clock = Clock()
+        shared = SharedSidecarControl(counting, max_age_s=STATUS_MAX_AGE * interval, limit=4,
+                                      clock=clock)
+        service_age = SERVICE_STATUS_MAX_AGE * interval
         start = clock.now
         admitted = []
         for tick in range(4):  # service ticks every interval, job ticks at every second between
@@ -564,6 +563,3 @@ async def test_with_the_handlers_ages_job_ticks_ride_on_the_service_ticks_replie
         clock.now = start + 3 * interval + STATUS_MAX_AGE * interval + 0.1
         await shared.status(a)
         assert counting.calls["status"] == 5
-    finally:
-        await grpc_client.close()
-        await standin.stop()
