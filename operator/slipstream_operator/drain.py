@@ -32,11 +32,15 @@ from kubernetes import client
 
 from slipstream_operator import kube
 from slipstream_operator.errors import SidecarError
-from slipstream_operator.sidecar_client import GrpcSidecarControl, PodAddress, SidecarStatus
+from slipstream_operator.sidecar_client import (
+    ACTIVE_STATES,
+    GrpcSidecarControl,
+    PodAddress,
+    SidecarStatus,
+)
 
 logger = logging.getLogger(__name__)
 
-ACTIVE = ("pending", "running")
 
 
 class DrainControl(Protocol):
@@ -72,7 +76,7 @@ class DrainReport:
 
 
 def _active(status: SidecarStatus) -> int:
-    return sum(1 for s in status.shards if s.state in ACTIVE)
+    return sum(1 for s in status.shards if s.state in ACTIVE_STATES)
 
 
 async def drain_pods(

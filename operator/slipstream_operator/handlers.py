@@ -114,6 +114,7 @@ from slipstream_operator.shards import (
     plan_input,
 )
 from slipstream_operator.sidecar_client import (
+    ACTIVE_STATES,
     ConfigureCall,
     PodAddress,
     ShardAssignment,
@@ -747,7 +748,7 @@ class Handlers:
         """Count the logs of shards that may have finished: reported succeeded, or unplaced.
 
         ``pods`` carry this job's own shard reports only (:func:`candidate_pod`)."""
-        active = {r.shard_id for p in pods for r in p.shards if r.state in ("pending", "running")}
+        active = {r.shard_id for p in pods for r in p.shards if r.state in ACTIVE_STATES}
         succeeded = {r.shard_id for p in pods for r in p.shards if r.state == "succeeded"}
         first = not memory.history  # a fresh operator checks every shard once
         todo = [

@@ -77,7 +77,7 @@ from slipstream_operator.calibration import (
 from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.observe import WindowStats
 from slipstream_operator.searchpool import SearchSubject
-from slipstream_operator.sidecar_client import ConfigureCall, SidecarStatus
+from slipstream_operator.sidecar_client import ACTIVE_STATES, ConfigureCall, SidecarStatus
 from slipstream_operator.simsearch import engine_limit_args, engine_limits
 from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 
@@ -519,7 +519,7 @@ def reconcile_service(
     for pod in ready:
         assert pod.sidecar is not None
         for shard in pod.sidecar.shards:
-            if shard.state in ("pending", "running"):
+            if shard.state in ACTIVE_STATES:
                 active += 1
                 offline_tps += shard.tokens_per_second
     status: dict[str, Any] = {
