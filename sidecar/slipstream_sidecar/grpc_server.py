@@ -9,7 +9,6 @@ Deliberately left out: any state of its own.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 from slipstream_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from slipstream_sidecar.shards import ShardProgress, ShardSpec
+from slipstream_sidecar.watch import paced_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -275,10 +275,10 @@ class SidecarServicer(pb_grpc.SidecarServicer):
         self, request: pb.WatchStatusRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StatusResponse]:
         interval = request.interval_s or self.sidecar.settings.status_interval_s
-        interval = max(interval, 0.01)
-        while True:
-            yield status_pb(self.sidecar.status())
-            await asyncio.sleep(interval)
+        async for msg in paced_snapshots(lambda: status_pb(self.sidecar.status()),
+                                         interval_s=interval,
+                                         min_interval_s=request.min_interval_s):
+            yield msg
 
     async def Drain(  # noqa: N802
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext

@@ -101,6 +101,39 @@ def test_configure_is_versioned_idempotent_and_durable(stack: tuple[Proc, Proc, 
         assert st.budget_s == pytest.approx(0.05) and st.idle_budget_s == pytest.approx(0.2)
 
 
+def test_watch_status_sends_a_change_at_once_and_a_heartbeat_otherwise(
+        stack: tuple[Proc, Proc, Path]) -> None:
+    """With min_interval_s, a Configure shows on the stream without waiting for the interval;
+    a stream without it keeps the old fixed pacing."""
+    import time
+
+    _, sc, _ = stack
+    ch, stub = control_stub(sc.extra_ports["grpc"])
+    md = bearer(TOKEN)
+    with ch:
+        watch = stub.WatchStatus(pb.WatchStatusRequest(interval_s=60.0, min_interval_s=0.2),
+                                 metadata=md)
+        first = next(watch)  # at once
+        sent = time.monotonic()
+        stub.Configure(pb.ConfigureRequest(generation=first.generation + 1, budget_s=0.04),
+                       metadata=md)
+        changed = next(watch)
+        waited = time.monotonic() - sent
+        stub.Configure(pb.ConfigureRequest(generation=first.generation + 2, budget_s=0.05),
+                       metadata=md)
+        again = next(watch)
+        gap = time.monotonic() - sent
+        watch.cancel()
+        paced = stub.WatchStatus(pb.WatchStatusRequest(interval_s=0.05), metadata=md)
+        snaps = [next(paced) for _ in range(3)]
+        paced.cancel()
+    # The interval is 60 s: only the change can have sent these two.
+    assert changed.generation == first.generation + 1 and waited < 30
+    assert changed.budget_s == pytest.approx(0.04)
+    assert again.generation == first.generation + 2 and gap >= 0.2  # not before min_interval_s
+    assert all(s.generation == first.generation + 2 for s in snaps)
+
+
 def test_drain_stops_new_work(stack: tuple[Proc, Proc, Path]) -> None:
     _, sc, _ = stack
     ch, stub = control_stub(sc.extra_ports["grpc"])

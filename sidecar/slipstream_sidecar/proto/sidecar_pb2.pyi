@@ -456,16 +456,26 @@ class WatchStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INTERVAL_S_FIELD_NUMBER: _builtins.int
+    MIN_INTERVAL_S_FIELD_NUMBER: _builtins.int
     interval_s: _builtins.float
     """Seconds between snapshots; 0 means the sidecar's default."""
+    min_interval_s: _builtins.float
+    """Above 0: also send a snapshot as soon as its change signature differs from
+    the last one sent (the generation and budgets in force, readiness,
+    draining, the online class's counters, and each shard's id and state; not
+    progress counts, rates or spare capacity), but never two snapshots closer
+    than this many seconds. The first change after a quiet spell goes out at
+    once. 0 (or a sidecar that predates the field): every interval_s only.
+    """
     def __init__(
         self,
         *,
         interval_s: _builtins.float = ...,
+        min_interval_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s", "min_interval_s", b"min_interval_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

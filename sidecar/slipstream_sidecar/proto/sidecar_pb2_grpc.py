@@ -100,7 +100,8 @@ class SidecarServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchStatus(self, request, context):
-        """A status snapshot every interval until the caller cancels.
+        """A status snapshot every interval until the caller cancels; with
+        min_interval_s, also one as soon as what the operator acts on changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -51,7 +51,9 @@ class SidecarStub:
     Status: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.StatusRequest, _sidecar_pb2.StatusResponse]
     """One status snapshot."""
     WatchStatus: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchStatusRequest, _sidecar_pb2.StatusResponse]
-    """A status snapshot every interval until the caller cancels."""
+    """A status snapshot every interval until the caller cancels; with
+    min_interval_s, also one as soon as what the operator acts on changes.
+    """
     Drain: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.DrainRequest, _sidecar_pb2.DrainResponse]
     """Stops admitting new work (online gets 503, /ready turns false), revokes
     all shards and waits up to timeout for online requests in flight to end.
@@ -72,7 +74,9 @@ class SidecarAsyncStub(SidecarStub):
     Status: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.StatusRequest, _sidecar_pb2.StatusResponse]  # type: ignore[assignment]
     """One status snapshot."""
     WatchStatus: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchStatusRequest, _sidecar_pb2.StatusResponse]  # type: ignore[assignment]
-    """A status snapshot every interval until the caller cancels."""
+    """A status snapshot every interval until the caller cancels; with
+    min_interval_s, also one as soon as what the operator acts on changes.
+    """
     Drain: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.DrainRequest, _sidecar_pb2.DrainResponse]  # type: ignore[assignment]
     """Stops admitting new work (online gets 503, /ready turns false), revokes
     all shards and waits up to timeout for online requests in flight to end.
@@ -120,7 +124,9 @@ class SidecarServicer(metaclass=_abc_1.ABCMeta):
         request: _sidecar_pb2.WatchStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_sidecar_pb2.StatusResponse], _abc.AsyncIterator[_sidecar_pb2.StatusResponse]]:
-        """A status snapshot every interval until the caller cancels."""
+        """A status snapshot every interval until the caller cancels; with
+        min_interval_s, also one as soon as what the operator acts on changes.
+        """
 
     @_abc_1.abstractmethod
     def Drain(
