@@ -130,6 +130,8 @@ async def _main(args: argparse.Namespace) -> int:
             if server is not None:
                 server.close()
             handlers.close()
+            if handlers.feed is not None:
+                await handlers.feed.close()
             await control.close()
     return 0
 

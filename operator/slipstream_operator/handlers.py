@@ -122,6 +122,7 @@ from slipstream_operator.sidecar_client import (
     SidecarControl,
     SidecarStatus,
 )
+from slipstream_operator.statusfeed import StatusFeed, TickPacer
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,10 @@ class OperatorState:
     """Job prefix (``job_prefix``) -> the job's uid, to find the owner of a preempted shard."""
     """(namespace, service) -> (control token, monotonic time it was read or made)."""
 
+
+PACED_REARM_S = 0.05
+"""Seconds kopf waits after a paced service tick before calling the handler again (which then
+waits for the service's next turn itself)."""
 
 HANDLER_BACKOFF_S = 5.0
 """Seconds kopf waits before retrying a failed handler (its default, 60 s, would leave every
@@ -242,6 +247,16 @@ class Handlers:
         self._resyncing: dict[str, asyncio.Future[None]] = {}
         self._refreshing: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._pushing: dict[str, asyncio.Future[None]] = {}  # service uid -> its Configure round
+        # WatchStatus streams (statusfeed.py): they keep the pods' replies current and wake a
+        # service's tick when one of its pods changes. None: poll Status at every tick.
+        self.pacer: TickPacer | None = None
+        self.feed: StatusFeed | None = None
+        watch = getattr(self.control.inner, "watch", None)
+        if settings.status_watch and watch is not None:
+            gap = settings.status_watch_gap_s or settings.reconcile_interval_s / 2
+            self.pacer = TickPacer(interval_s=settings.reconcile_interval_s, min_gap_s=gap)
+            self.feed = StatusFeed(self.control, watch, interval_s=settings.reconcile_interval_s,
+                                   min_interval_s=gap, on_change=self.pacer.wake)
         self.kube_calls = 0
         """Blocking Kubernetes client calls made (applies and Secret reads)."""
 
@@ -408,6 +423,10 @@ class Handlers:
         token = await self._token(ref, now_s)
         profile = self._profile(spec.model, spec.engine.gpu_type, now_s)
         pods = sorted(pods_index.get((namespace, name), ()), key=lambda p: p.name)
+        if self.feed is not None:
+            self.feed.follow(uid, [
+                PodAddress(p.name, p.ip, spec.sidecar.grpc_port, token) for p in pods
+                if p.running and kube.dialable(p.ip, self.settings.loopback_only)])
         history = self.state.histories.setdefault(uid, {})
         gone = set(history) - {p.name for p in pods}
         for pod_name in gone:
@@ -820,13 +839,24 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
     # interval plus one tick, where the default added the tick and the PATCH twice. Each
     # service's grid is offset by a hash of its uid: services applied together would
     # otherwise tick together forever, in bursts.
-    @kopf.timer(GROUP, VERSION, "inferenceservices", interval=interval, idle=0, sharp=True,
+    #
+    # With WatchStatus streams (the default) the handler itself waits for the service's turn
+    # (TickPacer: the same grid, or sooner when a pod sends a change), and kopf re-arms it a
+    # moment after each tick's status PATCH.
+    paced = handlers.pacer is not None
+    @kopf.timer(GROUP, VERSION, "inferenceservices",
+                interval=PACED_REARM_S if paced else interval, idle=0, sharp=not paced,
                 initial_delay=first_tick_after, backoff=HANDLER_BACKOFF_S, registry=registry,
                 id="reconcile")
     async def service_timer(*, body: kopf.Body, patch: kopf.Patch, name: str,
                             namespace: str | None, uid: str, meta: kopf.Meta,
                             **kwargs: Any) -> None:
         namespace = namespace or "default"
+        if handlers.pacer is not None:
+            stopped = kwargs.get("stopped")
+            turn = await handlers.pacer.turn(uid, stopped.wait if stopped is not None else None)
+            if turn == "stopped":
+                return
         try:
             await handlers.service_tick(body, patch, name=name, namespace=namespace, uid=uid,
                                         generation=int(meta.get("generation", 0)),
@@ -875,6 +905,9 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
         pods = set(handlers.state.histories.pop(uid, None) or ())
         handlers.applied.forget(namespace, set(names(ObjectRef(name, namespace, uid, 0)).values()))
         handlers.state.tokens.pop((namespace, name), None)
+        if handlers.feed is not None and handlers.pacer is not None:
+            handlers.feed.drop(uid)
+            handlers.pacer.forget(uid)
         if pods:
             handlers.control.forget_pods(pods)
         logger.info("InferenceService %s/%s deleted: %s", namespace, name, report.summary())

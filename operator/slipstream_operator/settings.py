@@ -121,6 +121,21 @@ class OperatorSettings(BaseSettings):
         description="Threads of the operator's own executor for blocking Kubernetes client "
         "calls (server-side applies, Secret reads). Default: 32.",
     )
+    status_watch: bool = Field(
+        default=True,
+        description="Follow each InferenceService pod's Status as a WatchStatus stream (one per "
+        "pod): its snapshots answer the ticks' looks while the stream is up, and a change the "
+        "sidecar sends (budget or generation in force, readiness, online counters, shard "
+        "states) wakes the service's tick instead of waiting for the next interval. False: "
+        "poll Status at every tick. Default: true.",
+    )
+    status_watch_gap_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="With status_watch: the shortest time between two change snapshots of one "
+        "pod, and between two ticks of one InferenceService woken by changes (s). 0: half of "
+        "reconcile_interval_s. Default: 0.",
+    )
     sidecar_concurrency: int = Field(
         default=64,
         ge=1,

@@ -23,9 +23,12 @@ configuration fields from the call instead (``ConfigureResponse`` carries only t
 generation in force, and at that generation the configuration is the call's), so a
 fleet-wide budget change does not make every tick ask every pod again.
 
-Deliberately left out: WatchStatus streaming (the operator polls Status on its
-reconcile timer, which also bounds how stale a dead pod can look) and retries
-(the next timer tick is the retry).
+``WatchStatus`` streams (``statusfeed.py``) put their snapshots into the same cache with
+:meth:`SharedSidecarControl.offer`: such a reply stays *live* (it answers any look, whatever
+its age) while its stream is up, since the sidecar sends every change the operator acts on;
+a pod without a stream is asked with ``Status`` as above.
+
+Deliberately left out: retries (the next timer tick is the retry).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -261,28 +264,37 @@ class GrpcSidecarControl:
 
         reply = await self._call(address, "Status", pb.StatusRequest())
         assert isinstance(reply, pb.StatusResponse)
-        return SidecarStatus(
-            generation=reply.generation,
-            engine_ready=reply.engine_ready,
-            draining=reply.draining,
-            spare_capacity=reply.spare_capacity,
-            budget_s=reply.budget_s if reply.HasField("budget_s") else None,
-            online_in_flight=reply.online.in_flight,
-            online_admitted_total=reply.online.admitted_total,
-            offline_in_flight=reply.offline.in_flight,
-            shards=tuple(
-                ShardReport(s.shard_id, _STATES.get(s.state, "unknown"), s.total, s.completed,
-                            s.failed, s.in_flight, s.output_tokens, s.tokens_per_second,
-                            s.message)
-                for s in reply.shards
-            ),
-            predicted_step_s=reply.predicted_step_s,
-            observed_step_s=reply.observed_step_s,
-            latency_kind=reply.latency_model.kind,
-            latency_curve_knots=len(reply.latency_model.token_curve),
-            online_sample=(_online_sample(reply.online_counters, time.monotonic())
-                           if reply.HasField("online_counters") else None),
-        )
+        return status_from_pb(reply)
+
+    async def watch(self, address: PodAddress, *, interval_s: float,
+                    min_interval_s: float) -> AsyncIterator[tuple[Hashable, SidecarStatus]]:
+        """The pod's ``WatchStatus`` stream: (change signature, status) per snapshot.
+
+        No deadline (the stream is meant to stay open); ends or raises :class:`SidecarError`
+        when the pod closes it or fails.
+        """
+        import grpc
+
+        from slipstream_sidecar.proto import sidecar_pb2 as pb
+        from slipstream_sidecar.watch import change_signature
+
+        stub = self._stub(address)
+        metadata = (("authorization", f"Bearer {address.token}"),)
+        call = stub.WatchStatus(  # type: ignore[attr-defined]
+            pb.WatchStatusRequest(interval_s=interval_s, min_interval_s=min_interval_s),
+            metadata=metadata)
+        try:
+            async for reply in call:
+                yield change_signature(reply), status_from_pb(reply)
+        except grpc.aio.AioRpcError as exc:
+            raise SidecarError(f"WatchStatus failed: {exc.code().name}: {exc.details()}",
+                               pod=address.pod, address=address.target) from exc
+        except (grpc.RpcError, OSError) as exc:
+            raise SidecarError(f"WatchStatus failed: {exc!r}", pod=address.pod,
+                               address=address.target) from exc
+        finally:
+            call.cancel()
+
 
     async def configure(self, address: PodAddress, call: ConfigureCall) -> int:
         from slipstream_sidecar.proto import sidecar_pb2 as pb
@@ -347,7 +359,39 @@ class GrpcSidecarControl:
         self._channels.clear()
 
 
+def status_from_pb(reply: object) -> SidecarStatus:
+    """A :class:`SidecarStatus` from a ``StatusResponse`` (``Status`` or ``WatchStatus``)."""
+    from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+    assert isinstance(reply, pb.StatusResponse)
+    return SidecarStatus(
+        generation=reply.generation,
+        engine_ready=reply.engine_ready,
+        draining=reply.draining,
+        spare_capacity=reply.spare_capacity,
+        budget_s=reply.budget_s if reply.HasField("budget_s") else None,
+        online_in_flight=reply.online.in_flight,
+        online_admitted_total=reply.online.admitted_total,
+        offline_in_flight=reply.offline.in_flight,
+        shards=tuple(
+            ShardReport(s.shard_id, _STATES.get(s.state, "unknown"), s.total, s.completed,
+                        s.failed, s.in_flight, s.output_tokens, s.tokens_per_second,
+                        s.message)
+            for s in reply.shards
+        ),
+        predicted_step_s=reply.predicted_step_s,
+        observed_step_s=reply.observed_step_s,
+        latency_kind=reply.latency_model.kind,
+        latency_curve_knots=len(reply.latency_model.token_curve),
+        online_sample=(_online_sample(reply.online_counters, time.monotonic())
+                       if reply.HasField("online_counters") else None),
+    )
+
+
 T = TypeVar("T")
+
+OFFER_GUARD_S = 1.0
+"""Seconds after a call that changed a pod during which its streamed snapshots are not kept."""
 
 
 async def gather_bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
@@ -372,6 +416,7 @@ async def gather_bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int
 class _Cached:
     status: SidecarStatus
     at_s: float
+    live_until_s: float = 0.0  # a streamed snapshot answers any look until then
 
 
 class _Waiter:
@@ -482,10 +527,13 @@ class SharedSidecarControl:
         self._cache: dict[str, _Cached] = {}
         self._flying: dict[str, tuple[asyncio.Future[SidecarStatus], int, _Waiter]] = {}
         self._epochs: dict[str, int] = {}
+        self._forgot_s: dict[str, float] = {}  # key -> when the pod was last changed by a call
         self.asked = 0
         """Status calls that reached the inner control (the rest were answered from memory)."""
         self.refreshed = 0
         """Cached replies updated from an acknowledged Configure instead of dropped."""
+        self.offered = 0
+        """Streamed snapshots kept as replies (:meth:`offer`)."""
 
     @staticmethod
     def _key(address: PodAddress) -> str:
@@ -500,6 +548,7 @@ class SharedSidecarControl:
         key = self._key(address)
         self._cache.pop(key, None)
         self._epochs[key] = self._epochs.get(key, 0) + 1
+        self._forgot_s[key] = self._clock()
 
     def forget_pods(self, pods: set[str]) -> None:
         """Drop cached replies of the pods named in ``pods`` (gone pods)."""
@@ -508,14 +557,41 @@ class SharedSidecarControl:
         for key in [k for k in self._epochs
                     if k.split("@", 1)[0] in pods and k not in self._flying]:
             del self._epochs[key]
+            self._forgot_s.pop(key, None)
+
+    def offer(self, address: PodAddress, status: SidecarStatus, *, live_for_s: float) -> bool:
+        """Keep a streamed snapshot as the pod's reply, live for ``live_for_s`` seconds.
+
+        Refused (False) within ``OFFER_GUARD_S`` of a call that changed the pod: a snapshot
+        taken before the change may still be on its way. The pod's reply is then dropped
+        instead (it may be older still, e.g. one updated from a Configure), so the next look
+        asks the pod; the stream's next snapshot is kept.
+        """
+        key = self._key(address)
+        now = self._clock()
+        if now - self._forgot_s.get(key, float("-inf")) < OFFER_GUARD_S:
+            self._cache.pop(key, None)
+            return False
+        self._cache[key] = _Cached(status, now, now + live_for_s)
+        self.offered += 1
+        return True
+
+    def unlive(self, address: PodAddress) -> None:
+        """The pod's stream is down: its last snapshot ages like a polled reply from now on."""
+        key = self._key(address)
+        cached = self._cache.get(key)
+        if cached is not None and cached.live_until_s:
+            self._cache[key] = _Cached(cached.status, cached.at_s)
 
     async def status(self, address: PodAddress, *, urgent: bool = False,
                      max_age_s: float | None = None) -> SidecarStatus:
         key = self._key(address)
         cached = self._cache.get(key)
         limit = self.max_age_s if max_age_s is None else max_age_s
-        if cached is not None and self._clock() - cached.at_s < limit:
-            return cached.status
+        if cached is not None:
+            now = self._clock()
+            if now - cached.at_s < limit or now < cached.live_until_s:
+                return cached.status
         epoch = self._epochs.get(key, 0)
         flying = self._flying.get(key)
         if flying is not None and flying[1] == epoch:

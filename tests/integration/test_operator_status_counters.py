@@ -9,6 +9,7 @@ give the same observed window; only the older ones are scraped on ``/metrics``.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any, cast
 
@@ -22,7 +23,7 @@ from kubernetes import client
 from slipstream_cli.fleet.workload import MODEL
 from slipstream_operator.handlers import Handlers
 from slipstream_operator.settings import OperatorSettings
-from slipstream_operator.sidecar_client import GrpcSidecarControl
+from slipstream_operator.sidecar_client import OFFER_GUARD_S, GrpcSidecarControl
 
 pytestmark = [pytest.mark.cluster, pytest.mark.integration]
 
@@ -51,7 +52,9 @@ async def _observed_after_ticks(api: client.ApiClient, namespace: str, name: str
     grpc_client = GrpcSidecarControl(timeout_s=5.0)
     http = aiohttp.ClientSession()
     # A Status max age of 0: every tick asks every pod, as ticks an interval apart do.
-    handlers = Handlers(OperatorSettings(loopback_only=True, reconcile_interval_s=1e-9),
+    # Polled (no WatchStatus streams): each tick reads the pods as they are at that moment.
+    handlers = Handlers(OperatorSettings(loopback_only=True, reconcile_interval_s=1e-9,
+                                         status_watch=False),
                         api, grpc_client, http)
     seen: list[dict[str, Any]] = []
     try:
@@ -89,3 +92,80 @@ async def test_the_window_comes_from_status_and_older_sidecars_are_scraped(
         assert observed["source"] == "sidecar"
         assert observed["ttftMean"] == "300ms" and observed["tbtMean"] == "40ms"
     assert current[-1] == older[-1]
+
+
+async def test_a_pods_change_wakes_its_services_tick_through_the_status_stream(
+    admin_api: client.ApiClient, namespace: str,
+) -> None:
+    """With WatchStatus streams (the default), a bump reaches the status at a tick the change
+    woke, long before the 60 s interval, and no tick after the first asks a pod."""
+    name = "woken"
+    grpc_port = next(_ports)
+    standin, pods_index = await standin_service(admin_api, namespace, name, TOKEN,
+                                                grpc_port=grpc_port, net=247)
+    body: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
+                     "generation": 1},
+        "spec": {"model": MODEL,
+                 "engine": {"image": "vllm/vllm-openai:v0.11.0", "gpus": 1, "gpuType": "h100"},
+                 "replicas": 3,
+                 "slo": {"ttft": {"p99": "2s"}, "tbt": {"p99": "150ms"}},
+                 "sidecar": {"httpPort": grpc_port + 1, "grpcPort": grpc_port}},
+        "status": {},
+    }
+    kopf_settings = kopf.OperatorSettings()
+    kopf_settings.posting.enabled = False
+    posting.settings_var.set(kopf_settings)
+    grpc_client = GrpcSidecarControl(timeout_s=5.0)
+    http = aiohttp.ClientSession()
+    handlers = Handlers(OperatorSettings(loopback_only=True, reconcile_interval_s=60.0,
+                                         status_watch_gap_s=0.2), admin_api, grpc_client, http)
+    assert handlers.pacer is not None and handlers.feed is not None
+    uid = f"uid-{name}"
+
+    async def tick() -> dict[str, Any]:
+        patch = kopf.Patch()
+        await handlers.service_tick(cast(kopf.Body, body), patch, name=name,
+                                    namespace=namespace, uid=uid, generation=1,
+                                    pods_index=pods_index)
+        body["status"] = {**body["status"], **dict(patch.status or {})}
+        return dict(body["status"]["observed"])
+
+    try:
+        assert await handlers.pacer.turn(uid) == "due"
+        first = await tick()  # asks the pods, opens their streams, pushes the budget
+        deadline = asyncio.get_running_loop().time() + 30
+        while handlers.feed.streaming(uid) < 3:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        seen = [first["samples"]]
+        asked = 0
+        for _ in range(2):
+            # A tick may push a new budget. Snapshots within a second of a Configure are not
+            # kept (they may predate it), and the new generation may wake the service: let
+            # that settle, and that tick go, before the bump.
+            for _ in range(10):
+                await handlers.settle()
+                await asyncio.sleep(OFFER_GUARD_S + 0.5)
+                if not handlers.pacer.pending(uid):
+                    break
+                assert await asyncio.wait_for(handlers.pacer.turn(uid), timeout=30) == "change"
+                assert (await tick())["samples"] == seen[-1]
+            else:
+                raise AssertionError("the service's budget never settled")
+            before = handlers.control.asked
+            standin.bump()
+            turn = await asyncio.wait_for(handlers.pacer.turn(uid), timeout=30)
+            assert turn == "change"
+            seen.append((await tick())["samples"])
+            asked += handlers.control.asked - before
+        assert seen == [0, 3, 6]
+        assert asked == 0  # the streams answered every look of the woken ticks
+        assert sum(p.calls.get("WatchStatus", 0) for p in standin.pods.values()) == 3
+    finally:
+        await handlers.settle()
+        handlers.close()
+        await handlers.feed.close()
+        await http.close()
+        await grpc_client.close()
+        await standin.stop()

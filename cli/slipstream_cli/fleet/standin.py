@@ -21,7 +21,7 @@ per second, never finishing unless ``finish_shards`` is set), spare capacity
 varies per pod, and Configure is versioned like the real sidecar's.
 
 Deliberately left out: the OpenAI proxy, engines, shard I/O (nothing is read or
-written for a shard), WatchStatus pacing beyond a fixed interval, and Drain
+written for a shard) and Drain
 waiting (it answers at once). Never logs prompt text (there is none).
 """
 
@@ -43,6 +43,7 @@ from aiohttp import web
 
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 from slipstream_sidecar.proto import sidecar_pb2_grpc as pb_grpc
+from slipstream_sidecar.watch import paced_snapshots
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class FakePod:
     online_requests: int = 0
     shards: dict[str, FakeShard] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set on every change a ``WatchStatus`` stream's signature covers (its pacing clears it)."""
 
     def spare_capacity(self) -> float:
         """A plausible, pod-specific spare fraction in [0.2, 0.8] (stable per name)."""
@@ -234,6 +237,7 @@ class FakeSidecarServicer(pb_grpc.SidecarServicer):
         pod.generation = request.generation
         pod.budget_s = request.budget_s if request.HasField("budget_s") else None
         pod.ordering = request.ordering or pod.ordering
+        pod.changed.set()
         return pb.ConfigureResponse(generation=pod.generation, applied=True)
 
     async def AssignShard(  # noqa: N802
@@ -248,6 +252,7 @@ class FakeSidecarServicer(pb_grpc.SidecarServicer):
         if known is None or known.state == pb.SHARD_STATE_REVOKED:
             known = FakeShard(shard.shard_id, int(shard.line_end - shard.line_start), now)
             self.pod.shards[shard.shard_id] = known
+            self.pod.changed.set()
         return pb.AssignShardResponse(
             accepted=self.pod.ready, progress=self.pod.progress(known, now, self.config))
 
@@ -260,6 +265,7 @@ class FakeSidecarServicer(pb_grpc.SidecarServicer):
             return pb.RevokeShardResponse(revoked=False)
         shard.state = pb.SHARD_STATE_REVOKED
         del self.pod.shards[request.shard_id]
+        self.pod.changed.set()
         return pb.RevokeShardResponse(
             revoked=True, progress=self.pod.progress(shard, self.clock(), self.config))
 
@@ -273,10 +279,19 @@ class FakeSidecarServicer(pb_grpc.SidecarServicer):
         self, request: pb.WatchStatusRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StatusResponse]:
         self._count("WatchStatus")
-        interval = max(request.interval_s or self.config.watch_interval_s, 0.05)
-        while True:
-            yield self.pod.status(self.clock(), self.config)
-            await asyncio.sleep(interval)
+        presented = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(str(presented).encode(), f"Bearer {self.pod.token}".encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
+        pod = self.pod
+
+        def snapshot() -> pb.StatusResponse:
+            self._count("WatchStatus.sent")
+            return pod.status(self.clock(), self.config)
+
+        async for msg in paced_snapshots(
+                snapshot, interval_s=max(request.interval_s or self.config.watch_interval_s, 0.05),
+                min_interval_s=request.min_interval_s, changed=pod.changed, clock=self.clock):
+            yield msg
 
     async def Drain(  # noqa: N802
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
@@ -286,6 +301,7 @@ class FakeSidecarServicer(pb_grpc.SidecarServicer):
         for shard in self.pod.shards.values():
             shard.state = pb.SHARD_STATE_REVOKED
         self.pod.shards.clear()
+        self.pod.changed.set()
         return pb.DrainResponse(drained=True, online_in_flight=0)
 
 
@@ -373,6 +389,7 @@ class Standin:
         self.bumps += 1
         for pod in self.pods.values():
             pod.online_requests += 1
+            pod.changed.set()
         return self.bumps
 
     def totals(self) -> dict[str, int]:
