@@ -254,11 +254,23 @@ class Handlers:
         watch = getattr(self.control.inner, "watch", None)
         if settings.status_watch and watch is not None:
             gap = settings.status_watch_gap_s or settings.reconcile_interval_s / 2
-            self.pacer = TickPacer(interval_s=settings.reconcile_interval_s, min_gap_s=gap)
+            if settings.status_watch_wake:
+                self.pacer = TickPacer(interval_s=settings.reconcile_interval_s, min_gap_s=gap)
             self.feed = StatusFeed(self.control, watch, interval_s=settings.reconcile_interval_s,
-                                   min_interval_s=gap, on_change=self.pacer.wake)
+                                   min_interval_s=gap,
+                                   on_change=self.pacer.wake if self.pacer else lambda _: None)
         self.kube_calls = 0
         """Blocking Kubernetes client calls made (applies and Secret reads)."""
+
+    def status_stats(self) -> dict[str, float]:
+        """How pods' Status reached the ticks: streams, snapshots, changes, woken ticks and
+        unary calls (for the operator's metrics; read from the metrics thread)."""
+        stats = {"status_calls": float(self.control.asked)}
+        if self.feed is not None:
+            stats.update(self.feed.stats())
+        if self.pacer is not None:
+            stats["woken_ticks"] = float(self.pacer.woken_turns)
+        return stats
 
     async def _kube(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking Kubernetes client call on the operator's kube executor."""
@@ -905,8 +917,9 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
         pods = set(handlers.state.histories.pop(uid, None) or ())
         handlers.applied.forget(namespace, set(names(ObjectRef(name, namespace, uid, 0)).values()))
         handlers.state.tokens.pop((namespace, name), None)
-        if handlers.feed is not None and handlers.pacer is not None:
+        if handlers.feed is not None:
             handlers.feed.drop(uid)
+        if handlers.pacer is not None:
             handlers.pacer.forget(uid)
         if pods:
             handlers.control.forget_pods(pods)

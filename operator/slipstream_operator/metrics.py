@@ -340,6 +340,8 @@ class OperatorMetrics(Collector):
 
     clock: Callable[[], float] = time.time
     build: Mapping[str, str] = field(default_factory=build_labels)
+    status_stats: Callable[[], Mapping[str, float]] | None = None
+    """The handlers' Status-path counters (:meth:`Handlers.status_stats`); None: not shown."""
     registry: CollectorRegistry = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _objects: dict[Key, _Entry] = field(init=False, default_factory=dict)
@@ -421,6 +423,8 @@ class OperatorMetrics(Collector):
         for (kind, type_), n in sorted(events.items()):
             counter.add_metric([kind, type_], float(n))
         yield counter
+        if self.status_stats is not None:
+            yield from _status_families(self.status_stats())
 
     def _object_families(self, kind: str, entries: list[_Entry]) -> Iterator[Any]:
         entries.sort(key=lambda e: (e.sample.namespace, e.sample.name))
@@ -437,6 +441,34 @@ class OperatorMetrics(Collector):
                 for labels, value in s.values.get(suffix, {}).items():
                     family.add_metric([s.namespace, s.name, *(v for _, v in labels)], value)
             yield family
+
+
+STATUS_FAMILIES: dict[str, tuple[str, str]] = {
+    # stats key: (family, help); "streams" is a gauge, the rest counters
+    "streams": ("slipstream_operator_status_streams",
+                "WatchStatus streams to pods that are up now."),
+    "opened": ("slipstream_operator_status_stream_opens",
+               "WatchStatus streams opened (first opens and re-opens after a failure)."),
+    "snapshots": ("slipstream_operator_status_snapshots",
+                  "Status snapshots received on WatchStatus streams."),
+    "changes": ("slipstream_operator_status_changes",
+                "Snapshots whose change signature moved (each wakes its service's tick)."),
+    "woken_ticks": ("slipstream_operator_woken_ticks",
+                    "InferenceService ticks started by a change rather than by the interval."),
+    "status_calls": ("slipstream_operator_status_calls",
+                     "Unary Status calls made to sidecars (the rest read a cached or "
+                     "streamed reply)."),
+}
+
+
+def _status_families(stats: Mapping[str, float]) -> Iterator[Any]:
+    for key, (name, help_text) in STATUS_FAMILIES.items():
+        if key not in stats:
+            continue
+        if key == "streams":
+            yield GaugeMetricFamily(name, help_text, value=stats[key])
+        else:
+            yield CounterMetricFamily(name, help_text, value=stats[key])
 
 
 _EXTRA_LABELS: dict[str, tuple[str, ...]] = {

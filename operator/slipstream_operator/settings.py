@@ -122,12 +122,19 @@ class OperatorSettings(BaseSettings):
         "calls (server-side applies, Secret reads). Default: 32.",
     )
     status_watch: bool = Field(
-        default=True,
+        default=False,
         description="Follow each InferenceService pod's Status as a WatchStatus stream (one per "
         "pod): its snapshots answer the ticks' looks while the stream is up, and a change the "
-        "sidecar sends (budget or generation in force, readiness, online counters, shard "
-        "states) wakes the service's tick instead of waiting for the next interval. False: "
-        "poll Status at every tick. Default: true.",
+        "sidecar sends (budget or generation in force, readiness, draining, online counters) "
+        "wakes the service's tick instead of waiting for the next interval. False: "
+        "poll Status at every tick. Default: false (at 1,000 nodes on a 2-core host the streams "
+        "measured worse than polling: docs/scale.md, seventh session).",
+    )
+    status_watch_wake: bool = Field(
+        default=True,
+        description="With status_watch: a change a pod sends wakes its InferenceService's tick "
+        "(sooner than its next interval). False: the streams only keep the replies current, "
+        "and every service ticks on its fixed grid. Default: true.",
     )
     status_watch_gap_s: float = Field(
         default=0.0,

@@ -5,7 +5,7 @@ one reconcile interval) and costs one gRPC call per pod per interval. Here the o
 one ``WatchStatus`` stream per pod instead. The sidecar sends a snapshot every interval (the
 heartbeat) and, with ``min_interval_s``, as soon as what the operator acts on changes
 (``slipstream_sidecar.watch``: budgets and generation in force, readiness, draining, the
-online counters, each shard's state), at most once per ``min_interval_s``.
+online counters), at most once per ``min_interval_s``.
 
 * :class:`StatusFeed` runs the streams. Each snapshot goes into the shared ``Status`` cache
   (:meth:`SharedSidecarControl.offer`) as a *live* reply: while its stream is up it answers
@@ -80,6 +80,8 @@ class StatusFeed:
         """Snapshots whose change signature differed from the pod's previous one."""
         self.opened = 0
         """Streams opened (first opens and re-opens after a failure)."""
+        self.up = 0
+        """Streams up now (kept as a count: the metrics thread reads it)."""
 
     @property
     def live_for_s(self) -> float:
@@ -117,6 +119,7 @@ class StatusFeed:
 
     def _stop(self, pod: str) -> None:
         stream = self._streams.pop(pod)
+        self._down(stream)
         if stream.task is not None:
             stream.task.cancel()
         self.control.unlive(stream.address)
@@ -129,7 +132,9 @@ class StatusFeed:
                 async for signature, status in self._watch(
                         stream.address, interval_s=self.interval_s,
                         min_interval_s=self.min_interval_s):
-                    stream.up = True
+                    if not stream.up:
+                        stream.up = True
+                        self.up += 1
                     wait = self._retry_s[0]
                     self.snapshots += 1
                     self.control.offer(stream.address, status, live_for_s=self.live_for_s)
@@ -140,10 +145,20 @@ class StatusFeed:
                 logger.info("WatchStatus of pod %s ended; opening it again", stream.address.pod)
             except SidecarError as exc:
                 logger.info("%s", exc)
-            stream.up = False
+            self._down(stream)
             self.control.unlive(stream.address)
             await asyncio.sleep(wait)
             wait = min(wait * 2, longest)
+
+    def _down(self, stream: _Stream) -> None:
+        if stream.up:
+            stream.up = False
+            self.up -= 1
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the operator's metrics (safe to call from another thread)."""
+        return {"streams": float(self.up), "snapshots": float(self.snapshots),
+                "changes": float(self.changes), "opened": float(self.opened)}
 
     async def close(self) -> None:
         tasks = [s.task for s in self._streams.values() if s.task is not None]

@@ -1,10 +1,12 @@
 """When ``WatchStatus`` sends a snapshot: on a heartbeat, and on a change the operator acts on.
 
-A snapshot's *change signature* is the part of ``StatusResponse`` the operator reacts to: the
-generation and budgets in force, readiness, draining, the online class's counters (a new
-request finished means new latency samples), and each shard's id and state. Progress counts,
-rates, step times and the spare-capacity estimate are left out: they move all the time, and
-the heartbeat carries them.
+A snapshot's *change signature* is the part of ``StatusResponse`` an InferenceService's status
+shows and its tick acts on: the generation and budgets in force, readiness, draining, and the
+online class's counters (a new request finished means new latency samples). Shards, progress
+counts, rates, step times and the spare-capacity estimate are left out: they move all the time
+on a pod running offline work, the heartbeat carries them, and OfflineJob ticks read them at
+their own pace (the operator drops a pod's reply whenever it assigns or revokes a shard there,
+so the next look asks the pod).
 
 :func:`paced_snapshots` is the stream's pacing, shared by the sidecar's servicer and the fleet
 stand-in: the first snapshot at once, then one whenever the signature differs from the last
@@ -38,7 +40,6 @@ def change_signature(msg: pb.StatusResponse) -> tuple[Hashable, ...]:
         msg.online.admitted_total,
         (counters.admitted, counters.finished_ok, counters.ttft_seconds.count,
          counters.tbt_seconds.count) if msg.HasField("online_counters") else None,
-        tuple((s.shard_id, s.state) for s in msg.shards),
     )
 
 

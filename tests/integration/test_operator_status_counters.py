@@ -52,7 +52,7 @@ async def _observed_after_ticks(api: client.ApiClient, namespace: str, name: str
     grpc_client = GrpcSidecarControl(timeout_s=5.0)
     http = aiohttp.ClientSession()
     # A Status max age of 0: every tick asks every pod, as ticks an interval apart do.
-    # Polled (no WatchStatus streams): each tick reads the pods as they are at that moment.
+    # Polled (no WatchStatus streams, as by default): each tick reads the pods as they are.
     handlers = Handlers(OperatorSettings(loopback_only=True, reconcile_interval_s=1e-9,
                                          status_watch=False),
                         api, grpc_client, http)
@@ -97,7 +97,7 @@ async def test_the_window_comes_from_status_and_older_sidecars_are_scraped(
 async def test_a_pods_change_wakes_its_services_tick_through_the_status_stream(
     admin_api: client.ApiClient, namespace: str,
 ) -> None:
-    """With WatchStatus streams (the default), a bump reaches the status at a tick the change
+    """With WatchStatus streams (``status_watch``), a bump reaches the status at a tick the change
     woke, long before the 60 s interval, and no tick after the first asks a pod."""
     name = "woken"
     grpc_port = next(_ports)
@@ -119,7 +119,8 @@ async def test_a_pods_change_wakes_its_services_tick_through_the_status_stream(
     grpc_client = GrpcSidecarControl(timeout_s=5.0)
     http = aiohttp.ClientSession()
     handlers = Handlers(OperatorSettings(loopback_only=True, reconcile_interval_s=60.0,
-                                         status_watch_gap_s=0.2), admin_api, grpc_client, http)
+                                         status_watch=True, status_watch_gap_s=0.2),
+                        admin_api, grpc_client, http)
     assert handlers.pacer is not None and handlers.feed is not None
     uid = f"uid-{name}"
 

@@ -316,3 +316,29 @@ def test_every_family_is_documented_with_its_labels() -> None:
     for label in ("`metric`", "`stat`", "`phase`", "`outcome`", "`state`", "`condition`",
                   "`kind`", "`type`"):
         assert label in section, label
+
+
+@pytest.mark.integration
+def test_the_status_path_counters_are_served_when_the_handlers_give_them() -> None:
+    stats = {"streams": 3.0, "opened": 4.0, "snapshots": 17.0, "changes": 5.0,
+             "woken_ticks": 2.0, "status_calls": 6.0}
+    m = OperatorMetrics(status_stats=lambda: stats)
+    server = serve(m, "127.0.0.1", 0)
+    assert server is not None
+    try:
+        got = _get(server.port)
+        assert got["slipstream_operator_status_streams"] == {(): 3.0}
+        assert got["slipstream_operator_status_snapshots_total"] == {(): 17.0}
+        assert got["slipstream_operator_status_changes_total"] == {(): 5.0}
+        assert got["slipstream_operator_status_stream_opens_total"] == {(): 4.0}
+        assert got["slipstream_operator_woken_ticks_total"] == {(): 2.0}
+        assert got["slipstream_operator_status_calls_total"] == {(): 6.0}
+        stats["streams"] = 1.0  # read at every scrape
+        assert _get(server.port)["slipstream_operator_status_streams"] == {(): 1.0}
+    finally:
+        server.close()
+    # Polling handlers give only the call count; without handlers nothing is shown.
+    assert "slipstream_operator_status_streams" not in OperatorMetrics().render().decode()
+    polled = OperatorMetrics(status_stats=lambda: {"status_calls": 1.0}).render().decode()
+    assert "slipstream_operator_status_calls_total 1.0" in polled
+    assert "slipstream_operator_status_streams" not in polled

@@ -38,7 +38,7 @@ def _snap(generation: int = 1, completed: int = 0, admitted: int = 0) -> pb.Stat
     return msg
 
 
-def test_the_signature_ignores_progress_and_spare_capacity_but_not_counters_or_states() -> None:
+def test_the_signature_ignores_shards_and_spare_capacity_but_not_counters_or_budgets() -> None:
     base = change_signature(_snap())
     assert change_signature(_snap(completed=7)) == base
     moved = _snap()
@@ -49,7 +49,13 @@ def test_the_signature_ignores_progress_and_spare_capacity_but_not_counters_or_s
     assert change_signature(_snap(generation=2)) != base
     revoked = _snap()
     revoked.shards[0].state = 5
-    assert change_signature(revoked) != base
+    assert change_signature(revoked) == base
+    budget = _snap()
+    budget.budget_s = 0.05
+    assert change_signature(budget) != base
+    draining = _snap()
+    draining.draining = True
+    assert change_signature(draining) != base
 
 
 async def test_a_change_goes_out_at_once_progress_waits_for_the_heartbeat() -> None:

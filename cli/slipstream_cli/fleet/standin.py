@@ -98,7 +98,8 @@ class FakePod:
     shards: dict[str, FakeShard] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    """Set on every change a ``WatchStatus`` stream's signature covers (its pacing clears it)."""
+    """Set on every change a ``WatchStatus`` stream's signature covers (bump, Configure, Drain;
+    its pacing clears it)."""
 
     def spare_capacity(self) -> float:
         """A plausible, pod-specific spare fraction in [0.2, 0.8] (stable per name)."""
@@ -252,7 +253,6 @@ class FakeSidecarServicer(pb_grpc.SidecarServicer):
         if known is None or known.state == pb.SHARD_STATE_REVOKED:
             known = FakeShard(shard.shard_id, int(shard.line_end - shard.line_start), now)
             self.pod.shards[shard.shard_id] = known
-            self.pod.changed.set()
         return pb.AssignShardResponse(
             accepted=self.pod.ready, progress=self.pod.progress(known, now, self.config))
 
@@ -265,7 +265,6 @@ class FakeSidecarServicer(pb_grpc.SidecarServicer):
             return pb.RevokeShardResponse(revoked=False)
         shard.state = pb.SHARD_STATE_REVOKED
         del self.pod.shards[request.shard_id]
-        self.pod.changed.set()
         return pb.RevokeShardResponse(
             revoked=True, progress=self.pod.progress(shard, self.clock(), self.config))
 

@@ -462,10 +462,10 @@ class WatchStatusRequest(_message.Message):
     min_interval_s: _builtins.float
     """Above 0: also send a snapshot as soon as its change signature differs from
     the last one sent (the generation and budgets in force, readiness,
-    draining, the online class's counters, and each shard's id and state; not
-    progress counts, rates or spare capacity), but never two snapshots closer
-    than this many seconds. The first change after a quiet spell goes out at
-    once. 0 (or a sidecar that predates the field): every interval_s only.
+    draining and the online class's counters; not shards, progress, rates or
+    spare capacity, which the heartbeat carries), but never two snapshots
+    closer than this many seconds. The first change after a quiet spell goes
+    out at once. 0 (or a sidecar that predates the field): every interval_s.
     """
     def __init__(
         self,
