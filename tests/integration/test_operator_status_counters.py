@@ -31,12 +31,13 @@ _ports = itertools.count(47000 + (id(object()) % 400) * 8, 2)
 TOKEN = "test-token-for-the-fake-sidecars"
 
 
-async def _observed_after_ticks(api: client.ApiClient, namespace: str, name: str,
-                                counters: bool, net: int) -> tuple[list[dict[str, Any]], int]:
-    grpc_port = next(_ports)
-    standin, pods_index = await standin_service(api, namespace, name, TOKEN, grpc_port=grpc_port,
-                                                net=net, status_counters=counters)
-    body: dict[str, Any] = {
+def _service_body(namespace: str, name: str, grpc_port: int) -> dict[str, Any]:
+    """A 3-replica InferenceService body for direct ``service_tick`` calls (kopf's event
+    posting off, since no operator runs)."""
+    kopf_settings = kopf.OperatorSettings()
+    kopf_settings.posting.enabled = False
+    posting.settings_var.set(kopf_settings)
+    return {
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
                      "generation": 1},
         "spec": {"model": MODEL,
@@ -46,9 +47,14 @@ async def _observed_after_ticks(api: client.ApiClient, namespace: str, name: str
                  "sidecar": {"httpPort": grpc_port + 1, "grpcPort": grpc_port}},
         "status": {},
     }
-    kopf_settings = kopf.OperatorSettings()
-    kopf_settings.posting.enabled = False
-    posting.settings_var.set(kopf_settings)
+
+
+async def _observed_after_ticks(api: client.ApiClient, namespace: str, name: str,
+                                counters: bool, net: int) -> tuple[list[dict[str, Any]], int]:
+    grpc_port = next(_ports)
+    standin, pods_index = await standin_service(api, namespace, name, TOKEN, grpc_port=grpc_port,
+                                                net=net, status_counters=counters)
+    body = _service_body(namespace, name, grpc_port)
     grpc_client = GrpcSidecarControl(timeout_s=5.0)
     http = aiohttp.ClientSession()
     # A Status max age of 0: every tick asks every pod, as ticks an interval apart do.
@@ -103,19 +109,7 @@ async def test_a_pods_change_wakes_its_services_tick_through_the_status_stream(
     grpc_port = next(_ports)
     standin, pods_index = await standin_service(admin_api, namespace, name, TOKEN,
                                                 grpc_port=grpc_port, net=247)
-    body: dict[str, Any] = {
-        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
-                     "generation": 1},
-        "spec": {"model": MODEL,
-                 "engine": {"image": "vllm/vllm-openai:v0.11.0", "gpus": 1, "gpuType": "h100"},
-                 "replicas": 3,
-                 "slo": {"ttft": {"p99": "2s"}, "tbt": {"p99": "150ms"}},
-                 "sidecar": {"httpPort": grpc_port + 1, "grpcPort": grpc_port}},
-        "status": {},
-    }
-    kopf_settings = kopf.OperatorSettings()
-    kopf_settings.posting.enabled = False
-    posting.settings_var.set(kopf_settings)
+    body = _service_body(namespace, name, grpc_port)
     grpc_client = GrpcSidecarControl(timeout_s=5.0)
     http = aiohttp.ClientSession()
     handlers = Handlers(OperatorSettings(loopback_only=True, reconcile_interval_s=60.0,
