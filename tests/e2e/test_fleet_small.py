@@ -4,7 +4,8 @@ The same code path as ``slipstream bench fleet`` (:class:`FleetRun`), at a size
 the test cluster holds (its GPU nodes, a few services, five jobs): the operator
 (namespaced to the run's team namespaces, with its own service account) must
 bring every service to Ready, place every shard, and write statuses that match
-what the stand-in's fake sidecars hold and report. Correctness only: the
+what the stand-in's fake sidecars hold and report. It runs once with one operator and
+once with two operators sharded by namespace (one namespace each). Correctness only: the
 timings it measures are printed, never asserted.
 """
 
@@ -27,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("SLIPSTREAM_DATA", REPO.parent / "shared" / "data"))
 
 
-def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-operator", "two-operator-shards"])
+def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_path: Path,
+                                                  shards: int) -> None:
     gpus = cluster.config.nodes * cluster.config.gpus_per_node
     services = max(2, min(10, gpus // 2 // 2))  # 2 replicas, half the GPUs at most
     plan = FleetPlan(nodes=cluster.config.nodes, services=services, replicas=2, jobs=5,
@@ -35,7 +38,8 @@ def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_pat
                      pool_size=2)
     run = FleetRun(cluster, plan, tmp_path, data_dir=DATA,
                    prefix=f"t-fleet-{uuid.uuid4().hex[:6]}", interval_s=1.0, bumps=2,
-                   bump_gap_s=1.0, clusterwide=False, timeout_s=300.0, lag_timeout_s=60.0)
+                   bump_gap_s=1.0, clusterwide=False, timeout_s=300.0, lag_timeout_s=60.0,
+                   operator_shards=shards)
     try:
         result = run.run()
     finally:
@@ -64,3 +68,7 @@ def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_pat
                                              strict=True))
     assert checks["job_phases"] == ["Running"]
     assert result.steady.api_rps > 0 and result.operator_rss_mb > 0
+    # Sharded by namespace: each operator served its own namespace (each one's services
+    # reached Ready above, which only its operator could have written), and each did work.
+    assert result.operator_shards == shards == len(result.shard_cpu_cores)
+    assert all(cpu > 0 for cpu in result.shard_cpu_cores)

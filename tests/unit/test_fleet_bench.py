@@ -79,3 +79,30 @@ def test_lags_are_reported_per_bump_and_overall() -> None:
     assert "| nodes | bump | services seen | timeouts | lag p50 s |" in table
     assert "| 25 | 1 | 100 | 0 | 51.0 | 100.0 | 100.0 |" in table
     assert "| 25 | 2 | 100 | 1 | 2.0 | 120.0 | 120.0 |" in table
+
+
+def test_namespaces_are_dealt_round_robin_to_operator_shards() -> None:
+    from slipstream_cli.fleet.clusterrun import shard_namespaces
+
+    spaces = [f"team-{i}" for i in range(10)]
+    groups = shard_namespaces(spaces, 3)
+    assert groups == [["team-0", "team-3", "team-6", "team-9"], ["team-1", "team-4", "team-7"],
+                      ["team-2", "team-5", "team-8"]]
+    assert sorted(ns for g in groups for ns in g) == sorted(spaces)  # each exactly once
+    assert shard_namespaces(spaces, 1) == [spaces]
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="between 1 and the 10 namespaces"):
+            shard_namespaces(spaces, bad)
+
+
+def test_the_operator_shards_cpu_and_memory_are_summed() -> None:
+    import os
+
+    from slipstream_cli.fleet.clusterrun import procs_sample
+
+    me = os.getpid()
+    one = procs_sample([me])
+    two = procs_sample([me, me])
+    # The same process counted twice: twice its CPU and memory (each read a moment apart).
+    assert two.cpu_s >= 2 * one.cpu_s - 0.05
+    assert two.rss_mb >= 1.5 * one.rss_mb

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--operator-threads", type=int, default=0,
                         help="experiment: the operator's default thread pool size "
                         "(0: unchanged, min(32, CPUs + 4))")
+    parser.add_argument("--operator-shards", type=int, default=1,
+                        help="run this many operators, each watching its own share of the "
+                        "run's namespaces (round-robin); CPU, RSS and API requests are summed "
+                        "(default 1: one cluster-wide operator)")
     parser.add_argument("--no-status-counters", dest="status_counters", action="store_false",
                         help="experiment: the stand-in answers Status without online_counters, "
                         "as sidecars before them did, so the operator scrapes every pod's "
@@ -120,7 +124,8 @@ def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]
             run = FleetRun(cluster, plan, workdir, data_dir=_data_dir(args),
                            interval_s=args.interval, bumps=args.bumps, timeout_s=args.timeout,
                            operator_threads=args.operator_threads, lag_probe=args.lag_probe,
-                           status_counters=args.status_counters)
+                           status_counters=args.status_counters,
+                           operator_shards=args.operator_shards)
             row.update(run.run().to_dict())
             row["status_counters"] = args.status_counters
             row["operator_threads"] = args.operator_threads or None

@@ -9,7 +9,10 @@ Steps (:class:`FleetRun`):
    ``apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}`` counts
    exactly the operator's requests.
 2. Start the stand-in (:mod:`slipstream_cli.fleet.server`, admin identity) and
-   ``slipstream operator`` (the operator's own kubeconfig) as processes.
+   ``slipstream operator`` (the operator's own kubeconfig) as processes. With
+   ``operator_shards`` above 1 the fleet's namespaces are split round-robin over that
+   many operators, each started with ``-n`` for its own group (sharding by namespace:
+   each process has its own event loop; they share nothing but the API server).
 3. Apply namespaces, InferenceServices and OfflineJobs (:mod:`.workload`) and
    time: all pods Running, all services ``Ready=True``, all jobs' shards placed
    (``status.shards.assigned == total``).
@@ -23,7 +26,8 @@ Steps (:class:`FleetRun`):
    once, and its cost would otherwise hide in one p99 with the steady-state bumps.
 5. The operator's CPU (``/proc/<pid>/stat`` utime+stime), RSS (``VmRSS``,
    ``VmHWM``) and API requests per second, over the ramp (apply to ready) and
-   over the steady state (the bumps).
+   over the steady state (the bumps); summed over the shards when there are several
+   (they share one ServiceAccount, so the FlowSchema counts all of them).
 
 Deliberately left out: starting the cluster (the caller chooses its size) and
 any assertion (the e2e test and the bench judge the result).
@@ -98,6 +102,21 @@ def proc_sample(pid: int) -> ProcSample:
         elif line.startswith("VmHWM:"):
             hwm = int(line.split()[1]) / 1024
     return ProcSample(time.monotonic(), cpu, rss, hwm)
+
+
+def procs_sample(pids: Sequence[int]) -> ProcSample:
+    """:func:`proc_sample` summed over processes (the shards of a namespace-sharded operator)."""
+    samples = [proc_sample(pid) for pid in pids]
+    return ProcSample(max(s.at_s for s in samples), sum(s.cpu_s for s in samples),
+                      sum(s.rss_mb for s in samples), sum(s.hwm_mb for s in samples))
+
+
+def shard_namespaces(namespaces: Sequence[str], shards: int) -> list[list[str]]:
+    """Split ``namespaces`` into ``shards`` groups, round-robin (each group one operator)."""
+    if not 1 <= shards <= len(namespaces):
+        raise ValueError(f"operator shards must be between 1 and the {len(namespaces)} "
+                         f"namespaces of the run, not {shards}")
+    return [list(namespaces[i::shards]) for i in range(shards)]
 
 
 def dispatched(metrics_text: str, flow_schema: str) -> tuple[float, float]:
@@ -208,6 +227,10 @@ class FleetResult:
     # The same lags split by bump (status_lags_s is their concatenation), and each bump's
     # count of services that never caught up (counted in the lags at lag_timeout_s).
     bumps: tuple[BumpLags, ...] = ()
+    # Operator processes, each watching its own group of namespaces; CPU, RSS and API
+    # requests above are their sums, and shard_cpu_cores each one's steady-state CPU.
+    operator_shards: int = 1
+    shard_cpu_cores: tuple[float, ...] = ()
 
     @property
     def status_lag_p99_s(self) -> float | None:
@@ -239,6 +262,8 @@ class FleetResult:
             "status_lag_bumps": [b.to_dict() for b in self.bumps],
             "status_lag_p99_arrival_s": _round(_p99(
                 [lag for b in self.bumps for lag in b.arrival_lags_s])),
+            "operator_shards": self.operator_shards,
+            "operator_shard_cpu_cores": list(self.shard_cpu_cores),
         }
 
 
@@ -271,7 +296,7 @@ class FleetRun:
                  bumps: int = 3, bump_gap_s: float | None = None, clusterwide: bool = True,
                  timeout_s: float = 1800.0, lag_timeout_s: float = 120.0,
                  operator_threads: int = 0, lag_probe: str = "watch",
-                 status_counters: bool = True) -> None:
+                 status_counters: bool = True, operator_shards: int = 1) -> None:
         if lag_probe not in ("watch", "list"):
             raise ValueError(f"lag_probe must be 'watch' or 'list', not {lag_probe!r}")
         self.cluster = cluster
@@ -291,6 +316,8 @@ class FleetRun:
         self._watch: StatusWatch | None = None  # opened at apply time (lag_probe "watch")
         self.rest = cluster.admin_rest()
         self.namespaces = namespace_names(plan, prefix)
+        # One operator per group; more than one group means namespaced operators (sharding).
+        self.shard_groups = shard_namespaces(self.namespaces, operator_shards)
         self._procs: list[subprocess.Popen[bytes]] = []
         self.standin_port = 0
         self._standin_proc: subprocess.Popen[bytes] | None = None
@@ -423,7 +450,8 @@ class FleetRun:
             raise FleetRunError(f"stand-in did not start: {line!r}", "standin")
         self.standin_port = int(line.split()[1])
 
-    def _start_operator(self, kubeconfig: Path) -> subprocess.Popen[bytes]:
+    def _start_operators(self, kubeconfig: Path) -> list[subprocess.Popen[bytes]]:
+        """One operator per namespace group; a single one is cluster-wide if the run is."""
         launcher = [str(Path(sys.executable).parent / "slipstream")]
         if self.operator_threads > 0:
             launcher = [sys.executable, "-m", "slipstream_cli.fleet.opwrap", "--threads",
@@ -431,11 +459,12 @@ class FleetRun:
         argv = [*launcher, "operator", "--kubeconfig", str(kubeconfig), "--loopback-only",
                 "--interval", str(self.interval_s), "--window", "3600",
                 "--stall-timeout", "3600", "--max-shards-per-pod",
-                str(shards_per_pod_needed(self.plan, self.prefix) + 1)]
-        if not self.clusterwide:
-            for ns in self.namespaces:
-                argv += ["-n", ns]
-        return self._spawn("operator", argv)
+                str(shards_per_pod_needed(self.plan, self.prefix) + 1), "--metrics-port", "0"]
+        if len(self.shard_groups) == 1:
+            spaces = [] if self.clusterwide else self.shard_groups[0]
+            return [self._spawn("operator", argv + [a for ns in spaces for a in ("-n", ns)])]
+        return [self._spawn(f"operator-{i}", argv + [a for ns in group for a in ("-n", ns)])
+                for i, group in enumerate(self.shard_groups)]
 
     def _standin(self, method: str, path: str) -> dict[str, Any]:
         request = urllib.request.Request(f"http://127.0.0.1:{self.standin_port}{path}",
@@ -579,10 +608,11 @@ class FleetRun:
             self._crds()
             kubeconfig = self._identity()
             self._start_standin()
-            operator = self._start_operator(kubeconfig)
+            operators = self._start_operators(kubeconfig)
+            pids = [p.pid for p in operators]
             time.sleep(2.0)
             self._check_alive()
-            p0, a0 = proc_sample(operator.pid), self._api_counts()
+            p0, a0 = procs_sample(pids), self._api_counts()
             started = time.monotonic()
             self._apply_workload()
             if self.lag_probe == "watch":  # open long before the bumps (see wait_open)
@@ -595,7 +625,7 @@ class FleetRun:
                 services_s = self._wait("services ready", self._services_ready, started)
                 shards_s = self._wait("shards placed", self._shards_placed, started)
             except FleetRunError as exc:
-                now, api = proc_sample(operator.pid), self._api_counts()
+                now, api = procs_sample(pids), self._api_counts()
                 exc.partial = {"elapsed_s": round(now.at_s - p0.at_s, 1),
                                "ramp": asdict(Phase.between(p0, now, a0, api)),
                                "operator_rss_mb": round(now.rss_mb, 1),
@@ -603,11 +633,13 @@ class FleetRun:
                                "standin": self._standin("GET", "/totals")}
                 raise
             ready_s = max(services_s, shards_s)
-            p1, a1 = proc_sample(operator.pid), self._api_counts()
+            p1, a1 = procs_sample(pids), self._api_counts()
+            shard_starts = [proc_sample(pid) for pid in pids]
             assert self._standin_proc is not None
             s1 = proc_sample(self._standin_proc.pid)
             bumps = self._lags()
-            p2, a2 = proc_sample(operator.pid), self._api_counts()
+            p2, a2 = procs_sample(pids), self._api_counts()
+            per_shard = [proc_sample(pid) for pid in pids]
             s2 = proc_sample(self._standin_proc.pid)
             checks = self._checks()
             standin = {k: int(v) for k, v in self._standin("GET", "/totals").items()}
@@ -619,7 +651,10 @@ class FleetRun:
             ramp=Phase.between(p0, p1, a0, a1), steady=Phase.between(p1, p2, a1, a2),
             operator_rss_mb=p2.rss_mb, operator_hwm_mb=p2.hwm_mb, standin=standin,
             standin_cpu_cores=round((s2.cpu_s - s1.cpu_s) / max(s2.at_s - s1.at_s, 1e-9), 3),
-            checks=checks,
+            checks=checks, operator_shards=len(pids),
+            shard_cpu_cores=tuple(
+                round((b.cpu_s - a.cpu_s) / max(b.at_s - a.at_s, 1e-9), 3)
+                for a, b in zip(shard_starts, per_shard, strict=True)),
         )
 
     def _checks(self) -> dict[str, Any]:
