@@ -5,7 +5,8 @@ CRDs exist with the keep policy and serve both kinds; ``helm upgrade`` with a ch
 file (a new printer column, as a schema change would be) changes the CRD in the cluster;
 ``kubectl auth can-i --list`` for the chart's service account lists exactly the rules
 ``tests/unit/test_chart.py`` pins (NEEDED_*), both for the ClusterRole (watch all namespaces)
-and for the namespaced Role; ``helm uninstall`` keeps the CRDs.
+and for the namespaced Role, and with the operator sharded by namespace (two Deployments, one
+ClusterRole that also lists namespaces); ``helm uninstall`` keeps the CRDs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import yaml
 
 from slipstream_cli.cluster import LocalCluster
-from unit.test_chart import NEEDED_CLUSTER_ONLY, NEEDED_NAMESPACED
+from unit.test_chart import NEEDED_CLUSTER_ONLY, NEEDED_NAMESPACED, NEEDED_SHARDED
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
@@ -87,13 +88,19 @@ BASELINE_ACCOUNT_RULES = {
 }
 
 
-@pytest.mark.parametrize("mode", ["all", "release"])
+@pytest.mark.parametrize("mode", ["all", "release", "sharded"])
 def test_install_upgrade_rbac_uninstall(cluster: LocalCluster, namespace: str, mode: str,
                                         tmp_path: Path) -> None:
     release = f"slip-{mode}"
     chart = tmp_path / "slipstream"
     shutil.copytree(CHART, chart)
-    sets = ["--set", f"operator.watchNamespaces={mode}", "--set", "operator.replicas=0"]
+    sets = ["--set", f"operator.watchNamespaces={'all' if mode == 'sharded' else mode}",
+            "--set", "operator.replicas=0"]
+    operators = [f"{release}-slipstream-operator"]
+    if mode == "sharded":
+        sets += ["--set", f"operator.shards[0].namespaces[0]={namespace}",
+                 "--set", f"operator.shards[1].namespaces[0]=!{namespace}"]
+        operators = [f"{release}-slipstream-operator-0", f"{release}-slipstream-operator-1"]
     # Fields another manager set (a client-side `kubectl apply` of crds/, as other tests
     # do) conflict with Helm's server-side apply on upgrade: the documented adoption
     # takes them over once with --force-conflicts.
@@ -111,21 +118,25 @@ def test_install_upgrade_rbac_uninstall(cluster: LocalCluster, namespace: str, m
         svc = json.loads(run(cluster, cluster.kubectl, "get", "-n", namespace, "service",
                              f"{release}-slipstream-operator-metrics", "-o", "json").stdout)
         assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
-        deploy = json.loads(run(cluster, cluster.kubectl, "get", "-n", namespace, "deployment",
-                                f"{release}-slipstream-operator", "-o", "json").stdout)
-        (container,) = deploy["spec"]["template"]["spec"]["containers"]
-        assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
-        assert "--metrics-port=8080" in container["args"]
+        for operator in operators:
+            deploy = json.loads(run(cluster, cluster.kubectl, "get", "-n", namespace,
+                                    "deployment", operator, "-o", "json").stdout)
+            (container,) = deploy["spec"]["template"]["spec"]["containers"]
+            assert {"name": "metrics", "containerPort": 8080,
+                    "protocol": "TCP"} in container["ports"]
+            assert "--metrics-port=8080" in container["args"]
 
         # RBAC, as the API server evaluates it.
         account = f"{release}-slipstream"
         wanted = set(NEEDED_NAMESPACED)
-        if mode == "all":
+        if mode != "release":
             wanted |= NEEDED_CLUSTER_ONLY
+        if mode == "sharded":
+            wanted |= NEEDED_SHARDED
         here = can_i_list(cluster, namespace, account, namespace) - BASELINE_ACCOUNT_RULES
         assert here == wanted, {"extra": here - wanted, "missing": wanted - here}
         elsewhere = can_i_list(cluster, namespace, account, "default") - BASELINE_ACCOUNT_RULES
-        assert elsewhere == (wanted if mode == "all" else set()), elsewhere
+        assert elsewhere == (set() if mode == "release" else wanted), elsewhere
 
         # Upgrade: a changed CRD file reaches the cluster (CRDs are templates, not crds/).
         path = chart / "files" / "crds" / "slipstream.dev_offlinejobs.yaml"

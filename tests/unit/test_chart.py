@@ -221,6 +221,9 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "minimal": ("crds.install=false", "grafana.dashboard.enabled=false",
                 "networkPolicy.enabled=false", "metrics.service.enabled=false",
                 "serviceAccount.create=false", "serviceAccount.name=existing"),
+    "sharded": ("operator.shards[0].namespaces[0]=team-a-*",
+                "operator.shards[0].namespaces[1]=batch",
+                "operator.shards[1].namespaces[0]=!team-a-*\\,!batch"),
     "prometheus": ("operator.prometheusUrl=http://prometheus.monitoring:9090",
                    "operator.logLevel=warning", "image.tag=dev"),
     "sidecar-defaults": ("sidecar.image.repository=registry.local:5000/team/slipstream-sidecar",
@@ -229,6 +232,14 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
                          "sidecar.resources.limits.memory=1Gi",
                          "operator.profilesDir=/etc/slipstream/profiles"),
 }
+# The namespaces each operator Deployment is given, per value set (default: all).
+SHARD_NAMESPACES: dict[str, list[list[str] | None]] = {
+    "namespaced": [["slipstream"]],
+    "sharded": [["team-a-*", "batch"], ["!team-a-*,!batch"]],
+}
+# What a namespaced kopf lists and watches to match its names and globs (sharded only).
+NEEDED_SHARDED: frozenset[tuple[str, str, str]] = frozenset(
+    {("", "namespaces", "list"), ("", "namespaces", "watch")})
 # The image the operator gives sidecars that name none, per value set: sidecar.image, else the
 # operator's own image (repository and tag).
 SIDECAR_IMAGES = {
@@ -272,6 +283,8 @@ def test_rbac_is_exactly_what_the_operator_calls(
     assert not by_kind(objs, "ClusterRole" if namespaced else "Role")
     granted = expand(roles[0]["rules"])
     wanted = NEEDED_NAMESPACED | (frozenset() if namespaced else NEEDED_CLUSTER_ONLY)
+    if name == "sharded":
+        wanted |= NEEDED_SHARDED
     assert granted == wanted, {"extra": granted - wanted, "missing": wanted - granted}
     assert not any("*" in part for rule in granted for part in rule)
     binding = by_kind(objs, role_kind + "Binding")[0]
@@ -302,11 +315,20 @@ def settings_from_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> A
 def test_operator_args_and_env_are_real_flags_and_settings(
     rendered: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    name, objs = rendered
+    deployments = by_kind(objs, "Deployment")
+    shards = SHARD_NAMESPACES.get(name, [None])
+    assert len(deployments) == len(shards)
+    for deployment, namespaces in zip(deployments, shards, strict=True):
+        _check_operator_deployment(name, deployment, namespaces, monkeypatch)
+
+
+def _check_operator_deployment(name: str, deployment: dict[str, Any],
+                               namespaces: list[str] | None,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     from slipstream_cli.main import build_parser
     from slipstream_operator.settings import OperatorSettings
 
-    name, objs = rendered
-    deployment = by_kind(objs, "Deployment")[0]
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     assert deployment["spec"]["replicas"] == 1
     pod = deployment["spec"]["template"]
@@ -317,8 +339,7 @@ def test_operator_args_and_env_are_real_flags_and_settings(
     assert chosen == "operator"
     parsed = parser.parse_args(args)  # SystemExit on an unknown flag
     assert isinstance(parsed, argparse.Namespace)
-    namespaced = "watchNamespaces=release" in " ".join(VALUE_SETS[name])
-    assert parsed.namespaces == (["slipstream"] if namespaced else None)
+    assert parsed.namespaces == namespaces
     assert parsed.liveness.endswith(":8081/healthz")
     assert parsed.metrics_port == 8080
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -516,6 +537,8 @@ BAD_VALUES = {
     "operator.profilesDir=profiles": "profilesDir",
     "unknownKey=1": "unknownKey",
     "operator.metricsPort=8081": "must differ",
+    "operator.shards[0].namespaces[0]=Team_A": "/operator/shards/0/namespaces/0",
+    "operator.shards[0].other=1": "/operator/shards/0",
     "operator.metricsPort=0": "metricsPort",
     # An object (repository, tag) like the operator's image, not one string.
     "sidecar.image=registry.local/slipstream:1": "/sidecar/image",
@@ -532,6 +555,41 @@ def test_schema_rejects_bad_values(bad: str) -> None:
     result = helm_template(bad, check=False)
     assert result.returncode != 0, f"{bad} was accepted"
     assert BAD_VALUES[bad] in result.stderr, result.stderr
+
+
+@pytest.mark.integration
+def test_shards_need_every_namespace_watchable() -> None:
+    result = helm_template("operator.watchNamespaces=release",
+                           "operator.shards[0].namespaces[0]=team-a", check=False)
+    assert result.returncode != 0
+    assert "operator.shards needs operator.watchNamespaces=all" in result.stderr
+
+
+@pytest.mark.integration
+def test_operator_shards_have_their_own_deployments_and_share_the_metrics_objects() -> None:
+    objs = docs(*VALUE_SETS["sharded"], *ALL_MONITORING[:2])  # Service + ServiceMonitor
+    deployments = by_kind(objs, "Deployment")
+    assert [d["metadata"]["name"] for d in deployments] == ["rel-slipstream-operator-0",
+                                                           "rel-slipstream-operator-1"]
+    pods = [d["spec"]["template"]["metadata"]["labels"] for d in deployments]
+    selectors = [d["spec"]["selector"]["matchLabels"] for d in deployments]
+    for i, selector in enumerate(selectors):
+        # Each Deployment owns only its own shard's pods (a shared selector would make two
+        # ReplicaSets fight over pods).
+        assert [selector.items() <= p.items() for p in pods] == [j == i for j in range(2)]
+    (svc,) = [s for s in by_kind(objs, "Service")
+              if s["metadata"]["name"].endswith("-operator-metrics")]
+    (monitor,) = [m for m in by_kind(docs(*VALUE_SETS["sharded"], *ALL_MONITORING[2:4]),
+                                      "PodMonitor") if m["metadata"]["name"].endswith("-operator")]
+    peers = [rule["podSelector"]["matchLabels"]
+             for policy in by_kind(objs, "NetworkPolicy")
+             for ingress in policy["spec"].get("ingress", [])
+             for rule in ingress.get("from", []) if "podSelector" in rule]
+    assert peers  # the sidecars' control port admits the operator's pods
+    for labels in pods:  # every shard is scraped and may reach the sidecars
+        assert svc["spec"]["selector"].items() <= labels.items()
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert any(peer.items() <= labels.items() for peer in peers)
 
 
 # ---------------------------------------------------------------------------- promtool

@@ -658,9 +658,20 @@ class FleetRun:
         )
 
     def _checks(self) -> dict[str, Any]:
-        """What the statuses say, for the test to compare with the stand-in's own counts."""
-        services = self._list("inferenceservices")
-        jobs = self._list("offlinejobs")
+        """What the statuses say, for the test to compare with the stand-in's own counts.
+
+        Read from the watch cache: the bumps' status changes already reached the probe's
+        watch, which the same cache serves, so it holds them. Consistent LISTs of 500
+        services timed out four times in a row (60 s each) at the end of a 1,000-node run and
+        took the whole run's measurements with them; a read that still fails is reported in
+        the checks (``error``) instead of failing the run.
+        """
+        try:
+            services = self._list("inferenceservices", cached=True)
+            jobs = self._list("offlinejobs", cached=True)
+        except (ClusterError, OSError) as exc:
+            logger.warning("the final status checks could not be read: %s", exc)
+            return {"error": str(exc)[:300]}
         return {
             "services_ready": sum(1 for s in services if _condition(s, "Ready") == "True"),
             "ready_replicas": sum(int((s.get("status") or {}).get("readyReplicas", 0))
