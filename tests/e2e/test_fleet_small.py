@@ -72,3 +72,8 @@ def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_pat
     # reached Ready above, which only its operator could have written), and each did work.
     assert result.operator_shards == shards == len(result.shard_cpu_cores)
     assert all(cpu > 0 for cpu in result.shard_cpu_cores)
+    # Where the host's time went besides the operator: the control plane's processes, and
+    # the API server's request mix, in which the operator's status PATCHes show.
+    assert {"etcd", "kube-apiserver", "kwok"} <= set(result.control_plane_cpu_cores)
+    assert result.apiserver_top_rps
+    assert "PATCH inferenceservices/status" in result.apiserver_top_rps

@@ -106,3 +106,32 @@ def test_the_operator_shards_cpu_and_memory_are_summed() -> None:
     # The same process counted twice: twice its CPU and memory (each read a moment apart).
     assert two.cpu_s >= 2 * one.cpu_s - 0.05
     assert two.rss_mb >= 1.5 * one.rss_mb
+
+
+def test_the_api_servers_request_mix_is_ranked_by_rate() -> None:
+    from slipstream_cli.fleet.clusterrun import request_mix, top_rates
+
+    def text(patches: int, lists: int) -> str:
+        return (
+            "# HELP apiserver_request_total Counter of apiserver requests.\n"
+            "# TYPE apiserver_request_total counter\n"
+            'apiserver_request_total{code="200",component="apiserver",group="slipstream.dev",'
+            'resource="inferenceservices",subresource="status",verb="PATCH",version="v1alpha1"} '
+            f"{patches}\n"
+            'apiserver_request_total{code="409",component="apiserver",group="slipstream.dev",'
+            'resource="inferenceservices",subresource="status",verb="PATCH",version="v1alpha1"} '
+            "3\n"
+            'apiserver_request_total{code="200",component="apiserver",group="",'
+            f'resource="pods",subresource="",verb="LIST",version="v1"}} {lists}\n'
+            'apiserver_request_total{code="200",component="apiserver",group="",'
+            'resource="nodes",subresource="",verb="GET",version="v1"} 7\n'
+        )
+
+    before, after = request_mix(text(100, 10)), request_mix(text(600, 20))
+    # Codes are summed into one kind; a subresource is kept apart from its resource.
+    assert before == {"PATCH inferenceservices/status": 103.0, "LIST pods": 10.0,
+                      "GET nodes": 7.0}
+    # Rates over 10 s, busiest first; a kind that did not move is left out.
+    assert list(top_rates(before, after, 10.0).items()) == [
+        ("PATCH inferenceservices/status", 50.0), ("LIST pods", 1.0)]
+    assert top_rates(before, after, 10.0, limit=1) == {"PATCH inferenceservices/status": 50.0}

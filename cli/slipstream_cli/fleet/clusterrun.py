@@ -132,6 +132,29 @@ def dispatched(metrics_text: str, flow_schema: str) -> tuple[float, float]:
     return ours, total
 
 
+def request_mix(metrics_text: str) -> dict[str, float]:
+    """The API server's requests so far by ``VERB resource[/subresource]`` (every client)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name != "apiserver_request_total":
+                continue
+            resource = s.labels.get("resource") or s.labels.get("group") or "-"
+            if s.labels.get("subresource"):
+                resource += "/" + s.labels["subresource"]
+            key = f"{s.labels.get('verb', '?')} {resource}"
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def top_rates(before: dict[str, float], after: dict[str, float], seconds: float,
+              limit: int = 12) -> dict[str, float]:
+    """The ``limit`` largest per-second rates between two :func:`request_mix` readings."""
+    rates = {k: (v - before.get(k, 0.0)) / max(seconds, 1e-9) for k, v in after.items()}
+    ranked = sorted(((r, k) for k, r in rates.items() if r > 0), reverse=True)[:limit]
+    return {k: round(r, 1) for r, k in ranked}
+
+
 @dataclass(frozen=True, slots=True)
 class Phase:
     """Operator cost over one interval."""
@@ -231,6 +254,11 @@ class FleetResult:
     # requests above are their sums, and shard_cpu_cores each one's steady-state CPU.
     operator_shards: int = 1
     shard_cpu_cores: tuple[float, ...] = ()
+    # The control plane's own CPU over the steady phase (cores per component: etcd,
+    # kube-apiserver, ..., kwok), and the API server's busiest request kinds then (every
+    # client, requests/s): where the host's time goes besides the operator.
+    control_plane_cpu_cores: dict[str, float] = field(default_factory=dict)
+    apiserver_top_rps: dict[str, float] = field(default_factory=dict)
 
     @property
     def status_lag_p99_s(self) -> float | None:
@@ -264,6 +292,8 @@ class FleetResult:
                 [lag for b in self.bumps for lag in b.arrival_lags_s])),
             "operator_shards": self.operator_shards,
             "operator_shard_cpu_cores": list(self.shard_cpu_cores),
+            "control_plane_cpu_cores": self.control_plane_cpu_cores,
+            "apiserver_top_rps": self.apiserver_top_rps,
         }
 
 
@@ -331,6 +361,22 @@ class FleetRun:
 
     def _api_counts(self) -> tuple[float, float]:
         return dispatched(self._get_text("/metrics"), FLOW_SCHEMA)
+
+    def _control_plane(self) -> dict[str, ProcSample]:
+        """A sample of every control-plane process of the cluster that is running."""
+        out: dict[str, ProcSample] = {}
+        for component in self.cluster.status():
+            if component.running and component.pid is not None:
+                with contextlib.suppress(OSError):
+                    out[component.name] = proc_sample(component.pid)
+        return out
+
+    def _request_mix(self) -> dict[str, float]:
+        try:
+            return request_mix(self._get_text("/metrics"))
+        except OSError as exc:  # a diagnostic only: never the run's end
+            logger.warning("API server request mix not read: %s", exc)
+            return {}
 
     def _apply(self, path: str, body: dict[str, Any]) -> None:
         self.rest.create(path, body)
@@ -635,11 +681,13 @@ class FleetRun:
             ready_s = max(services_s, shards_s)
             p1, a1 = procs_sample(pids), self._api_counts()
             shard_starts = [proc_sample(pid) for pid in pids]
+            c1, m1 = self._control_plane(), self._request_mix()
             assert self._standin_proc is not None
             s1 = proc_sample(self._standin_proc.pid)
             bumps = self._lags()
             p2, a2 = procs_sample(pids), self._api_counts()
             per_shard = [proc_sample(pid) for pid in pids]
+            c2, m2 = self._control_plane(), self._request_mix()
             s2 = proc_sample(self._standin_proc.pid)
             checks = self._checks()
             standin = {k: int(v) for k, v in self._standin("GET", "/totals").items()}
@@ -655,6 +703,10 @@ class FleetRun:
             shard_cpu_cores=tuple(
                 round((b.cpu_s - a.cpu_s) / max(b.at_s - a.at_s, 1e-9), 3)
                 for a, b in zip(shard_starts, per_shard, strict=True)),
+            control_plane_cpu_cores={
+                name: round((c2[name].cpu_s - a.cpu_s) / max(c2[name].at_s - a.at_s, 1e-9), 3)
+                for name, a in c1.items() if name in c2},
+            apiserver_top_rps=top_rates(m1, m2, p2.at_s - p1.at_s) if m1 and m2 else {},
         )
 
     def _checks(self) -> dict[str, Any]:
