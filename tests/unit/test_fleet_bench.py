@@ -73,6 +73,7 @@ def test_lags_are_reported_per_bump_and_overall() -> None:
     # Stamps 1 s apart are no burst; 99 services stamped at one instant are.
     assert (one["largest_burst"], two["largest_burst"]) == (1, 99)
     assert one["probe_reopened"] == two["probe_reopened"] == 0
+    assert one["probe_relisted"] == two["probe_relisted"] == 0
     assert BumpLags(3, (5.0, 5.02, 5.04, 5.06, 9.0)).largest_burst() == 3
     row = dict(_scale(25), status_lag_bumps=[one, two])
     table = markdown(summary([row], None))

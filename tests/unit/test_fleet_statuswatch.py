@@ -73,3 +73,19 @@ def test_the_stamp_is_the_servers_status_write_time_capped_at_the_arrival() -> N
     assert watch.reached("t/c", 4, since=at - 5.0) == at + 30.0
     bad = written(service("d", 4), "yesterday")
     assert status_written(bad) is None
+
+
+def test_a_list_read_while_the_watch_is_quiet_is_stamped_like_its_events() -> None:
+    from datetime import datetime
+
+    clock = iter([100.0]).__next__
+    watch = StatusWatch(Rest.__new__(Rest), ["t"], clock=clock)
+    assert watch.last_event_at == 100.0
+    at = datetime.fromisoformat("2026-11-30T16:04:10+00:00").timestamp()
+    items = [written(service("a", 8), "2026-11-30T16:04:10Z"), service("b", 4)]
+    watch.refresh(items, at + 40.0)
+    assert watch.refreshed == 1
+    assert watch.last_event_at == at + 40.0
+    # The write time, not the late read, stamps a; b (no write time) is stamped at the read.
+    assert watch.reached("t/a", 8, since=at - 3.0) == at + 1.0
+    assert watch.reached("t/b", 4, since=at - 3.0) == at + 40.0

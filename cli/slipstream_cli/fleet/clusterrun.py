@@ -194,6 +194,10 @@ class BumpLags:
     # Times the probe's watch was re-opened (LIST again) while this bump was timed: services
     # first seen by that LIST arrived when it returned, not when their status changed.
     probe_reopened: int = 0
+    # Times the bench read the watch cache with a LIST because its watch had gone quiet while
+    # services were waiting (statuswatch.py): those services were stamped by the server's
+    # write time all the same, so this counts probe trouble, not operator lag.
+    probe_relisted: int = 0
     # The same lags by the time the bench read each change (the watch probe's arrival), where
     # lags_s uses the API server's time of the status write (statuswatch.py); empty for the
     # LIST probe, whose lags are arrivals.
@@ -223,6 +227,7 @@ class BumpLags:
             "max_s": round(lags[-1], 2) if lags else None,
             "largest_burst": self.largest_burst(),
             "probe_reopened": self.probe_reopened,
+            "probe_relisted": self.probe_relisted,
             "p99_arrival_s": _round(_p99(self.arrival_lags_s)),
             "max_arrival_s": _round(max(self.arrival_lags_s, default=None)),
         }
@@ -342,6 +347,9 @@ class FleetRun:
         self.lag_timeout_s = lag_timeout_s
         self.operator_threads = operator_threads  # >0: default executor size (opwrap)
         self.lag_probe = lag_probe
+        # The watch probe reads the cache with a LIST when no status event came for this
+        # long while services wait (every service's tick PATCHes within an interval).
+        self.quiet_relist_s = 3 * interval_s
         self.status_counters = status_counters  # False: the stand-in plays older sidecars
         self._watch: StatusWatch | None = None  # opened at apply time (lag_probe "watch")
         self.rest = cluster.admin_rest()
@@ -625,9 +633,14 @@ class FleetRun:
                 bumped_at, number = float(answer["at"]), int(answer["bump"])
                 want = number * self.plan.replicas
                 waiting = set(keys)
-                reopened = watch.reopened
+                reopened, refreshed = watch.reopened, watch.refreshed
                 deadline = time.time() + self.lag_timeout_s
+                quiet_since = bumped_at  # a quiet spell counts from the bump or last LIST
                 while waiting and time.time() < deadline:
+                    now = time.time()
+                    if now - max(watch.last_event_at, quiet_since) > self.quiet_relist_s:
+                        self._refresh(watch)
+                        quiet_since = time.time()
                     for key in list(waiting):
                         at = watch.reached(key, want, bumped_at)
                         if at is not None:
@@ -640,11 +653,23 @@ class FleetRun:
                 arrivals.extend(self.lag_timeout_s for _ in waiting)
                 out.append(BumpLags(bump, tuple(lags), len(waiting),
                                     probe_reopened=watch.reopened - reopened,
+                                    probe_relisted=watch.refreshed - refreshed,
                                     arrival_lags_s=tuple(arrivals)))
         finally:
             watch.stop()
         logger.info("status watch: %d events, reopened %d times", watch.events, watch.reopened)
         return out
+
+    def _refresh(self, watch: StatusWatch) -> None:
+        """Read the services from the watch cache into ``watch`` (it has gone quiet)."""
+        try:
+            items = self._list("inferenceservices", cached=True)
+        except (ApiError, ClusterError, OSError) as exc:
+            logger.warning("status lag: LIST while the watch was quiet failed: %s", exc)
+            return
+        logger.info("status lag: the watch was quiet; read %d services from the cache",
+                    len(items))
+        watch.refresh(items, time.time())
 
     # ------------------------------------------------------------------ the run
 
