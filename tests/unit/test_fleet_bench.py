@@ -74,6 +74,9 @@ def test_lags_are_reported_per_bump_and_overall() -> None:
     assert (one["largest_burst"], two["largest_burst"]) == (1, 99)
     assert one["probe_reopened"] == two["probe_reopened"] == 0
     assert one["probe_relisted"] == two["probe_relisted"] == 0
+    assert one["waiting_samples"] == {}
+    stuck = BumpLags(2, (120.0,) * 3, timeouts=3, waiting_samples={4: 2, -1: 1}).to_dict()
+    assert stuck["waiting_samples"] == {"-1": 1, "4": 2}  # by count; -1: never seen
     assert BumpLags(3, (5.0, 5.02, 5.04, 5.06, 9.0)).largest_burst() == 3
     row = dict(_scale(25), status_lag_bumps=[one, two])
     table = markdown(summary([row], None))

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -202,6 +203,10 @@ class BumpLags:
     # lags_s uses the API server's time of the status write (statuswatch.py); empty for the
     # LIST probe, whose lags are arrivals.
     arrival_lags_s: tuple[float, ...] = ()
+    # The samples count the probe last saw on each service still waiting at the time-out
+    # (count -> services; -1: never seen): short by a bump or more points at the operator's
+    # window, unchanged since an earlier bump at its ticks or the API server's cache.
+    waiting_samples: dict[int, int] = field(default_factory=dict)
 
     def largest_burst(self, within_s: float = 0.05) -> int:
         """Most services stamped within ``within_s`` of each other. Ticks spread over an
@@ -228,6 +233,7 @@ class BumpLags:
             "largest_burst": self.largest_burst(),
             "probe_reopened": self.probe_reopened,
             "probe_relisted": self.probe_relisted,
+            "waiting_samples": {str(k): v for k, v in sorted(self.waiting_samples.items())},
             "p99_arrival_s": _round(_p99(self.arrival_lags_s)),
             "max_arrival_s": _round(max(self.arrival_lags_s, default=None)),
         }
@@ -299,6 +305,7 @@ class FleetResult:
             "operator_shard_cpu_cores": list(self.shard_cpu_cores),
             "control_plane_cpu_cores": self.control_plane_cpu_cores,
             "apiserver_top_rps": self.apiserver_top_rps,
+            "final_checks": self.checks,
         }
 
 
@@ -651,10 +658,12 @@ class FleetRun:
                     time.sleep(0.1)
                 lags.extend(self.lag_timeout_s for _ in waiting)
                 arrivals.extend(self.lag_timeout_s for _ in waiting)
+                short = Counter(-1 if (n := watch.latest(key)) is None else n for key in waiting)
                 out.append(BumpLags(bump, tuple(lags), len(waiting),
                                     probe_reopened=watch.reopened - reopened,
                                     probe_relisted=watch.refreshed - refreshed,
-                                    arrival_lags_s=tuple(arrivals)))
+                                    arrival_lags_s=tuple(arrivals),
+                                    waiting_samples=dict(short)))
         finally:
             watch.stop()
         logger.info("status watch: %d events, reopened %d times", watch.events, watch.reopened)
@@ -764,7 +773,25 @@ class FleetRun:
             "job_phases": sorted({str((j.get("status") or {}).get("phase")) for j in jobs}),
             # Services whose status write time the lag probe can read (statuswatch.py).
             "status_write_times": sum(1 for s in services if status_written(s) is not None),
+            # The same samples by a consistent read (etcd, not the cache), when it answers:
+            # a cache that trails etcd shows as a difference between the two.
+            "samples_consistent": self._consistent_samples(),
         }
+
+    def _consistent_samples(self) -> dict[str, int] | str:
+        services: list[dict[str, Any]] = []
+        try:  # one attempt per scope: a loaded server may take its full 60 s
+            for ns in [None] if self.clusterwide else self.namespaces:
+                where = f"/namespaces/{ns}" if ns else ""
+                answer = self._read(f"/apis/slipstream.dev/v1alpha1{where}/inferenceservices",
+                                    attempts=1)
+                services.extend(i for i in answer.get("items", [])
+                                if i["metadata"]["namespace"] in self.namespaces)
+        except (ClusterError, OSError) as exc:
+            return f"not read: {str(exc)[:120]}"
+        counts = Counter(int(((s.get("status") or {}).get("observed") or {}).get("samples", 0))
+                         for s in services)
+        return {str(k): v for k, v in sorted(counts.items())}
 
     @contextlib.contextmanager
     def _processes(self) -> Iterator[None]:

@@ -125,6 +125,12 @@ class StatusWatch:
         self.refreshed += 1
         self.last_event_at = max(self.last_event_at, at)
 
+    def latest(self, key: str) -> int | None:
+        """The last samples count seen for ``key`` (None: never seen)."""
+        with self._lock:
+            seen = self._history.get(key)
+            return seen[-1][1] if seen else None
+
     def reached(self, key: str, want: int, since: float, *,
                 arrival: bool = False) -> float | None:
         """When ``key`` first showed ``samples >= want`` at or after ``since`` (None: not yet):
