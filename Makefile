@@ -94,6 +94,7 @@ bench: venv
 	@$(BIN)/slipstream bench core --json docs/benchmarks/core.json
 	@$(BIN)/slipstream bench lengths --json docs/benchmarks/length_predictor.json
 	@$(BIN)/slipstream bench colocation --json docs/benchmarks/colocation.json
+	@$(BIN)/slipstream bench tolerance --in-engine --json docs/benchmarks/colocation-tolerance.json
 	@$(BIN)/slipstream bench ordering --json docs/benchmarks/ordering.json
 	@$(BIN)/slipstream bench prefix --json docs/benchmarks/prefix.json
 	@$(BIN)/slipstream bench sidecar --json docs/benchmarks/sidecar.json

@@ -109,3 +109,30 @@ def grouped_bars(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def share_by_tolerance(
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    path: Path,
+    *,
+    ceiling: float,
+    goal: float,
+) -> Path:
+    """Offline share of offline-only (y) against the SLO tolerance in percent (x), one line per
+    series, with the goal and the idle-time ceiling as horizontal lines."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for label, points in series.items():
+        ax.plot([x for x, _ in points], [100 * y for _, y in points], marker="o",
+                label=f"budget ({label})")
+    ax.axhline(100 * goal, color="grey", linestyle="--", label=f"goal {goal:.0%}")
+    ax.axhline(100 * ceiling, color="grey", linestyle=":", label="idle-time ceiling (1 - busy)")
+    ax.set_xlabel("p99 TTFT and TBT tolerance over online-only, %")
+    ax.set_ylabel("offline tokens/s, % of offline-only")
+    ax.set_title("offline throughput bought by SLO tolerance")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -21,6 +21,7 @@ from typing import Protocol, cast
 BENCHES: dict[str, tuple[str, str]] = {
     "core": ("slipstream_cli.benches.core", "per-call cost of the scheduling core's hot paths"),
     "colocation": ("slipstream_cli.benches.colocation", "online SLOs vs offline throughput"),
+    "tolerance": ("slipstream_cli.benches.tolerance", "offline throughput bought by SLO tolerance"),
     "ordering": ("slipstream_cli.benches.ordering", "mean TTLT of online orderings"),
     "prefix": ("slipstream_cli.benches.prefix", "PSM prefix ordering vs FCFS for offline"),
     "sidecar": ("slipstream_cli.benches.sidecar", "the sidecar's proxy overhead and admission"),
