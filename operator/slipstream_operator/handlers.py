@@ -260,9 +260,7 @@ class Handlers:
                                    min_interval_s=gap,
                                    on_change=self.pacer.wake if self.pacer else lambda _: None)
         self.kube_calls = 0
-        """Blocking Kubernetes client calls made (applies, cached reads, Secret reads)."""
-        self.resync_skipped = 0
-        """Resync checks that found the child as last applied (no apply sent)."""
+        """Blocking Kubernetes client calls made (applies and Secret reads)."""
 
     def status_stats(self) -> dict[str, float]:
         """How pods' Status reached the ticks: streams, snapshots, changes, woken ticks and
@@ -299,9 +297,8 @@ class Handlers:
 
     async def _resync(self, uid: str, ref: ObjectRef, token: str,
                       children: list[dict[str, Any]], now_s: float) -> None:
-        """Put back deleted or edited children; errors are logged, and the next due tick
-        tries again. Each child is read from the API server's cache first and applied only
-        when it is gone or was written since this operator applied it (kube.py).
+        """Re-apply unchanged children (puts back deleted or edited ones); errors are logged,
+        and the next due tick tries again.
 
         The token is read from its Secret first: when someone rotated it, nothing is applied
         (that would put the old token back); the next tick renders the children with the new
@@ -313,13 +310,8 @@ class Handlers:
                             ref.name)
                 return
             for child in children:
-                live = await self._kube(kube.read_version, self.api, child)
-                if self.applied.unchanged_since_applied(child, live):
-                    self.applied.resynced(child, now_s)
-                    self.resync_skipped += 1
-                    continue
-                version = await self._kube(kube.apply, self.api, child)
-                self.applied.applied(child, now_s, version)
+                await self._kube(kube.apply, self.api, child)
+                self.applied.applied(child, now_s)
         except Exception as exc:  # a background task: log whatever it was, retry when due
             logger.warning("resync of %s failed: %s", uid, exc)
         finally:
@@ -493,8 +485,8 @@ class Handlers:
         # resync of unchanged ones runs in the background, so it never delays the status.
         changed = [c for c in outcome.children if self.applied.changed(c)]
         for child in changed:
-            version = await self._kube(kube.apply, self.api, child)
-            self.applied.applied(child, now_s, version)
+            await self._kube(kube.apply, self.api, child)
+            self.applied.applied(child, now_s)
         stale = [c for c in outcome.children
                  if c not in changed and self.applied.resync_due(c, now_s)]
         if stale and uid not in self._resyncing:

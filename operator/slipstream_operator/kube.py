@@ -6,22 +6,13 @@ Children are applied with server-side apply (field manager
 of a field the operator owns is put back. :class:`AppliedChildren` remembers a
 digest of what was last applied, so an unchanged child is not sent again until
 ``resync_s`` has passed (which bounds how long a deleted or edited child stays so).
-It also remembers the uid and ``resourceVersion`` the API server answered the apply with:
-at a resync the child is read from the API server's watch cache (:func:`read_version`, a GET
-with ``resourceVersion=0``, which does not reach etcd) and applied again only when it is
-gone or someone wrote to it since. A server-side apply costs the API server a decode, a
-merge, managed-fields bookkeeping and a validation even when nothing changes; at 500
-services the resync's four applies per service per minute were the largest write load after
-the status PATCHes (docs/scale.md). A cache that trails the apply only makes the versions
-differ, and the child is applied as before.
 
 Pods, InferenceServices and OfflineJobs are read from kopf indexes (watches kopf
 keeps), not listed per tick; :func:`pod_info`, :func:`service_info` and
 :func:`job_info` turn the watched bodies into the small values the handlers keep.
 
 Deliberately left out: watches of the children themselves (the resync bounds drift
-instead; a watch would need list/watch on four kinds cluster-wide) and of Secrets (a token
-is read once per resync and kept in memory).
+instead) and of Secrets (a token is read once per resync and kept in memory).
 """
 
 from __future__ import annotations
@@ -45,54 +36,8 @@ APPLY = "application/apply-patch+yaml"
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
 
-@dataclass(frozen=True, slots=True)
-class ChildVersion:
-    """Which write of a child the API server holds: its uid and ``resourceVersion``."""
-
-    uid: str
-    resource_version: str
-
-
-def _version(meta: Any) -> ChildVersion | None:
-    uid = getattr(meta, "uid", None) if not isinstance(meta, Mapping) else meta.get("uid")
-    version = (getattr(meta, "resource_version", None) if not isinstance(meta, Mapping)
-               else meta.get("resourceVersion"))
-    return ChildVersion(str(uid), str(version)) if uid and version else None
-
-
-_PATHS = {
-    "Secret": "/api/v1/namespaces/{ns}/secrets/{name}",
-    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps/{name}",
-    "Service": "/api/v1/namespaces/{ns}/services/{name}",
-    "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments/{name}",
-}
-
-
-def read_version(api: client.ApiClient, obj: Mapping[str, Any]) -> ChildVersion | None:
-    """The uid and ``resourceVersion`` of the live child ``obj`` names, read from the API
-    server's watch cache (``resourceVersion=0``: no etcd read, possibly a moment behind);
-    None when the child does not exist."""
-    meta = obj["metadata"]
-    path = _PATHS.get(str(obj["kind"]))
-    if path is None:
-        raise ValueError(f"cannot read kind {obj['kind']}")
-    method, url, headers, body, post = api.param_serialize(
-        "GET", path.format(ns=meta["namespace"], name=meta["name"]),
-        query_params=[("resourceVersion", "0")], header_params={"Accept": "application/json"},
-        auth_settings=["BearerToken"])
-    response = api.call_api(method, url, headers, body, post)
-    response.read()  # type: ignore[no-untyped-call]
-    if response.status == 404:
-        return None
-    if not 200 <= response.status < 300:
-        raise client.ApiException(http_resp=response)
-    answer = json.loads(response.data or b"{}")
-    return _version(answer.get("metadata") or {})
-
-
-def apply(api: client.ApiClient, obj: dict[str, Any]) -> ChildVersion | None:
-    """Server-side apply of one namespaced Secret, ConfigMap, Service or Deployment; the
-    version the API server answered with (None if the answer lacked one)."""
+def apply(api: client.ApiClient, obj: dict[str, Any]) -> None:
+    """Server-side apply of one namespaced Secret, ConfigMap, Service or Deployment."""
     meta = obj["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     kwargs: dict[str, Any] = {
@@ -102,19 +47,16 @@ def apply(api: client.ApiClient, obj: dict[str, Any]) -> ChildVersion | None:
     }
     core = client.CoreV1Api(api)
     kind = obj["kind"]
-    answer: Any
     if kind == "Secret":
-        answer = core.patch_namespaced_secret(name, namespace, obj, **kwargs)
+        core.patch_namespaced_secret(name, namespace, obj, **kwargs)
     elif kind == "ConfigMap":
-        answer = core.patch_namespaced_config_map(name, namespace, obj, **kwargs)
+        core.patch_namespaced_config_map(name, namespace, obj, **kwargs)
     elif kind == "Service":
-        answer = core.patch_namespaced_service(name, namespace, obj, **kwargs)
+        core.patch_namespaced_service(name, namespace, obj, **kwargs)
     elif kind == "Deployment":
-        answer = client.AppsV1Api(api).patch_namespaced_deployment(name, namespace, obj,
-                                                                   **kwargs)
+        client.AppsV1Api(api).patch_namespaced_deployment(name, namespace, obj, **kwargs)
     else:
         raise ValueError(f"cannot apply kind {kind}")
-    return _version(getattr(answer, "metadata", None))
 
 
 def widen_connection_pool(api: client.ApiClient, size: int) -> None:
@@ -250,7 +192,6 @@ def child_digest(obj: Mapping[str, Any]) -> str:
 class _Applied:
     digest: str
     at_s: float
-    version: ChildVersion | None = None  # what the API server answered the apply with
 
 
 def phase(key: str, period_s: float) -> float:
@@ -273,9 +214,7 @@ class AppliedChildren:
     changed. :meth:`resync_due` says whether an unchanged child is due for a re-apply (which
     puts back a deleted child or a user's edit): ``resync_s`` seconds, stretched per child by
     :func:`spread`, have passed since it was applied. Record a child with :meth:`applied`
-    only after the API server took it, with the version it answered; at a resync,
-    :meth:`unchanged_since_applied` says whether the live child is still that write (then
-    :meth:`resynced` restarts its period without an apply).
+    only after the API server took it.
     """
 
     def __init__(self, resync_s: float) -> None:
@@ -295,24 +234,8 @@ class AppliedChildren:
         """Changed, or due for a resync."""
         return self.changed(obj) or self.resync_due(obj, now_s)
 
-    def applied(self, obj: Mapping[str, Any], now_s: float,
-                version: ChildVersion | None = None) -> None:
-        self._last[child_key(obj)] = _Applied(child_digest(obj), now_s, version)
-
-    def unchanged_since_applied(self, obj: Mapping[str, Any],
-                                live: ChildVersion | None) -> bool:
-        """The live child (``live``: None when gone) is the very write this operator last
-        applied for this rendering: same uid, same ``resourceVersion``, same digest."""
-        last = self._last.get(child_key(obj))
-        return (live is not None and last is not None and last.version == live
-                and last.digest == child_digest(obj))
-
-    def resynced(self, obj: Mapping[str, Any], now_s: float) -> None:
-        """The child was checked at ``now_s`` and needed nothing: its period starts again."""
-        key = child_key(obj)
-        last = self._last.get(key)
-        if last is not None:
-            self._last[key] = _Applied(last.digest, now_s, last.version)
+    def applied(self, obj: Mapping[str, Any], now_s: float) -> None:
+        self._last[child_key(obj)] = _Applied(child_digest(obj), now_s)
 
     def forget(self, namespace: str, names: set[str]) -> None:
         """Drop the records of these children (their owner is gone)."""

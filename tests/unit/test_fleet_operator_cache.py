@@ -67,31 +67,6 @@ def test_a_child_is_applied_when_new_changed_or_due_for_resync() -> None:
     assert applied.due(_deployment(namespace="other"), 91.0)
 
 
-def test_a_resync_skips_a_child_the_api_server_still_holds_as_applied() -> None:
-    applied = kube.AppliedChildren(resync_s=60.0)
-    child = _deployment()
-    mine = kube.ChildVersion("uid-1", "100")
-    assert not applied.unchanged_since_applied(child, mine)  # never applied
-    applied.applied(child, 0.0, mine)
-    assert applied.unchanged_since_applied(child, kube.ChildVersion("uid-1", "100"))
-    assert not applied.unchanged_since_applied(child, None)  # deleted
-    assert not applied.unchanged_since_applied(child, kube.ChildVersion("uid-1", "101"))  # written
-    assert not applied.unchanged_since_applied(child, kube.ChildVersion("uid-2", "100"))  # new
-    assert not applied.unchanged_since_applied(_deployment(replicas=3), mine)  # re-rendered
-    # An apply whose answer had no version is never taken as unchanged (it is applied again).
-    applied.applied(_deployment(name="other"), 0.0)
-    assert not applied.unchanged_since_applied(_deployment(name="other"), mine)
-    # A check that needed nothing starts the child's period again, version kept.
-    period = kube.spread("Deployment/ns/svc", 60.0)
-    assert applied.resync_due(child, period)
-    applied.resynced(child, period)
-    assert not applied.resync_due(child, period + 1.0)
-    assert applied.resync_due(child, 2 * period)
-    assert applied.unchanged_since_applied(child, mine)
-    applied.resynced(_deployment(name="never"), 5.0)  # unknown child: nothing recorded
-    assert applied.due(_deployment(name="never"), 6.0)
-
-
 def test_phase_spreads_first_ticks_over_the_interval() -> None:
     offsets = sorted(kube.phase(f"uid-{i}", 5.0) for i in range(500))
     assert offsets[0] >= 0.0 and offsets[-1] < 5.0
