@@ -77,3 +77,6 @@ def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_pat
     assert {"etcd", "kube-apiserver", "kwok"} <= set(result.control_plane_cpu_cores)
     assert result.apiserver_top_rps
     assert "PATCH inferenceservices/status" in result.apiserver_top_rps
+    # The bumps' status writes, as the API server timed them over the steady phase.
+    writes = result.apiserver_latency["PATCH inferenceservices/status"]
+    assert writes["count"] and writes["count"] > 0 and writes["p99_s"] is not None

@@ -139,3 +139,42 @@ def test_the_api_servers_request_mix_is_ranked_by_rate() -> None:
     assert list(top_rates(before, after, 10.0).items()) == [
         ("PATCH inferenceservices/status", 50.0), ("LIST pods", 1.0)]
     assert top_rates(before, after, 10.0, limit=1) == {"PATCH inferenceservices/status": 50.0}
+
+
+def test_status_write_latency_and_queue_wait_come_from_bucket_deltas() -> None:
+    from slipstream_cli.fleet.clusterrun import PRIORITY_LEVEL, bucket_quantiles, latency_buckets
+
+    def text(fast: int, slow: int) -> str:
+        lines = ["# HELP apiserver_request_duration_seconds Response latency.",
+                 "# TYPE apiserver_request_duration_seconds histogram"]
+        for scope in ("resource", "namespace"):  # summed over the other labels
+            for le, count in (("0.1", fast), ("1.0", fast), ("5.0", fast + slow),
+                              ("+Inf", fast + slow)):
+                lines.append(
+                    'apiserver_request_duration_seconds_bucket{component="apiserver",'
+                    'group="slipstream.dev",resource="inferenceservices",'
+                    f'scope="{scope}",subresource="status",verb="PATCH",version="v1alpha1",'
+                    f'le="{le}"}} {count}')
+        lines += ["# HELP apiserver_flowcontrol_request_wait_duration_seconds Wait.",
+                  "# TYPE apiserver_flowcontrol_request_wait_duration_seconds histogram",
+                  'apiserver_flowcontrol_request_wait_duration_seconds_bucket{execute="true",'
+                  f'flow_schema="x",priority_level="{PRIORITY_LEVEL}",le="0.5"}} {fast}',
+                  'apiserver_flowcontrol_request_wait_duration_seconds_bucket{execute="true",'
+                  f'flow_schema="x",priority_level="{PRIORITY_LEVEL}",le="+Inf"}} {fast + slow}',
+                  'apiserver_flowcontrol_request_wait_duration_seconds_bucket{execute="true",'
+                  'flow_schema="y",priority_level="other",le="+Inf"} 999']
+        return "\n".join(lines) + "\n"
+
+    before, after = latency_buckets(text(10, 0)), latency_buckets(text(108, 2))
+    writes = bucket_quantiles(before["PATCH inferenceservices/status"],
+                              after["PATCH inferenceservices/status"])
+    # 196 fast writes and 4 slow ones (both scopes) since the first reading.
+    assert writes["count"] == 200
+    assert writes["p50_s"] == pytest.approx(0.1 * 100 / 196, abs=1e-3)
+    assert writes["p99_s"] == pytest.approx(1.0 + 4.0 * (198 - 196) / 4, abs=1e-3)
+    wait = bucket_quantiles(before["APF queue wait (operator)"],
+                            after["APF queue wait (operator)"])
+    assert wait["count"] == 100  # the other priority level is not counted
+    assert wait["p99_s"] == 0.5  # past the last finite bucket: its bound
+    assert after["PATCH offlinejobs/status"] == {}
+    assert bucket_quantiles({}, {})["p99_s"] is None

@@ -148,6 +148,61 @@ def request_mix(metrics_text: str) -> dict[str, float]:
     return out
 
 
+# Latency histograms the bench reads over the steady phase: the operator's status writes as
+# the API server timed them, and how long the operator's requests waited in its APF queues.
+LATENCIES = {
+    "PATCH inferenceservices/status": ("apiserver_request_duration_seconds_bucket",
+                                       {"verb": "PATCH", "resource": "inferenceservices",
+                                        "subresource": "status"}),
+    "PATCH offlinejobs/status": ("apiserver_request_duration_seconds_bucket",
+                                 {"verb": "PATCH", "resource": "offlinejobs",
+                                  "subresource": "status"}),
+    "APF queue wait (operator)": ("apiserver_flowcontrol_request_wait_duration_seconds_bucket",
+                                  {"priority_level": PRIORITY_LEVEL, "execute": "true"}),
+}
+
+
+def latency_buckets(metrics_text: str) -> dict[str, dict[float, float]]:
+    """Cumulative bucket counts (``le`` -> count, summed over other labels) of each of
+    :data:`LATENCIES` in one reading of the API server's ``/metrics``."""
+    out: dict[str, dict[float, float]] = {key: {} for key in LATENCIES}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            for key, (name, labels) in LATENCIES.items():
+                if s.name != name or any(s.labels.get(k) != v for k, v in labels.items()):
+                    continue
+                le = float(s.labels["le"])
+                out[key][le] = out[key].get(le, 0.0) + s.value
+    return out
+
+
+def bucket_quantiles(before: dict[float, float], after: dict[float, float]
+                     ) -> dict[str, float | None]:
+    """Count, p50 and p99 (seconds; linear within a bucket, as PromQL's
+    ``histogram_quantile``) of what was observed between two cumulative readings."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+
+    def quantile(q: float) -> float | None:
+        if total <= 0:
+            return None
+        rank, low, below = q * total, 0.0, 0.0
+        for bound, cumulative in zip(bounds, counts, strict=True):
+            if cumulative >= rank:
+                if bound == float("inf"):
+                    return low  # past the last finite bucket: its bound is all that is known
+                inside = cumulative - below
+                return low + (bound - low) * ((rank - below) / inside if inside else 1.0)
+            low, below = bound, cumulative
+        return low
+
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 3)
+
+    return {"count": total, "p50_s": rounded(quantile(0.5)), "p99_s": rounded(quantile(0.99))}
+
+
 def top_rates(before: dict[str, float], after: dict[str, float], seconds: float,
               limit: int = 12) -> dict[str, float]:
     """The ``limit`` largest per-second rates between two :func:`request_mix` readings."""
@@ -270,6 +325,9 @@ class FleetResult:
     # client, requests/s): where the host's time goes besides the operator.
     control_plane_cpu_cores: dict[str, float] = field(default_factory=dict)
     apiserver_top_rps: dict[str, float] = field(default_factory=dict)
+    # Over the steady phase, as the API server timed them: the operator's status writes, and
+    # the wait of the operator's requests in their APF queue (count, p50_s, p99_s each).
+    apiserver_latency: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     @property
     def status_lag_p99_s(self) -> float | None:
@@ -305,6 +363,7 @@ class FleetResult:
             "operator_shard_cpu_cores": list(self.shard_cpu_cores),
             "control_plane_cpu_cores": self.control_plane_cpu_cores,
             "apiserver_top_rps": self.apiserver_top_rps,
+            "apiserver_latency": self.apiserver_latency,
             "final_checks": self.checks,
         }
 
@@ -386,12 +445,14 @@ class FleetRun:
                     out[component.name] = proc_sample(component.pid)
         return out
 
-    def _request_mix(self) -> dict[str, float]:
+    def _request_mix(self) -> tuple[dict[str, float], dict[str, dict[float, float]]]:
+        """The API server's request counts and latency buckets (one ``/metrics`` read)."""
         try:
-            return request_mix(self._get_text("/metrics"))
+            text = self._get_text("/metrics")
         except OSError as exc:  # a diagnostic only: never the run's end
             logger.warning("API server request mix not read: %s", exc)
-            return {}
+            return {}, {}
+        return request_mix(text), latency_buckets(text)
 
     def _apply(self, path: str, body: dict[str, Any]) -> None:
         self.rest.create(path, body)
@@ -715,13 +776,13 @@ class FleetRun:
             ready_s = max(services_s, shards_s)
             p1, a1 = procs_sample(pids), self._api_counts()
             shard_starts = [proc_sample(pid) for pid in pids]
-            c1, m1 = self._control_plane(), self._request_mix()
+            c1, (m1, h1) = self._control_plane(), self._request_mix()
             assert self._standin_proc is not None
             s1 = proc_sample(self._standin_proc.pid)
             bumps = self._lags()
             p2, a2 = procs_sample(pids), self._api_counts()
             per_shard = [proc_sample(pid) for pid in pids]
-            c2, m2 = self._control_plane(), self._request_mix()
+            c2, (m2, h2) = self._control_plane(), self._request_mix()
             s2 = proc_sample(self._standin_proc.pid)
             checks = self._checks()
             standin = {k: int(v) for k, v in self._standin("GET", "/totals").items()}
@@ -741,6 +802,8 @@ class FleetRun:
                 name: round((c2[name].cpu_s - a.cpu_s) / max(c2[name].at_s - a.at_s, 1e-9), 3)
                 for name, a in c1.items() if name in c2},
             apiserver_top_rps=top_rates(m1, m2, p2.at_s - p1.at_s) if m1 and m2 else {},
+            apiserver_latency={key: bucket_quantiles(h1.get(key, {}), after)
+                               for key, after in h2.items() if after},
         )
 
     def _checks(self) -> dict[str, Any]:
