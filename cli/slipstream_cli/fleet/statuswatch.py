@@ -20,11 +20,12 @@ arrived. Two times are kept for each new value:
   the operator, not the probe. An object without such an entry is stamped at its arrival.
 
 Deliberately left out: any other status field, and bookmarks. A watch that ends is
-re-opened from a fresh LIST. A watch that stays open but goes quiet (on an overloaded API
-server a watcher can stop receiving events without the stream ending) is covered by the
-bench: while services are waiting and no event has arrived for a while, it reads the watch
-cache with one LIST and feeds the items to :meth:`StatusWatch.refresh`, which stamps them the
-same way (by the server's write time, so a late read does not lengthen the lag).
+re-opened from a fresh LIST of the API server's watch cache. A watch that stays open but
+goes quiet (on an overloaded API server a watcher can stop receiving events without the
+stream ending) is covered by the bench: while services are waiting and no event has
+arrived for a while, it reads the watch cache with one LIST and feeds the items to
+:meth:`StatusWatch.refresh`, which stamps them the same way (by the server's write time, so
+a late read does not lengthen the lag).
 """
 
 from __future__ import annotations
@@ -156,7 +157,10 @@ class StatusWatch:
             self.reopened += 1
 
     def _list(self, where: str) -> str:
-        answer = self.rest.request("GET", PATH.format(where=where), timeout=120.0)
+        # From the watch cache (resourceVersion=0): a consistent LIST of 500 services timed
+        # out (504) again and again on an overloaded API server, and the watch never reopened.
+        answer = self.rest.request("GET", PATH.format(where=where) + "?resourceVersion=0",
+                                   timeout=120.0)
         at = self.clock()
         for item in answer.get("items", []):
             self.record(item, at)
