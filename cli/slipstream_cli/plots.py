@@ -24,6 +24,15 @@ from slipstream_scheduler.sim.metrics import Timeline
 FloatArray = npt.NDArray[np.float64]
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (folders made) and free it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _cdf(ax: Any, values: FloatArray, label: str) -> None:
     if values.size == 0:
         return
@@ -46,11 +55,7 @@ def latency_cdfs(series: Mapping[str, Mapping[str, FloatArray]], path: Path, tit
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def throughput_timeline(timelines: Mapping[str, Timeline], path: Path, title: str) -> Path:
@@ -77,11 +82,7 @@ def throughput_timeline(timelines: Mapping[str, Timeline], path: Path, title: st
     l2, lb2 = ax2.get_legend_handles_labels()
     ax.legend(lines + l2, labels + lb2, fontsize=8, loc="upper right")
     ax.set_title(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def grouped_bars(
@@ -104,11 +105,7 @@ def grouped_bars(
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def share_by_tolerance(
@@ -131,8 +128,4 @@ def share_by_tolerance(
     ax.set_title("offline throughput bought by SLO tolerance")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -56,11 +56,17 @@ ORDER = ("online-only", "offline-only", "naive", "static-cap", "budget", "budget
 DEFAULT_SLOS = ("ttft:p99:+10%", "tbt:p99:+10%")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The scenario, the 600 s window, ``--json`` and ``--target-busy``: what every bench on
+    the default co-location setting takes (``bench colocation``, ``bench tolerance``)."""
     add_scenario_arguments(parser)
     parser.set_defaults(duration_s=600.0, rate_scale=None)
     parser.add_argument("--json", type=Path, required=True, help="write the JSON report here")
     parser.add_argument("--target-busy", type=float, default=0.30, help="online-only busy fraction")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_load_arguments(parser)
     parser.add_argument(
         "--extra-busy",
         type=float,

@@ -25,18 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from slipstream_cli import plots
-from slipstream_cli.benches.colocation import _online, find_rate_scale
+from slipstream_cli.benches.colocation import _online, add_load_arguments, find_rate_scale
 from slipstream_cli.commands.sim import (
     RichProgress,
     Scenario,
-    add_scenario_arguments,
     load_offline,
     load_trace,
     run_policy,
@@ -62,10 +60,7 @@ def _tolerances(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser)
-    parser.set_defaults(duration_s=600.0, rate_scale=None)
-    parser.add_argument("--json", type=Path, required=True, help="write the JSON report here")
-    parser.add_argument("--target-busy", type=float, default=0.30, help="online-only busy fraction")
+    add_load_arguments(parser)
     parser.add_argument(
         "--tolerances",
         type=_tolerances,
