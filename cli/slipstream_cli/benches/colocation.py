@@ -65,6 +65,16 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-busy", type=float, default=0.30, help="online-only busy fraction")
 
 
+def load_setting(
+    args: argparse.Namespace,
+) -> tuple[tuple[SimRequest, ...], tuple[SimRequest, ...], EngineConfig]:
+    """The online trace, the offline set and the engine that :func:`add_load_arguments` name."""
+    engine = EngineConfig(
+        model=args.model, gpu=args.gpu, long_prefill_token_threshold=args.long_prefill_tokens
+    )
+    return load_trace(args.trace), load_offline(args.offline, args.offline_path), engine
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(parser)
     parser.add_argument(
@@ -120,11 +130,7 @@ def find_rate_scale(
 def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 140))
     t_start = time.perf_counter()
-    full = load_trace(args.trace)
-    offline = load_offline(args.offline, args.offline_path)
-    engine = EngineConfig(
-        model=args.model, gpu=args.gpu, long_prefill_token_threshold=args.long_prefill_tokens
-    )
+    full, offline, engine = load_setting(args)
     slos = tuple(parse_slo(s) for s in (args.slo or DEFAULT_SLOS))
     dur = float(args.duration_s)
     loads: list[tuple[float | None, float, float]] = []  # (target busy, factor, busy)

@@ -31,17 +31,19 @@ from rich.console import Console
 from rich.table import Table
 
 from slipstream_cli import plots
-from slipstream_cli.benches.colocation import _online, add_load_arguments, find_rate_scale
+from slipstream_cli.benches.colocation import (
+    _online,
+    add_load_arguments,
+    find_rate_scale,
+    load_setting,
+)
 from slipstream_cli.commands.sim import (
     RichProgress,
     Scenario,
-    load_offline,
-    load_trace,
     run_policy,
     summary_row,
 )
 from slipstream_scheduler.budget import parse_slo
-from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.sim.simulator import SimResult
 
 DEFAULT_TOLERANCES = (10, 25, 50, 100, 150, 200)
@@ -113,11 +115,7 @@ def crossing(rows: list[dict[str, Any]], goal: float, mode: str = "sidecar") -> 
 def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 120))
     t_start = time.perf_counter()
-    full = load_trace(args.trace)
-    offline = load_offline(args.offline, args.offline_path)
-    engine = EngineConfig(
-        model=args.model, gpu=args.gpu, long_prefill_token_threshold=args.long_prefill_tokens
-    )
+    full, offline, engine = load_setting(args)
     dur = float(args.duration_s)
     if args.rate_scale is not None:
         factor = float(args.rate_scale)
