@@ -108,7 +108,8 @@ async def _main(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession(connector=connector) as http:
         handlers = Handlers(settings, api, control, http)
         registry = build_registry(handlers)
-        operator_metrics = metrics.OperatorMetrics(status_stats=handlers.status_stats)
+        operator_metrics = metrics.OperatorMetrics(
+            status_stats=handlers.status_stats, status_writes=handlers.status_writes.snapshot)
         metrics.register(registry, operator_metrics)
         port = metrics_port(args)
         address = getattr(args, "metrics_address", None) or (

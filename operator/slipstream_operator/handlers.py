@@ -50,7 +50,9 @@ import json
 import logging
 import math
 import secrets
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -201,13 +203,38 @@ def _now() -> tuple[datetime, float]:
 
 
 def _patch_status(patch: kopf.Patch, status: dict[str, Any],
-                  previous: Mapping[str, Any] | None = None) -> None:
-    """Put the keys of ``status`` that differ from ``previous`` into the patch.
+                  previous: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """Put the keys of ``status`` that differ from ``previous`` into the patch; returns them.
 
     An unchanged status leaves the patch empty, and kopf then sends nothing.
     """
-    for key, value in changed_status(status, previous or {}).items():
+    changed = changed_status(status, previous or {})
+    for key, value in changed.items():
         patch.status[key] = value
+    return tuple(changed)
+
+
+class StatusWrites:
+    """Counts of the status PATCHes the ticks asked kopf to send, per kind and per top-level
+    field they carried (the operator's metrics read them from another thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._patches: Counter[str] = Counter()
+        self._fields: Counter[tuple[str, str]] = Counter()
+
+    def record(self, kind: str, fields: Iterable[str]) -> None:
+        keys = tuple(fields)
+        if not keys:
+            return
+        with self._lock:
+            self._patches[kind] += 1
+            self._fields.update((kind, key) for key in keys)
+
+    def snapshot(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+        """(patches per kind, patches per (kind, field))."""
+        with self._lock:
+            return dict(self._patches), dict(self._fields)
 
 
 def changed_status(status: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any]:
@@ -261,11 +288,13 @@ class Handlers:
                                    on_change=self.pacer.wake if self.pacer else lambda _: None)
         self.kube_calls = 0
         """Blocking Kubernetes client calls made (applies and Secret reads)."""
+        self.status_writes = StatusWrites()
 
     def status_stats(self) -> dict[str, float]:
         """How pods' Status reached the ticks: streams, snapshots, changes, woken ticks and
         unary calls (for the operator's metrics; read from the metrics thread)."""
-        stats = {"status_calls": float(self.control.asked)}
+        stats = {"status_calls": float(self.control.asked),
+                 "status_call_failures": float(self.control.failed)}
         if self.feed is not None:
             stats.update(self.feed.stats())
         if self.pacer is not None:
@@ -444,6 +473,8 @@ class Handlers:
         for pod_name in gone:
             del history[pod_name]
         if gone:
+            # Their counters leave the window: the observed figures restart without them.
+            logger.info("%s/%s: pods %s left the window", namespace, name, sorted(gone))
             self.control.forget_pods(gone)
         # Prometheus runs alongside the pod reads under its own short deadline, so the pods'
         # readiness never waits on it; when it fails the sidecars' /metrics stand in.
@@ -502,7 +533,8 @@ class Handlers:
                 uid, namespace, name, [(PodAddress(pod, by_ip[pod], spec.sidecar.grpc_port,
                                                    token), call)
                                        for pod, call in outcome.pushes]))
-        _patch_status(patch, outcome.status, previous)
+        self.status_writes.record("InferenceService",
+                                  _patch_status(patch, outcome.status, previous))
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
 
@@ -757,7 +789,7 @@ class Handlers:
             memory = replace(memory, placements=placements)
         self.state.jobs[uid] = memory
         self.state.addresses[uid] = addresses
-        _patch_status(patch, outcome.status, previous)
+        self.status_writes.record("OfflineJob", _patch_status(patch, outcome.status, previous))
         for type_, reason, message in outcome.events:
             kopf.event(body, type=type_, reason=reason, message=message)
 

@@ -342,6 +342,9 @@ class OperatorMetrics(Collector):
     build: Mapping[str, str] = field(default_factory=build_labels)
     status_stats: Callable[[], Mapping[str, float]] | None = None
     """The handlers' Status-path counters (:meth:`Handlers.status_stats`); None: not shown."""
+    status_writes: Callable[[], tuple[Mapping[str, int], Mapping[tuple[str, str], int]]] | None \
+        = None
+    """The ticks' status PATCHes per kind and per (kind, field) (``StatusWrites.snapshot``)."""
     registry: CollectorRegistry = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _objects: dict[Key, _Entry] = field(init=False, default_factory=dict)
@@ -425,6 +428,8 @@ class OperatorMetrics(Collector):
         yield counter
         if self.status_stats is not None:
             yield from _status_families(self.status_stats())
+        if self.status_writes is not None:
+            yield from _write_families(*self.status_writes())
 
     def _object_families(self, kind: str, entries: list[_Entry]) -> Iterator[Any]:
         entries.sort(key=lambda e: (e.sample.namespace, e.sample.name))
@@ -458,6 +463,9 @@ STATUS_FAMILIES: dict[str, tuple[str, str]] = {
     "status_calls": ("slipstream_operator_status_calls",
                      "Unary Status calls made to sidecars (the rest read a cached or "
                      "streamed reply)."),
+    "status_call_failures": ("slipstream_operator_status_call_failures",
+                             "Unary Status calls that failed (time-out, refused, refused "
+                             "token): the pod is scraped or skipped that tick."),
 }
 
 
@@ -469,6 +477,24 @@ def _status_families(stats: Mapping[str, float]) -> Iterator[Any]:
             yield GaugeMetricFamily(name, help_text, value=stats[key])
         else:
             yield CounterMetricFamily(name, help_text, value=stats[key])
+
+
+def _write_families(patches: Mapping[str, int],
+                    fields: Mapping[tuple[str, str], int]) -> Iterator[Any]:
+    writes = CounterMetricFamily(
+        "slipstream_operator_status_writes",
+        "Status PATCHes the operator's ticks sent, per kind (a tick whose status did not "
+        "change sends none).", labels=["kind"])
+    for kind in KINDS:
+        writes.add_metric([kind], float(patches.get(kind, 0)))
+    yield writes
+    by_field = CounterMetricFamily(
+        "slipstream_operator_status_field_writes",
+        "Status PATCHes that carried each top-level status field, per kind (what makes the "
+        "operator write).", labels=["kind", "field"])
+    for (kind, name), n in sorted(fields.items()):
+        by_field.add_metric([kind, name], float(n))
+    yield by_field
 
 
 _EXTRA_LABELS: dict[str, tuple[str, ...]] = {

@@ -530,6 +530,8 @@ class SharedSidecarControl:
         self._forgot_s: dict[str, float] = {}  # key -> when the pod was last changed by a call
         self.asked = 0
         """Status calls that reached the inner control (the rest were answered from memory)."""
+        self.failed = 0
+        """Of those, the ones that failed (time-out, refused, unauthenticated, ...)."""
         self.refreshed = 0
         """Cached replies updated from an acknowledged Configure instead of dropped."""
         self.offered = 0
@@ -614,6 +616,7 @@ class SharedSidecarControl:
             future.cancel()
             raise
         except Exception as exc:
+            self.failed += 1
             future.set_exception(exc)
             future.exception()  # retrieved: no "never retrieved" warning when nobody waits
             raise

@@ -57,6 +57,13 @@ def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_pat
     assert result.standin["Configure"] >= plan.pods  # each pod got the budget pushed
     # Two bumps of one online request per pod: every service's window shows 2 x replicas.
     assert checks["samples"] == [2 * plan.replicas]
+    # etcd, read past the API server, holds the same count for every service of the run.
+    assert checks["samples_etcd"] == {str(2 * plan.replicas): plan.services}
+    # The bumps made every service write its status: the operators' own /metrics count it,
+    # and say which fields those PATCHes carried (the samples are in "observed").
+    assert result.status_writes_rps.get("InferenceService", 0) > 0
+    assert result.status_writes_rps.get("InferenceService/observed", 0) > 0
+    assert result.sidecar_status_rps.get("calls", 0) > 0  # polled or streamed, some are unary
     assert result.lag_timeouts == 0 and len(result.status_lags_s) == 2 * plan.services
     # The lag is stamped with the API server's own time of each status write (never later
     # than the probe read it), which the real server records in managedFields.

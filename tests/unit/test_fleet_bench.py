@@ -178,3 +178,27 @@ def test_status_write_latency_and_queue_wait_come_from_bucket_deltas() -> None:
     assert wait["p99_s"] == 0.5  # past the last finite bucket: its bound
     assert after["PATCH offlinejobs/status"] == {}
     assert bucket_quantiles({}, {})["p99_s"] is None
+
+
+def test_the_operators_status_writes_are_read_from_its_metrics_as_rates() -> None:
+    from slipstream_cli.fleet.clusterrun import status_writes, write_rates
+
+    text = (
+        "# TYPE slipstream_operator_status_writes_total counter\n"
+        'slipstream_operator_status_writes_total{kind="InferenceService"} 30.0\n'
+        'slipstream_operator_status_writes_total{kind="OfflineJob"} 4.0\n'
+        "# TYPE slipstream_operator_status_field_writes_total counter\n"
+        'slipstream_operator_status_field_writes_total{field="observed",'
+        'kind="InferenceService"} 20.0\n'
+        "# TYPE slipstream_operator_status_calls_total counter\n"
+        "slipstream_operator_status_calls_total 99.0\n"
+        "# TYPE slipstream_operator_status_streams gauge\n"
+        "slipstream_operator_status_streams 7.0\n")
+    after = status_writes(text)
+    assert after == {"InferenceService": 30.0, "OfflineJob": 4.0,
+                     "InferenceService/observed": 20.0, "Status/calls": 99.0}
+    del after["Status/calls"]
+    before = {"InferenceService": 10.0, "OfflineJob": 4.0, "InferenceService/observed": 5.0}
+    rates = write_rates(before, after, 10.0)
+    assert rates == {"InferenceService": 2.0, "InferenceService/observed": 1.5}  # 0/s left out
+    assert list(rates) == ["InferenceService", "InferenceService/observed"]  # largest first

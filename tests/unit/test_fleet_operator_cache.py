@@ -276,6 +276,7 @@ async def test_status_is_shared_per_pod_and_dropped_when_the_operator_changes_th
             with pytest.raises(SidecarError, match="UNAUTHENTICATED"):
                 await shared.status(wrong)
         assert counting.calls["status"] == 13
+        assert shared.failed == 2 and shared.asked == counting.calls["status"]
     finally:
         await grpc_client.close()
         await standin.stop()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 import pytest
 
 from slipstream_cli.cluster import Rest
-from slipstream_cli.fleet.statuswatch import StatusWatch
+from slipstream_cli.fleet.statuswatch import ETCD_PREFIX, StatusWatch, parse_etcd_range
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +91,21 @@ def test_a_list_read_while_the_watch_is_quiet_is_stamped_like_its_events() -> No
     # The write time, not the late read, stamps a; b (no write time) is stamped at the read.
     assert watch.reached("t/a", 8, since=at - 3.0) == at + 1.0
     assert watch.reached("t/b", 4, since=at - 3.0) == at + 40.0
+
+
+def test_an_etcd_range_reply_gives_each_services_samples_and_status_write_time() -> None:
+    def kv(key: str, obj: dict[str, Any]) -> dict[str, str]:
+        return {"key": base64.b64encode(key.encode()).decode(),
+                "value": base64.b64encode(json.dumps(obj).encode()).decode()}
+
+    written = {"metadata": {"managedFields": [
+        {"subresource": "status", "time": "2026-12-01T08:00:00Z"}]},
+        "status": {"observed": {"samples": 8}}}
+    answer = {"kvs": [kv(ETCD_PREFIX + "team-a/svc-1", written),
+                      kv(ETCD_PREFIX + "team-b/svc-2", {"metadata": {}})]}
+    held = parse_etcd_range(answer)
+    assert held["team-a/svc-1"] == (8, 1796112000.0)
+    assert held["team-b/svc-2"] == (0, None)  # no status yet
+    assert parse_etcd_range({"count": "0"}) == {}  # etcd leaves kvs out when none match
+    with pytest.raises(ValueError, match="not under"):
+        parse_etcd_range({"kvs": [kv("/registry/pods/x/y", {})]})

@@ -307,7 +307,8 @@ def test_every_family_is_documented_with_its_labels() -> None:
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
     section = doc[doc.index("## The operator's own metrics"):doc.index("## The Grafana")]
-    families = OperatorMetrics().registry.collect()
+    families = OperatorMetrics(
+        status_writes=lambda: ({}, {("OfflineJob", "shards"): 1})).registry.collect()
     for family in families:
         name = family.name + ("_total" if family.type == "counter" else "")
         short = next((name.removeprefix(p) for p in PREFIX.values() if name.startswith(p)),
@@ -321,7 +322,7 @@ def test_every_family_is_documented_with_its_labels() -> None:
 @pytest.mark.integration
 def test_the_status_path_counters_are_served_when_the_handlers_give_them() -> None:
     stats = {"streams": 3.0, "opened": 4.0, "snapshots": 17.0, "changes": 5.0,
-             "woken_ticks": 2.0, "status_calls": 6.0}
+             "woken_ticks": 2.0, "status_calls": 6.0, "status_call_failures": 1.0}
     m = OperatorMetrics(status_stats=lambda: stats)
     server = serve(m, "127.0.0.1", 0)
     assert server is not None
@@ -333,6 +334,7 @@ def test_the_status_path_counters_are_served_when_the_handlers_give_them() -> No
         assert got["slipstream_operator_status_stream_opens_total"] == {(): 4.0}
         assert got["slipstream_operator_woken_ticks_total"] == {(): 2.0}
         assert got["slipstream_operator_status_calls_total"] == {(): 6.0}
+        assert got["slipstream_operator_status_call_failures_total"] == {(): 1.0}
         stats["streams"] = 1.0  # read at every scrape
         assert _get(server.port)["slipstream_operator_status_streams"] == {(): 1.0}
     finally:
@@ -342,3 +344,24 @@ def test_the_status_path_counters_are_served_when_the_handlers_give_them() -> No
     polled = OperatorMetrics(status_stats=lambda: {"status_calls": 1.0}).render().decode()
     assert "slipstream_operator_status_calls_total 1.0" in polled
     assert "slipstream_operator_status_streams" not in polled
+
+
+@pytest.mark.unit
+def test_status_writes_are_counted_per_kind_and_per_field_they_carried() -> None:
+    from slipstream_operator.handlers import StatusWrites
+
+    writes = StatusWrites()
+    writes.record("InferenceService", ("observed", "conditions"))
+    writes.record("InferenceService", ("observed",))
+    writes.record("OfflineJob", ())  # nothing changed: kopf sends no PATCH, none counted
+    writes.record("OfflineJob", iter(["shards"]))
+    m = OperatorMetrics(status_writes=writes.snapshot)
+    got = {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples
+                    if s.name.endswith("_total")}
+           for f in text_string_to_metric_families(m.render().decode())}
+    assert got["slipstream_operator_status_writes"] == {
+        (("kind", "InferenceService"),): 2.0, (("kind", "OfflineJob"),): 1.0}
+    assert got["slipstream_operator_status_field_writes"] == {
+        (("field", "conditions"), ("kind", "InferenceService")): 1.0,
+        (("field", "observed"), ("kind", "InferenceService")): 2.0,
+        (("field", "shards"), ("kind", "OfflineJob")): 1.0}

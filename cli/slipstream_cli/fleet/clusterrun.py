@@ -54,8 +54,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream_cli.cluster import ApiError, ClusterError, LocalCluster
-from slipstream_cli.fleet.statuswatch import StatusWatch, status_written
+from slipstream_cli.cluster import LOOPBACK, ApiError, ClusterError, LocalCluster
+from slipstream_cli.fleet.statuswatch import StatusWatch, etcd_statuses, status_written
 from slipstream_cli.fleet.workload import (
     FleetPlan,
     batch_lines,
@@ -64,6 +64,7 @@ from slipstream_cli.fleet.workload import (
     service_manifests,
     shards_per_pod_needed,
 )
+from slipstream_cli.prometheus import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +212,42 @@ def top_rates(before: dict[str, float], after: dict[str, float], seconds: float,
     return {k: round(r, 1) for r, k in ranked}
 
 
+WRITES = "slipstream_operator_status_writes"
+FIELD_WRITES = "slipstream_operator_status_field_writes"
+STATUS_CALLS = {"slipstream_operator_status_calls": "calls",
+                "slipstream_operator_status_call_failures": "failures"}
+
+
+def status_writes(metrics_text: str) -> dict[str, float]:
+    """The operator's status PATCH counters from its ``/metrics``: ``Kind`` (PATCHes) and
+    ``Kind/field`` (PATCHes that carried that top-level status field); and its unary
+    ``Status`` calls to sidecars as ``Status/calls`` and ``Status/failures``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        name = family.name.removesuffix("_total")  # the parser keeps it on some formats
+        if name in STATUS_CALLS:
+            out[f"Status/{STATUS_CALLS[name]}"] = sum(
+                x.value for x in family.samples if x.name.endswith("_total"))
+            continue
+        if name not in (WRITES, FIELD_WRITES):
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            key = sample.labels["kind"]
+            if name == FIELD_WRITES:
+                key += "/" + sample.labels["field"]
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def write_rates(before: dict[str, float], after: dict[str, float],
+                seconds: float) -> dict[str, float]:
+    """Per-second rates between two :func:`status_writes` readings, largest first."""
+    rates = {k: (v - before.get(k, 0.0)) / max(seconds, 1e-9) for k, v in after.items()}
+    return {k: round(r, 2) for k, r in sorted(rates.items(), key=lambda kv: -kv[1]) if r > 0}
+
+
 @dataclass(frozen=True, slots=True)
 class Phase:
     """Operator cost over one interval."""
@@ -262,6 +299,13 @@ class BumpLags:
     # (count -> services; -1: never seen): short by a bump or more points at the operator's
     # window, unchanged since an earlier bump at its ticks or the API server's cache.
     waiting_samples: dict[int, int] = field(default_factory=dict)
+    # The same services as etcd held them at the time-out (read past the API server:
+    # statuswatch.etcd_statuses), and how long before that read each one's status was last
+    # written (median, s). etcd at the wanted count means the API server's cache or watch
+    # trailed; etcd short by a bump while the writes stay recent means the operator kept
+    # writing an old window; old writes mean its ticks stopped writing.
+    etcd_samples: dict[int, int] = field(default_factory=dict)
+    etcd_write_age_p50_s: float | None = None
 
     def largest_burst(self, within_s: float = 0.05) -> int:
         """Most services stamped within ``within_s`` of each other. Ticks spread over an
@@ -289,6 +333,8 @@ class BumpLags:
             "probe_reopened": self.probe_reopened,
             "probe_relisted": self.probe_relisted,
             "waiting_samples": {str(k): v for k, v in sorted(self.waiting_samples.items())},
+            "etcd_samples": {str(k): v for k, v in sorted(self.etcd_samples.items())},
+            "etcd_write_age_p50_s": _round(self.etcd_write_age_p50_s),
             "p99_arrival_s": _round(_p99(self.arrival_lags_s)),
             "max_arrival_s": _round(max(self.arrival_lags_s, default=None)),
         }
@@ -328,6 +374,13 @@ class FleetResult:
     # Over the steady phase, as the API server timed them: the operator's status writes, and
     # the wait of the operator's requests in their APF queue (count, p50_s, p99_s each).
     apiserver_latency: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # The operator's own status PATCHes over the steady phase, per second (its /metrics,
+    # summed over the shards): per kind, and per kind/field they carried. Against the
+    # objects' count this says how often a status is rewritten, and what for.
+    status_writes_rps: dict[str, float] = field(default_factory=dict)
+    # Its unary Status calls to the sidecars over the steady phase, per second: calls, and
+    # failures (time-outs on a loaded host: that pod is skipped for the tick).
+    sidecar_status_rps: dict[str, float] = field(default_factory=dict)
 
     @property
     def status_lag_p99_s(self) -> float | None:
@@ -364,6 +417,8 @@ class FleetResult:
             "control_plane_cpu_cores": self.control_plane_cpu_cores,
             "apiserver_top_rps": self.apiserver_top_rps,
             "apiserver_latency": self.apiserver_latency,
+            "status_writes_rps": self.status_writes_rps,
+            "sidecar_status_rps": self.sidecar_status_rps,
             "final_checks": self.checks,
         }
 
@@ -425,6 +480,7 @@ class FleetRun:
         self._procs: list[subprocess.Popen[bytes]] = []
         self.standin_port = 0
         self._standin_proc: subprocess.Popen[bytes] | None = None
+        self._metrics_ports: list[int] = []  # each operator's /metrics, on loopback
 
     # ------------------------------------------------------------------ plumbing
 
@@ -581,11 +637,17 @@ class FleetRun:
         argv = [*launcher, "operator", "--kubeconfig", str(kubeconfig), "--loopback-only",
                 "--interval", str(self.interval_s), "--window", "3600",
                 "--stall-timeout", "3600", "--max-shards-per-pod",
-                str(shards_per_pod_needed(self.plan, self.prefix) + 1), "--metrics-port", "0"]
+                str(shards_per_pod_needed(self.plan, self.prefix) + 1)]
+        self._metrics_ports = [free_port(LOOPBACK) for _ in self.shard_groups]
+
+        def args(i: int, spaces: Sequence[str]) -> list[str]:
+            return [*argv, "--metrics-port", str(self._metrics_ports[i]), "--metrics-address",
+                    LOOPBACK, *(a for ns in spaces for a in ("-n", ns))]
+
         if len(self.shard_groups) == 1:
-            spaces = [] if self.clusterwide else self.shard_groups[0]
-            return [self._spawn("operator", argv + [a for ns in spaces for a in ("-n", ns)])]
-        return [self._spawn(f"operator-{i}", argv + [a for ns in group for a in ("-n", ns)])
+            return [self._spawn("operator",
+                                args(0, [] if self.clusterwide else self.shard_groups[0]))]
+        return [self._spawn(f"operator-{i}", args(i, group))
                 for i, group in enumerate(self.shard_groups)]
 
     def _standin(self, method: str, path: str) -> dict[str, Any]:
@@ -633,6 +695,22 @@ class FleetRun:
                 raise FleetRunError(f"not reached after {self.timeout_s:.0f}s", what)
             time.sleep(1.0)
         return time.monotonic() - started
+
+    def _operator_writes(self) -> dict[str, float] | None:
+        """The operators' status PATCH counters, summed (None: one could not be read)."""
+        total: dict[str, float] = {}
+        for port in self._metrics_ports:
+            try:
+                with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics",
+                                            timeout=30) as resp:
+                    text = resp.read().decode()
+            except OSError as exc:
+                logger.warning("the operator's metrics on port %d could not be read: %s",
+                               port, exc)
+                return None
+            for key, value in status_writes(text).items():
+                total[key] = total.get(key, 0.0) + value
+        return total
 
     def _check_alive(self) -> None:
         for proc in self._procs:
@@ -720,15 +798,33 @@ class FleetRun:
                 lags.extend(self.lag_timeout_s for _ in waiting)
                 arrivals.extend(self.lag_timeout_s for _ in waiting)
                 short = Counter(-1 if (n := watch.latest(key)) is None else n for key in waiting)
+                etcd, age = self._etcd_view(waiting) if waiting else ({}, None)
                 out.append(BumpLags(bump, tuple(lags), len(waiting),
                                     probe_reopened=watch.reopened - reopened,
                                     probe_relisted=watch.refreshed - refreshed,
                                     arrival_lags_s=tuple(arrivals),
-                                    waiting_samples=dict(short)))
+                                    waiting_samples=dict(short),
+                                    etcd_samples=etcd, etcd_write_age_p50_s=age))
         finally:
             watch.stop()
         logger.info("status watch: %d events, reopened %d times", watch.events, watch.reopened)
         return out
+
+    def _etcd_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.cluster.config.ports.etcd_client}"
+
+    def _etcd_view(self, keys: set[str]) -> tuple[dict[int, int], float | None]:
+        """The samples counts of ``keys`` in etcd (-1: not there, -2: etcd not read), and
+        the median age of their last status write."""
+        try:
+            held = etcd_statuses(self._etcd_url())
+        except (OSError, ValueError) as exc:
+            logger.warning("status lag: etcd could not be read: %s", exc)
+            return {-2: len(keys)}, None
+        now = time.time()
+        counts = Counter(held[k][0] if k in held else -1 for k in keys)
+        ages = sorted(now - at for k in keys if k in held and (at := held[k][1]) is not None)
+        return dict(counts), (ages[len(ages) // 2] if ages else None)
 
     def _refresh(self, watch: StatusWatch) -> None:
         """Read the services from the watch cache into ``watch`` (it has gone quiet)."""
@@ -779,13 +875,16 @@ class FleetRun:
             c1, (m1, h1) = self._control_plane(), self._request_mix()
             assert self._standin_proc is not None
             s1 = proc_sample(self._standin_proc.pid)
+            w1 = self._operator_writes()
             bumps = self._lags()
             p2, a2 = procs_sample(pids), self._api_counts()
             per_shard = [proc_sample(pid) for pid in pids]
             c2, (m2, h2) = self._control_plane(), self._request_mix()
             s2 = proc_sample(self._standin_proc.pid)
+            w2 = self._operator_writes()
             checks = self._checks()
             standin = {k: int(v) for k, v in self._standin("GET", "/totals").items()}
+        rates = write_rates(w1, w2, p2.at_s - p1.at_s) if w1 is not None and w2 else {}
         return FleetResult(
             plan=self.plan, interval_s=self.interval_s, pods_running_s=running_s,
             services_ready_s=services_s, shards_placed_s=shards_s, ready_s=ready_s,
@@ -804,6 +903,9 @@ class FleetRun:
             apiserver_top_rps=top_rates(m1, m2, p2.at_s - p1.at_s) if m1 and m2 else {},
             apiserver_latency={key: bucket_quantiles(h1.get(key, {}), after)
                                for key, after in h2.items() if after},
+            status_writes_rps={k: v for k, v in rates.items() if not k.startswith("Status/")},
+            sidecar_status_rps={k.removeprefix("Status/"): v for k, v in rates.items()
+                                if k.startswith("Status/")},
         )
 
     def _checks(self) -> dict[str, Any]:
@@ -836,24 +938,18 @@ class FleetRun:
             "job_phases": sorted({str((j.get("status") or {}).get("phase")) for j in jobs}),
             # Services whose status write time the lag probe can read (statuswatch.py).
             "status_write_times": sum(1 for s in services if status_written(s) is not None),
-            # The same samples by a consistent read (etcd, not the cache), when it answers:
-            # a cache that trails etcd shows as a difference between the two.
-            "samples_consistent": self._consistent_samples(),
+            # The same samples as etcd holds them (read past the API server): a cache that
+            # trails etcd shows as a difference between the two.
+            "samples_etcd": self._etcd_samples(),
         }
 
-    def _consistent_samples(self) -> dict[str, int] | str:
-        services: list[dict[str, Any]] = []
-        try:  # one attempt per scope: a loaded server may take its full 60 s
-            for ns in [None] if self.clusterwide else self.namespaces:
-                where = f"/namespaces/{ns}" if ns else ""
-                answer = self._read(f"/apis/slipstream.dev/v1alpha1{where}/inferenceservices",
-                                    attempts=1)
-                services.extend(i for i in answer.get("items", [])
-                                if i["metadata"]["namespace"] in self.namespaces)
-        except (ClusterError, OSError) as exc:
+    def _etcd_samples(self) -> dict[str, int] | str:
+        try:
+            held = etcd_statuses(self._etcd_url())
+        except (OSError, ValueError) as exc:
             return f"not read: {str(exc)[:120]}"
-        counts = Counter(int(((s.get("status") or {}).get("observed") or {}).get("samples", 0))
-                         for s in services)
+        spaces = set(self.namespaces)
+        counts = Counter(n for key, (n, _) in held.items() if key.split("/", 1)[0] in spaces)
         return {str(k): v for k, v in sorted(counts.items())}
 
     @contextlib.contextmanager

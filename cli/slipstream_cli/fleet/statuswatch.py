@@ -30,6 +30,7 @@ a late read does not lengthen the lag).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
@@ -69,6 +70,47 @@ def status_written(obj: dict[str, Any]) -> float | None:
             continue
         latest = at if latest is None else max(latest, at)
     return latest
+
+
+ETCD_PREFIX = "/registry/slipstream.dev/inferenceservices/"
+"""Where the API server keeps InferenceServices in etcd (its default ``--etcd-prefix``; custom
+resources are stored as JSON)."""
+
+
+def etcd_statuses(etcd_url: str, *, timeout_s: float = 30.0,
+                  prefix: str = ETCD_PREFIX) -> dict[str, tuple[int, float | None]]:
+    """Each InferenceService's ``(samples, status write time)`` as etcd holds it now.
+
+    Read through etcd's JSON gateway (``POST /v3/kv/range``), bypassing the API server and
+    its watch cache: the ground truth the probe's watch and cached LISTs trail. On a loaded
+    API server a consistent LIST of 500 services timed out; this read does not go through it.
+    Raises ``OSError`` (``urllib.error.URLError``) or ``ValueError`` when etcd cannot be read.
+    """
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode()
+
+    key = prefix.encode()
+    end = key[:-1] + bytes([key[-1] + 1])  # every key that starts with the prefix
+    request = urllib.request.Request(
+        etcd_url.rstrip("/") + "/v3/kv/range", method="POST",
+        data=json.dumps({"key": b64(key), "range_end": b64(end)}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        answer = json.loads(resp.read())
+    return parse_etcd_range(answer, prefix)
+
+
+def parse_etcd_range(answer: dict[str, Any],
+                     prefix: str = ETCD_PREFIX) -> dict[str, tuple[int, float | None]]:
+    """``namespace/name -> (samples, status write time)`` from a ``/v3/kv/range`` reply."""
+    out: dict[str, tuple[int, float | None]] = {}
+    for kv in answer.get("kvs") or ():
+        name = base64.b64decode(kv["key"]).decode()
+        if not name.startswith(prefix):
+            raise ValueError(f"etcd key {name!r} is not under {prefix!r}")
+        obj = json.loads(base64.b64decode(kv.get("value", "")))
+        out[name[len(prefix):]] = (_samples(obj), status_written(obj))
+    return out
 
 
 class StatusWatch:
