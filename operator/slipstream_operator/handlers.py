@@ -237,10 +237,23 @@ class StatusWrites:
             return dict(self._patches), dict(self._fields)
 
 
+def _as_served(value: Any) -> Any:
+    """``value`` as the API server hands it back: it writes a whole float as an integer
+    (32.0 comes back as 32), so a float with no fraction is compared as an int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {k: _as_served(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_served(v) for v in value]
+    return value
+
+
 def changed_status(status: Mapping[str, Any], previous: Mapping[str, Any]) -> dict[str, Any]:
-    """The top-level keys of ``status`` whose JSON value differs from ``previous``'s."""
+    """The top-level keys of ``status`` whose JSON value differs from ``previous``'s (the last
+    status read back from the API server, so numbers compare as it serves them)."""
     def canon(value: Any) -> str:
-        return json.dumps(value, sort_keys=True, default=str)
+        return json.dumps(_as_served(value), sort_keys=True, default=str)
 
     return {k: v for k, v in status.items()
             if k not in previous or canon(v) != canon(previous[k])}

@@ -114,6 +114,22 @@ def test_only_changed_status_keys_are_patched() -> None:
     assert changed_status({"shards": {"total": 5}}, previous) == {"shards": {"total": 5}}
 
 
+
+def test_a_whole_float_is_not_a_change_from_the_integer_the_api_server_served() -> None:
+    # The API server writes 32.0 back as 32: computing 32.0 again is no change (it used to
+    # PATCH every job's status at every tick, each a no-op on the server).
+    served = {"tokensPerSecond": 32, "offline": {"tokensPerSecond": 12, "activeShards": 4},
+              "history": [1, 2]}
+    computed = {"tokensPerSecond": 32.0,
+                "offline": {"tokensPerSecond": 12.0, "activeShards": 4}, "history": [1.0, 2]}
+    assert changed_status(computed, served) == {}
+    assert changed_status({"tokensPerSecond": 32.5}, served) == {"tokensPerSecond": 32.5}
+    assert changed_status({"tokensPerSecond": 31.0}, served) == {"tokensPerSecond": 31.0}
+    assert changed_status({"offline": {"tokensPerSecond": 12.0, "activeShards": 5}},
+                          served) == {"offline": {"tokensPerSecond": 12.0, "activeShards": 5}}
+    assert changed_status({"ready": True}, {"ready": 1}) == {"ready": True}  # bool is no number
+
+
 # ----------------------------------------------------------------------------- watched bodies
 
 
