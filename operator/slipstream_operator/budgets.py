@@ -14,6 +14,12 @@ planner). It is set in two steps:
    (profile or calibration scale) change, when the arrival rate moved by more
    than ``research_load_change`` since the last search, and on every decision
    while the result in force is provisional (the worker may have finished).
+   A re-search for a load change (same SLOs and model) keeps a simulated budget
+   in force while only the provisional answer is in, and a searched budget within
+   ``research_min_change`` of the one in force leaves it in force (the load it was
+   searched at is updated): every new budget is a new configuration pushed to
+   every pod and a status write, so a search that would only move it by noise
+   changes nothing.
 2. **Adapt** (AIMD on observed attainment, between searches): when any observed
    statistic exceeds its target, the budget is multiplied by
    ``decrease_factor`` at once (at most once per ``tighten_interval_s``, so one
@@ -23,7 +29,9 @@ planner). It is set in two steps:
    ``loosen_interval_s`` and never above ``loosen_limit`` x the searched
    budget. Tighten fast, loosen slowly: a missed SLO costs users now, an
    over-tight budget only costs offline throughput. Too few samples hold the
-   budget where it is.
+   budget where it is. ``reason`` names the decision that set the budget in force
+   (``Searched``, ``Tightened``, ``Loosened``), or ``Held`` when a miss found it
+   already at the floor; a decision that keeps the budget leaves the state as it is.
 
 Everything here is a function of its arguments (time is passed in as
 ``now_s``). Deliberately left out: talking to sidecars, reading profiles from
@@ -81,6 +89,14 @@ class BudgetParams(BaseModel):
         default=0.25,
         gt=0,
         description="Relative arrival-rate change that triggers a new search. Default: 0.25.",
+    )
+    research_min_change: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="A re-search (same SLOs and model) whose budget is within this relative "
+        "change of the budget in force leaves it in force: no new configuration is pushed. "
+        "Default: 0.05.",
     )
     min_samples: int = Field(
         default=20,
@@ -215,7 +231,7 @@ class BudgetState:
     targets: SLOTargets
     searched_rate_rps: float
     changed_at_s: float
-    reason: str  # Searched | Tightened | Loosened | Held
+    reason: str  # what set budget_s: Searched | Tightened | Loosened | Held (a miss at the floor)
     model_key: str = ""
 
 
@@ -250,6 +266,14 @@ def decide(
     found: SearchResult | None = None
     if state is None or _needs_search(state, targets, load, params, model_key):
         found = search(targets, load)
+        if state is not None and _same_subject(state, targets, model_key):
+            if found.provisional and not state.searched.provisional:
+                # A load change: the simulated budget stays until the simulated answer is in
+                # (the load still differs, so the next decision asks again).
+                found = None
+            elif _within(found.budget_s, state.budget_s, params.research_min_change):
+                state = replace(state, searched_rate_rps=load.arrival_rate_rps)
+                found = None
     elif state.searched.provisional:
         fresh = search(targets, load)  # the worker may have finished since the last call
         found = None if fresh.provisional else fresh
@@ -265,7 +289,7 @@ def decide(
             model_key=model_key,
         )
     if observed.samples < params.min_samples:
-        return replace(state, reason="Held") if state.reason != "Held" else state
+        return state
     rows = attainment(targets, observed)
     since = now_s - state.changed_at_s
     missed = any(value > target for _, value, target in rows)
@@ -285,13 +309,21 @@ def decide(
         new = min(limit, state.budget_s + params.increase_fraction * state.searched.budget_s)
         if new > state.budget_s:
             return replace(state, budget_s=new, changed_at_s=now_s, reason="Loosened")
-    return state if state.reason == "Held" else replace(state, reason="Held")
+    return state
+
+
+def _same_subject(state: BudgetState, targets: SLOTargets, model_key: str) -> bool:
+    return state.targets == targets and state.model_key == model_key
+
+
+def _within(new: float, current: float, fraction: float) -> bool:
+    return abs(new - current) <= fraction * current
 
 
 def _needs_search(
     state: BudgetState, targets: SLOTargets, load: LoadStats, params: BudgetParams, model_key: str
 ) -> bool:
-    if state.targets != targets or state.model_key != model_key:
+    if not _same_subject(state, targets, model_key):
         return True
     before = max(state.searched_rate_rps, 1e-9)
     change = abs(load.arrival_rate_rps - state.searched_rate_rps) / before

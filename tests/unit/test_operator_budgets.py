@@ -134,7 +134,8 @@ def test_near_target_holds() -> None:
     close = ObservedSLO(samples=100, tbt_p99_s=0.095)
     held = decide(state, targets=targets(), load=LOAD, observed=close, search=search,
                   now_s=100.0, params=PARAMS)
-    assert held.budget_s == state.budget_s and held.reason == "Held"
+    # Kept as it is: the reason still names what set the value, so the status does not move.
+    assert held == state and held.reason == "Searched"
 
 
 def test_too_few_samples_hold() -> None:
@@ -201,3 +202,72 @@ def test_a_provisional_budget_adapts_until_the_real_search_lands() -> None:
     decide(state, targets=targets(), load=LOAD, observed=quiet, search=search, now_s=60.0,
            params=PARAMS)
     assert search.calls == 3
+
+
+class Sequence:
+    """A search that answers the given results in turn (the last one from then on)."""
+
+    def __init__(self, *results: SearchResult) -> None:
+        self.results = list(results)
+        self.calls = 0
+
+    def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
+        self.calls += 1
+        return self.results[min(self.calls, len(self.results)) - 1]
+
+
+def _result(budget_s: float, provisional: bool = False) -> SearchResult:
+    return SearchResult(budget_s=budget_s, floor_s=0.01, ceiling_s=0.2,
+                        source="analytic" if provisional else "simulated",
+                        provisional=provisional)
+
+
+def test_a_load_change_keeps_the_simulated_budget_until_the_new_simulation_lands() -> None:
+    search = Sequence(_result(0.06), _result(0.03, provisional=True), _result(0.04))
+    few = ObservedSLO(samples=0)
+    state = decide(None, targets=targets(), load=LOAD, observed=few, search=search, now_s=0.0,
+                   params=PARAMS)
+    assert state.budget_s == 0.06
+    busier = LoadStats(4.0, 1000.0, 200.0)
+    # The new simulation runs: the analytic stand-in does not replace a simulated budget.
+    pending = decide(state, targets=targets(), load=busier, observed=few, search=search,
+                     now_s=5.0, params=PARAMS)
+    assert pending == state and search.calls == 2
+    # Asked again (the load still differs from the searched one); it landed: adopted.
+    landed = decide(pending, targets=targets(), load=busier, observed=few, search=search,
+                    now_s=10.0, params=PARAMS)
+    assert search.calls == 3 and landed.budget_s == 0.04 and landed.reason == "Searched"
+    assert landed.searched_rate_rps == 4.0 and landed.changed_at_s == 10.0
+
+
+def test_a_search_that_moves_the_budget_by_noise_leaves_it_in_force() -> None:
+    search = Sequence(_result(0.060), _result(0.0585), _result(0.0585))
+    few = ObservedSLO(samples=0)
+    state = decide(None, targets=targets(), load=LOAD, observed=few, search=search, now_s=0.0,
+                   params=PARAMS)
+    busier = LoadStats(3.0, 1000.0, 200.0)
+    kept = decide(state, targets=targets(), load=busier, observed=few, search=search,
+                  now_s=5.0, params=PARAMS)
+    # 2.5 % apart: same budget, evidence and reason (no new configuration, no status change);
+    # only the load it was searched at moves, so it is not searched again.
+    assert (kept.budget_s, kept.searched, kept.reason) == (0.060, state.searched, "Searched")
+    assert kept.searched_rate_rps == 3.0
+    decide(kept, targets=targets(), load=busier, observed=few, search=search, now_s=10.0,
+           params=PARAMS)
+    assert search.calls == 2
+    # A new SLO is always adopted, provisional or not, however close.
+    strict = SLOTargets(tbt_p99_s=0.05)
+    moved = decide(kept, targets=strict, load=busier, observed=few, search=search,
+                   now_s=15.0, params=PARAMS)
+    assert moved.targets == strict and moved.budget_s == 0.0585 and moved.changed_at_s == 15.0
+
+
+def test_a_provisional_answer_to_a_new_slo_is_adopted_at_once() -> None:
+    search = Sequence(_result(0.06), _result(0.02, provisional=True))
+    few = ObservedSLO(samples=0)
+    state = decide(None, targets=targets(), load=LOAD, observed=few, search=search, now_s=0.0,
+                   params=PARAMS)
+    strict = SLOTargets(tbt_p99_s=0.03)
+    moved = decide(state, targets=strict, load=LOAD, observed=few, search=search, now_s=5.0,
+                   params=PARAMS)
+    assert moved.budget_s == 0.02 and moved.searched.provisional
