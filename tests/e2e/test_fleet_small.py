@@ -64,6 +64,8 @@ def test_small_fleet_is_ready_placed_and_reported(cluster: LocalCluster, tmp_pat
     assert result.status_writes_rps.get("InferenceService", 0) > 0
     assert result.status_writes_rps.get("InferenceService/observed", 0) > 0
     assert result.sidecar_status_rps.get("calls", 0) > 0  # polled or streamed, some are unary
+    # The API server's writes to etcd: the bumps changed every service's status.
+    assert result.etcd_writes_rps.get("inferenceservices", 0) > 0
     assert result.lag_timeouts == 0 and len(result.status_lags_s) == 2 * plan.services
     # The lag is stamped with the API server's own time of each status write (never later
     # than the probe read it), which the real server records in managedFields.

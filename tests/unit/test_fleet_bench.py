@@ -141,6 +141,29 @@ def test_the_api_servers_request_mix_is_ranked_by_rate() -> None:
     assert top_rates(before, after, 10.0, limit=1) == {"PATCH inferenceservices/status": 50.0}
 
 
+def test_the_api_servers_etcd_writes_are_kept_apart_from_its_requests() -> None:
+    from slipstream_cli.fleet.clusterrun import _requests, request_mix, top_rates
+
+    def text(patches: int, updates: int) -> str:
+        return (
+            "# TYPE apiserver_request_total counter\n"
+            'apiserver_request_total{code="200",resource="offlinejobs",subresource="status",'
+            f'verb="PATCH"}} {patches}\n'
+            "# TYPE etcd_requests_total counter\n"
+            'etcd_requests_total{group="slipstream.dev",operation="update",'
+            f'resource="offlinejobs"}} {updates}\n'
+            'etcd_requests_total{group="slipstream.dev",operation="get",'
+            'resource="offlinejobs"} 50\n'
+        )
+
+    before, after = request_mix(text(100, 40)), request_mix(text(400, 50))
+    assert before == {"PATCH offlinejobs/status": 100.0, "etcd update offlinejobs": 40.0}
+    # 30 PATCHes/s reached the server, 1 write/s reached etcd: the rest changed nothing.
+    assert top_rates(*_requests(before, after), 10.0) == {"PATCH offlinejobs/status": 30.0}
+    assert top_rates(*_requests(before, after, etcd=True), 10.0) == {
+        "etcd update offlinejobs": 1.0}
+
+
 def test_status_write_latency_and_queue_wait_come_from_bucket_deltas() -> None:
     from slipstream_cli.fleet.clusterrun import PRIORITY_LEVEL, bucket_quantiles, latency_buckets
 

@@ -134,11 +134,21 @@ def dispatched(metrics_text: str, flow_schema: str) -> tuple[float, float]:
     return ours, total
 
 
+ETCD_WRITES = "etcd update "
+"""Prefix of the :func:`request_mix` keys that count the API server's writes to etcd."""
+
+
 def request_mix(metrics_text: str) -> dict[str, float]:
-    """The API server's requests so far by ``VERB resource[/subresource]`` (every client)."""
+    """The API server's requests so far by ``VERB resource[/subresource]`` (every client), and
+    its updates of objects in etcd by ``etcd update <resource>``: a PATCH that changes
+    nothing is answered without one, so the two together count the no-op writes."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
+            if s.name == "etcd_requests_total" and s.labels.get("operation") == "update":
+                key = ETCD_WRITES + (s.labels.get("resource") or s.labels.get("type") or "-")
+                out[key] = out.get(key, 0.0) + s.value
+                continue
             if s.name != "apiserver_request_total":
                 continue
             resource = s.labels.get("resource") or s.labels.get("group") or "-"
@@ -202,6 +212,15 @@ def bucket_quantiles(before: dict[float, float], after: dict[float, float]
         return None if value is None else round(value, 3)
 
     return {"count": total, "p50_s": rounded(quantile(0.5)), "p99_s": rounded(quantile(0.99))}
+
+
+def _requests(before: dict[str, float], after: dict[str, float], *,
+              etcd: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+    """The two readings with only the API requests, or (``etcd``) only the etcd writes."""
+    def keep(mix: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in mix.items() if k.startswith(ETCD_WRITES) == etcd}
+
+    return keep(before), keep(after)
 
 
 def top_rates(before: dict[str, float], after: dict[str, float], seconds: float,
@@ -381,6 +400,9 @@ class FleetResult:
     # Its unary Status calls to the sidecars over the steady phase, per second: calls, and
     # failures (time-outs on a loaded host: that pod is skipped for the tick).
     sidecar_status_rps: dict[str, float] = field(default_factory=dict)
+    # The API server's writes to etcd over the steady phase, per resource (requests/s): next
+    # to the PATCHes in apiserver_top_rps, the difference is writes that changed nothing.
+    etcd_writes_rps: dict[str, float] = field(default_factory=dict)
 
     @property
     def status_lag_p99_s(self) -> float | None:
@@ -419,6 +441,7 @@ class FleetResult:
             "apiserver_latency": self.apiserver_latency,
             "status_writes_rps": self.status_writes_rps,
             "sidecar_status_rps": self.sidecar_status_rps,
+            "etcd_writes_rps": self.etcd_writes_rps,
             "final_checks": self.checks,
         }
 
@@ -900,7 +923,11 @@ class FleetRun:
             control_plane_cpu_cores={
                 name: round((c2[name].cpu_s - a.cpu_s) / max(c2[name].at_s - a.at_s, 1e-9), 3)
                 for name, a in c1.items() if name in c2},
-            apiserver_top_rps=top_rates(m1, m2, p2.at_s - p1.at_s) if m1 and m2 else {},
+            apiserver_top_rps=top_rates(*_requests(m1, m2), p2.at_s - p1.at_s)
+            if m1 and m2 else {},
+            etcd_writes_rps={k.removeprefix(ETCD_WRITES): v for k, v in top_rates(
+                *_requests(m1, m2, etcd=True), p2.at_s - p1.at_s, limit=6).items()}
+            if m1 and m2 else {},
             apiserver_latency={key: bucket_quantiles(h1.get(key, {}), after)
                                for key, after in h2.items() if after},
             status_writes_rps={k: v for k, v in rates.items() if not k.startswith("Status/")},
