@@ -224,11 +224,11 @@ def _requests(before: dict[str, float], after: dict[str, float], *,
 
 
 def top_rates(before: dict[str, float], after: dict[str, float], seconds: float,
-              limit: int = 12) -> dict[str, float]:
+              limit: int = 12, digits: int = 1) -> dict[str, float]:
     """The ``limit`` largest per-second rates between two :func:`request_mix` readings."""
     rates = {k: (v - before.get(k, 0.0)) / max(seconds, 1e-9) for k, v in after.items()}
     ranked = sorted(((r, k) for k, r in rates.items() if r > 0), reverse=True)[:limit]
-    return {k: round(r, 1) for r, k in ranked}
+    return {k: round(r, digits) for r, k in ranked}
 
 
 WRITES = "slipstream_operator_status_writes"
@@ -263,8 +263,7 @@ def status_writes(metrics_text: str) -> dict[str, float]:
 def write_rates(before: dict[str, float], after: dict[str, float],
                 seconds: float) -> dict[str, float]:
     """Per-second rates between two :func:`status_writes` readings, largest first."""
-    rates = {k: (v - before.get(k, 0.0)) / max(seconds, 1e-9) for k, v in after.items()}
-    return {k: round(r, 2) for k, r in sorted(rates.items(), key=lambda kv: -kv[1]) if r > 0}
+    return top_rates(before, after, seconds, limit=len(after), digits=2)
 
 
 @dataclass(frozen=True, slots=True)
