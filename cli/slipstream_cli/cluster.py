@@ -156,6 +156,9 @@ class ClusterConfig:
     restricted_service_account: str = "restricted"
     pod_network: str = str(POD_NETWORK)
     """The /16 of the pod IPs (a loopback CIDR), or "auto": derived from ``state_dir``."""
+    profiling: bool = False
+    """Serve Go's ``/debug/pprof`` on the control plane's secure ports (admin credentials),
+    to see where kube-apiserver's CPU goes under load; off, as on a production cluster."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -180,12 +183,13 @@ class ClusterConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ClusterConfig:
-        """Defaults, then ``SLIPSTREAM_CLUSTER_{NODES,GPUS,PORT_BASE,POD_NETWORK}``, then
-        ``overrides``."""
+        """Defaults, then ``SLIPSTREAM_CLUSTER_{NODES,GPUS,PORT_BASE,POD_NETWORK,PROFILING}``,
+        then ``overrides``."""
         values: dict[str, Any] = {
             "nodes": _env_int("SLIPSTREAM_CLUSTER_NODES", 4),
             "gpus_per_node": _env_int("SLIPSTREAM_CLUSTER_GPUS", 8),
             "ports": Ports.from_base(_env_int("SLIPSTREAM_CLUSTER_PORT_BASE", None)),
+            "profiling": os.environ.get("SLIPSTREAM_CLUSTER_PROFILING", "") in ("1", "true"),
         }
         if os.environ.get("SLIPSTREAM_CLUSTER_POD_NETWORK"):
             values["pod_network"] = os.environ["SLIPSTREAM_CLUSTER_POD_NETWORK"]
@@ -804,6 +808,7 @@ class LocalCluster:
     def _components(self) -> list[Component]:
         ports, pki, state = self.config.ports, self.pki, self.state_dir
         admin = str(self.admin_kubeconfig)
+        profiling = f"--profiling={str(self.config.profiling).lower()}"
         etcd_url = f"http://{LOOPBACK}:{ports.etcd_client}"
         peer_url = f"http://{LOOPBACK}:{ports.etcd_peer}"
         serving = [
@@ -857,7 +862,7 @@ class LocalCluster:
                     f"--service-cluster-ip-range={SERVICE_NETWORK}",
                     "--allow-privileged=true",
                     "--kubelet-preferred-address-types=InternalIP",
-                    "--profiling=false",
+                    profiling,
                 ],
                 f"{self.server}/readyz",
                 (ports.apiserver,),
@@ -874,7 +879,7 @@ class LocalCluster:
                     f"--cluster-signing-key-file={pki.path('ca.key')}",
                     f"--service-cluster-ip-range={SERVICE_NETWORK}",
                     "--controllers=*",
-                    "--profiling=false",
+                    profiling,
                 ],
                 f"https://{LOOPBACK}:{ports.controller_manager}/healthz",
                 (ports.controller_manager,),
@@ -885,7 +890,7 @@ class LocalCluster:
                     str(self._binary("kube-scheduler")),
                     *delegated,
                     f"--secure-port={ports.scheduler}",
-                    "--profiling=false",
+                    profiling,
                 ],
                 f"https://{LOOPBACK}:{ports.scheduler}/healthz",
                 (ports.scheduler,),

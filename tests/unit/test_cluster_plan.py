@@ -54,6 +54,22 @@ def test_config_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
         lc.ClusterConfig.from_env()
 
 
+def test_control_plane_profiling_is_served_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def flags(config: lc.ClusterConfig) -> dict[str, list[str]]:
+        return {c.name: [a for a in c.argv if a.startswith("--profiling")]
+                for c in lc.LocalCluster(config)._components()}
+
+    off = flags(lc.ClusterConfig(state_dir=tmp_path))
+    assert off["kube-apiserver"] == ["--profiling=false"]
+    assert off["kube-controller-manager"] == off["kube-scheduler"] == ["--profiling=false"]
+    monkeypatch.setenv("SLIPSTREAM_CLUSTER_PROFILING", "1")
+    on = lc.ClusterConfig.from_env(state_dir=tmp_path)
+    assert on.profiling and on != lc.ClusterConfig(state_dir=tmp_path)  # not reused as is
+    assert flags(on)["kube-apiserver"] == ["--profiling=true"]
+
+
 def test_gpu_node_manifest() -> None:
     node = lc.gpu_node_manifest(3, lc.ClusterConfig(nodes=4, gpus_per_node=8))
     assert node["metadata"]["name"] == "gpu-node-3"

@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="job inputs/outputs and process logs")
     parser.add_argument("--data", type=Path, default=None,
                         help="shared data folder (default $SLIPSTREAM_DATA or ../shared/data)")
+    parser.add_argument("--control-plane-profiling", action="store_true",
+                        help="serve /debug/pprof on kube-apiserver and the controllers (admin "
+                        "credentials), to profile the control plane during a run")
     parser.add_argument("--skip-cluster", action="store_true", help="only the simulation")
     parser.add_argument("--skip-sim", action="store_true", help="only the cluster runs")
     parser.add_argument("--sim-engines", type=int, default=64, help="engines in the simulation")
@@ -111,7 +114,8 @@ def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]
     for nodes in [int(x) for x in str(args.nodes).split(",") if x.strip()]:
         plan = plan_for_nodes(nodes)
         cluster = BenchCluster(ClusterConfig(state_dir=args.state_dir, nodes=nodes,
-                                             ports=Ports.from_base(args.port_base)))
+                                             ports=Ports.from_base(args.port_base),
+                                             profiling=args.control_plane_profiling))
         workdir = args.workdir / f"nodes-{nodes}"
         shutil.rmtree(workdir, ignore_errors=True)
         began = time.monotonic()
