@@ -221,9 +221,10 @@ class AppliedChildren:
         self.resync_s = resync_s
         self._last: dict[tuple[str, str, str], _Applied] = {}
 
-    def changed(self, obj: Mapping[str, Any]) -> bool:
+    def changed(self, obj: Mapping[str, Any], digest: str | None = None) -> bool:
+        """``digest``: ``child_digest(obj)`` when the caller has it already."""
         last = self._last.get(child_key(obj))
-        return last is None or last.digest != child_digest(obj)
+        return last is None or last.digest != (digest or child_digest(obj))
 
     def resync_due(self, obj: Mapping[str, Any], now_s: float) -> bool:
         key = child_key(obj)
@@ -234,8 +235,8 @@ class AppliedChildren:
         """Changed, or due for a resync."""
         return self.changed(obj) or self.resync_due(obj, now_s)
 
-    def applied(self, obj: Mapping[str, Any], now_s: float) -> None:
-        self._last[child_key(obj)] = _Applied(child_digest(obj), now_s)
+    def applied(self, obj: Mapping[str, Any], now_s: float, digest: str | None = None) -> None:
+        self._last[child_key(obj)] = _Applied(digest or child_digest(obj), now_s)
 
     def forget(self, namespace: str, names: set[str]) -> None:
         """Drop the records of these children (their owner is gone)."""

@@ -154,6 +154,17 @@ class ServiceMemory:
     config_fingerprint: str = ""
     computed_at: str = ""
     calibration: Calibration = field(default_factory=Calibration)
+    rendered: RenderedChildren | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedChildren:
+    """The children as last rendered, and everything they were rendered from: a tick whose
+    inputs are equal reuses the same objects instead of building them again (the latency
+    model's JSON alone was 6 % of the operator's event loop at 1,000 nodes)."""
+
+    inputs: tuple[Any, ...]
+    objects: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -547,18 +558,23 @@ def reconcile_service(
             "configGeneration": generation,
             "profile": model_key,
         }
+    inputs = (ref, spec, observed.token, model, observed.storage_roots,
+              observed.sidecar_image, observed.sidecar_resources)
+    rendered = memory.rendered
+    if rendered is None or rendered.inputs != inputs:
+        rendered = RenderedChildren(inputs, children(
+            ref, spec, observed.token, model, storage_roots=observed.storage_roots,
+            sidecar_image=observed.sidecar_image, sidecar_resources=observed.sidecar_resources))
     new_memory = ServiceMemory(
         budget=budget,
         config_generation=generation,
         config_fingerprint=fingerprint,
         computed_at=computed_at,
         calibration=cal,
+        rendered=rendered,
     )
     return ServiceOutcome(
-        children=children(ref, spec, observed.token, model,
-                          storage_roots=observed.storage_roots,
-                          sidecar_image=observed.sidecar_image,
-                          sidecar_resources=observed.sidecar_resources),
+        children=rendered.objects,
         status=status,
         pushes=pushes,
         memory=new_memory,

@@ -18,7 +18,7 @@ import pytest
 from slipstream_cli.fleet.standin import Standin, StandinConfig
 from slipstream_operator import kube
 from slipstream_operator.errors import SidecarError
-from slipstream_operator.handlers import changed_status
+from slipstream_operator.handlers import ParsedSpecs, changed_status
 from slipstream_operator.sidecar_client import (
     ConfigureCall,
     GrpcSidecarControl,
@@ -128,6 +128,40 @@ def test_a_whole_float_is_not_a_change_from_the_integer_the_api_server_served() 
     assert changed_status({"offline": {"tokensPerSecond": 12.0, "activeShards": 5}},
                           served) == {"offline": {"tokensPerSecond": 12.0, "activeShards": 5}}
     assert changed_status({"ready": True}, {"ready": 1}) == {"ready": True}  # bool is no number
+
+
+def test_statuses_compare_as_served_json_without_serializing() -> None:
+    from datetime import UTC, datetime
+
+    at = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+    assert changed_status({"at": at, "pods": ("a", "b")}, {"at": str(at), "pods": ["a", "b"]}) == {}
+    assert changed_status({"pods": ("a", "c")}, {"pods": ["a", "b"]}) == {"pods": ("a", "c")}
+    assert changed_status({"x": {"y": [True]}}, {"x": {"y": [1]}}) == {"x": {"y": [True]}}
+    assert changed_status({"x": float("nan")}, {"x": float("nan")}) == {}
+    assert changed_status({"x": {"a": 1}}, {"x": {"a": 1, "b": 2}}) == {"x": {"a": 1}}
+    assert changed_status({"x": "1"}, {"x": 1}) == {"x": "1"}  # text is no number
+
+
+def test_a_spec_is_parsed_again_only_when_it_changed() -> None:
+    from slipstream_operator.api import InferenceServiceSpec
+
+    specs = ParsedSpecs()
+    raw = {"model": "m", "engine": {"image": "vllm/vllm-openai:v0.11.0"}, "replicas": 2,
+           "slo": {"tbt": {"p99": "100ms"}}}
+    first, problems = specs.parse("uid-1", raw, InferenceServiceSpec)
+    assert problems == () and first.replicas == 2
+    again, _ = specs.parse("uid-1", {**raw, "engine": dict(raw["engine"])}, InferenceServiceSpec)
+    assert again is first  # equal spec: the parsed one is reused
+    raw["engine"]["image"] = "vllm/vllm-openai:v0.12.0"  # a nested edit is seen too
+    edited, _ = specs.parse("uid-1", raw, InferenceServiceSpec)
+    assert edited is not first and edited.engine.image.endswith("v0.12.0")
+    with pytest.raises(ValueError, match="replicas"):
+        specs.parse("uid-1", {**raw, "replicas": -1}, InferenceServiceSpec)
+    with pytest.raises(ValueError, match="replicas"):  # a bad spec is never kept
+        specs.parse("uid-1", {**raw, "replicas": -1}, InferenceServiceSpec)
+    assert specs.parse("uid-1", raw, InferenceServiceSpec)[0] is edited
+    specs.forget("uid-1")
+    assert len(specs) == 0
 
 
 # ----------------------------------------------------------------------------- watched bodies

@@ -117,6 +117,21 @@ def test_children_are_owned_and_wire_the_pod_as_the_issue_says() -> None:
     assert service["spec"]["ports"][0]["port"] == 8000
 
 
+def test_children_are_rendered_again_only_when_what_they_come_from_changes() -> None:
+    first = run(observed(()))
+    again = run(observed(()), memory=first.memory)
+    assert again.children is first.children  # the same objects: nothing rebuilt
+    other_token = run(replace(observed(()), token="tok-2"), memory=first.memory)
+    assert other_token.children is not first.children
+    assert other_token.children[0]["stringData"]["token"] == "tok-2"
+    bigger = run(observed(()), memory=first.memory, s=spec(replicas=3))
+    assert bigger.children[2]["spec"]["replicas"] == 3
+    no_model = run(observed((), model=None), memory=first.memory)
+    assert "latency.json" not in no_model.children[1]["data"]
+    # A rendering that is reused is equal to one made from scratch.
+    assert again.children == run(observed(())).children
+
+
 def test_no_pods_no_statistics() -> None:
     out = run(observed(()))
     conds = {c["type"]: c for c in out.status["conditions"]}
