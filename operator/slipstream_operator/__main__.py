@@ -89,6 +89,7 @@ async def _main(args: argparse.Namespace) -> int:
     from kubernetes import config
 
     from slipstream_operator import metrics
+    from slipstream_operator.gctimes import GcTimes, refreeze_forever, tune
     from slipstream_operator.handlers import Handlers, build_registry
     from slipstream_operator.sidecar_client import GrpcSidecarControl
 
@@ -108,8 +109,14 @@ async def _main(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession(connector=connector) as http:
         handlers = Handlers(settings, api, control, http)
         registry = build_registry(handlers)
+        gc_times = GcTimes()
+        gc_times.install()
+        logger.info("garbage collector thresholds %s", tune(settings.gc_young_threshold))
+        refreezing = (asyncio.ensure_future(refreeze_forever(settings.gc_freeze_interval_s))
+                      if settings.gc_freeze_interval_s > 0 else None)
         operator_metrics = metrics.OperatorMetrics(
-            status_stats=handlers.status_stats, status_writes=handlers.status_writes.snapshot)
+            status_stats=handlers.status_stats, status_writes=handlers.status_writes.snapshot,
+            gc_times=gc_times.snapshot)
         metrics.register(registry, operator_metrics)
         port = metrics_port(args)
         address = getattr(args, "metrics_address", None) or (
@@ -130,6 +137,9 @@ async def _main(args: argparse.Namespace) -> int:
         finally:
             if server is not None:
                 server.close()
+            gc_times.uninstall()
+            if refreezing is not None:
+                refreezing.cancel()
             handlers.close()
             if handlers.feed is not None:
                 await handlers.feed.close()

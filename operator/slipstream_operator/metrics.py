@@ -49,6 +49,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from slipstream_operator.api import GROUP, VERSION, Phase, parse_duration
+from slipstream_operator.gctimes import GcGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -345,6 +346,8 @@ class OperatorMetrics(Collector):
     status_writes: Callable[[], tuple[Mapping[str, int], Mapping[tuple[str, str], int]]] | None \
         = None
     """The ticks' status PATCHes per kind and per (kind, field) (``StatusWrites.snapshot``)."""
+    gc_times: Callable[[], Mapping[int, GcGeneration]] | None = None
+    """The garbage collector's totals per generation (``GcTimes.snapshot``); None: not shown."""
     registry: CollectorRegistry = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _objects: dict[Key, _Entry] = field(init=False, default_factory=dict)
@@ -430,6 +433,8 @@ class OperatorMetrics(Collector):
             yield from _status_families(self.status_stats())
         if self.status_writes is not None:
             yield from _write_families(*self.status_writes())
+        if self.gc_times is not None:
+            yield from _gc_families(self.gc_times())
 
     def _object_families(self, kind: str, entries: list[_Entry]) -> Iterator[Any]:
         entries.sort(key=lambda e: (e.sample.namespace, e.sample.name))
@@ -495,6 +500,29 @@ def _write_families(patches: Mapping[str, int],
     for (kind, name), n in sorted(fields.items()):
         by_field.add_metric([kind, name], float(n))
     yield by_field
+
+
+def _gc_families(generations: Mapping[int, GcGeneration]) -> Iterator[Any]:
+    collections = CounterMetricFamily(
+        "slipstream_operator_gc_collections",
+        "Collections of Python's cyclic garbage collector, per generation.",
+        labels=["generation"])
+    seconds = CounterMetricFamily(
+        "slipstream_operator_gc_seconds",
+        "Seconds spent in those collections, per generation (no tick runs meanwhile).",
+        labels=["generation"])
+    longest = GaugeMetricFamily(
+        "slipstream_operator_gc_longest_pause_seconds",
+        "The longest single collection since the operator started, per generation.",
+        labels=["generation"])
+    for generation, totals in sorted(generations.items()):
+        label = [str(generation)]
+        collections.add_metric(label, float(totals.collections))
+        seconds.add_metric(label, totals.seconds)
+        longest.add_metric(label, totals.longest_s)
+    yield collections
+    yield seconds
+    yield longest
 
 
 _EXTRA_LABELS: dict[str, tuple[str, ...]] = {

@@ -177,6 +177,22 @@ class OperatorSettings(BaseSettings):
         default_factory=lambda: CalibrationParams.model_validate({}),
         description="Latency-model refit from the sidecars' step timings.",
     )
+    gc_young_threshold: int = Field(
+        default=50_000,
+        ge=0,
+        description="Allocations between two collections of the youngest generation of "
+        "Python's garbage collector; larger lets objects that live for one tick die young "
+        "instead of being promoted to the costly oldest generation. 0: Python's default "
+        "(700). Default: 50000.",
+    )
+    gc_freeze_interval_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Freeze what is alive (gc.freeze) so that routine collections skip the "
+        "long-lived heap: first after 60 s, the gaps doubling up to this many seconds; a "
+        "freeze once this long after the last full one first collects everything (one pause), "
+        "so cyclic garbage is still freed. 0: never. Default: 600.",
+    )
     delete_drain_timeout_s: float = Field(
         default=30.0,
         ge=0,

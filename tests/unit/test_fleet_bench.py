@@ -204,7 +204,7 @@ def test_status_write_latency_and_queue_wait_come_from_bucket_deltas() -> None:
 
 
 def test_the_operators_status_writes_are_read_from_its_metrics_as_rates() -> None:
-    from slipstream_cli.fleet.clusterrun import status_writes, write_rates
+    from slipstream_cli.fleet.clusterrun import gc_summary, status_writes, write_rates
 
     text = (
         "# TYPE slipstream_operator_status_writes_total counter\n"
@@ -216,11 +216,21 @@ def test_the_operators_status_writes_are_read_from_its_metrics_as_rates() -> Non
         "# TYPE slipstream_operator_status_calls_total counter\n"
         "slipstream_operator_status_calls_total 99.0\n"
         "# TYPE slipstream_operator_status_streams gauge\n"
-        "slipstream_operator_status_streams 7.0\n")
+        "slipstream_operator_status_streams 7.0\n"
+        "# TYPE slipstream_operator_gc_seconds_total counter\n"
+        'slipstream_operator_gc_seconds_total{generation="2"} 1.5\n'
+        "# TYPE slipstream_operator_gc_collections_total counter\n"
+        'slipstream_operator_gc_collections_total{generation="2"} 7.0\n'
+        "# TYPE slipstream_operator_gc_longest_pause_seconds gauge\n"
+        'slipstream_operator_gc_longest_pause_seconds{generation="2"} 0.5\n')
     after = status_writes(text)
     assert after == {"InferenceService": 30.0, "OfflineJob": 4.0,
-                     "InferenceService/observed": 20.0, "Status/calls": 99.0}
-    del after["Status/calls"]
+                     "InferenceService/observed": 20.0, "Status/calls": 99.0, "GC/2": 1.5,
+                     "GCn/2": 7.0, "GCmax/2": 0.5}
+    assert gc_summary({"GC/2": 0.5, "GCn/2": 2.0}, after, 10.0) == {
+        "2": {"cores": 0.1, "per_s": 0.5, "longest_s": 0.5}}
+    for key in ("Status/calls", "GC/2", "GCn/2", "GCmax/2"):
+        del after[key]
     before = {"InferenceService": 10.0, "OfflineJob": 4.0, "InferenceService/observed": 5.0}
     rates = write_rates(before, after, 10.0)
     assert rates == {"InferenceService": 2.0, "InferenceService/observed": 1.5}  # 0/s left out

@@ -365,3 +365,69 @@ def test_status_writes_are_counted_per_kind_and_per_field_they_carried() -> None
         (("field", "conditions"), ("kind", "InferenceService")): 1.0,
         (("field", "observed"), ("kind", "InferenceService")): 2.0,
         (("field", "shards"), ("kind", "OfflineJob")): 1.0}
+
+
+@pytest.mark.unit
+def test_garbage_collections_are_timed_per_generation() -> None:
+    import gc
+
+    from slipstream_operator.gctimes import GcTimes
+
+    ticks = iter(i / 64 for i in range(10_000))  # exact binary fractions
+    times = GcTimes(clock=lambda: next(ticks))
+    times.install()
+    try:
+        times.install()  # once only
+        assert gc.callbacks.count(times._callback) == 1
+        gc.collect()  # a full collection: start and stop, 1/64 s apart on this clock
+    finally:
+        times.uninstall()
+    full = times.snapshot()[2]
+    assert full.collections >= 1 and full.seconds >= 1 / 64 and full.longest_s == 1 / 64
+    assert times._callback not in gc.callbacks
+    text = OperatorMetrics(gc_times=times.snapshot).render().decode()
+    got = {f.name: {s.labels.get("generation"): s.value for s in f.samples}
+           for f in text_string_to_metric_families(text)}
+    assert got["slipstream_operator_gc_collections"]["2"] == float(full.collections)
+    assert got["slipstream_operator_gc_seconds"]["2"] == pytest.approx(full.seconds)
+    assert got["slipstream_operator_gc_longest_pause_seconds"]["2"] == 1 / 64
+    assert "slipstream_operator_gc" not in OperatorMetrics().render().decode()
+
+
+@pytest.mark.unit
+def test_the_collector_is_tuned_and_refrozen_on_a_schedule() -> None:
+    import asyncio
+    import gc
+    import itertools
+
+    from slipstream_operator.gctimes import refreeze, refreeze_forever, refreeze_schedule, tune
+
+    assert list(itertools.islice(refreeze_schedule(600.0), 7)) == [
+        (60, False), (120, False), (240, False), (480, True), (600, True), (600, True),
+        (600, True)]  # full once 600 s passed since the last full one: 900 s, then every 600
+    assert list(itertools.islice(refreeze_schedule(30.0), 2)) == [(30, True), (30, True)]
+    assert list(itertools.islice(refreeze_schedule(100.0), 4)) == [
+        (60, False), (100, True), (100, True), (100, True)]
+    before = gc.get_threshold()
+    try:
+        assert tune(0) == before  # 0: Python's own
+        assert tune(50_000) == (50_000, *before[1:])
+        kept = [[i] for i in range(100)]  # alive at the freeze
+        assert refreeze() >= len(kept)
+        frozen = gc.get_freeze_count()
+        more = [[i] for i in range(100)]
+        assert refreeze(full=False) >= frozen + len(more)  # added to, no collection
+        gaps: list[float] = []
+
+        async def sleep(gap: float) -> None:
+            gaps.append(gap)
+            if len(gaps) == 3:
+                raise asyncio.CancelledError
+
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(refreeze_forever(100.0, sleep=sleep))
+        assert gaps == [60, 100, 100] and gc.get_freeze_count() > 0
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

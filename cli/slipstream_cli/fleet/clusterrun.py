@@ -233,17 +233,28 @@ def top_rates(before: dict[str, float], after: dict[str, float], seconds: float,
 
 WRITES = "slipstream_operator_status_writes"
 FIELD_WRITES = "slipstream_operator_status_field_writes"
+GC_FAMILIES = {"slipstream_operator_gc_seconds": "GC",
+               "slipstream_operator_gc_collections": "GCn",
+               "slipstream_operator_gc_longest_pause_seconds": "GCmax"}
 STATUS_CALLS = {"slipstream_operator_status_calls": "calls",
                 "slipstream_operator_status_call_failures": "failures"}
 
 
 def status_writes(metrics_text: str) -> dict[str, float]:
     """The operator's status PATCH counters from its ``/metrics``: ``Kind`` (PATCHes) and
-    ``Kind/field`` (PATCHes that carried that top-level status field); and its unary
-    ``Status`` calls to sidecars as ``Status/calls`` and ``Status/failures``."""
+    ``Kind/field`` (PATCHes that carried that top-level status field); its unary ``Status``
+    calls to sidecars as ``Status/calls`` and ``Status/failures``; and its garbage collector's
+    seconds, collections and longest pause as ``GC/<generation>``, ``GCn/<generation>`` and
+    ``GCmax/<generation>``."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         name = family.name.removesuffix("_total")  # the parser keeps it on some formats
+        if name in GC_FAMILIES:
+            for sample in family.samples:
+                if sample.name.endswith(("_total", "_seconds")):
+                    key = f"{GC_FAMILIES[name]}/{sample.labels['generation']}"
+                    out[key] = out.get(key, 0.0) + sample.value
+            continue
         if name in STATUS_CALLS:
             out[f"Status/{STATUS_CALLS[name]}"] = sum(
                 x.value for x in family.samples if x.name.endswith("_total"))
@@ -264,6 +275,24 @@ def write_rates(before: dict[str, float], after: dict[str, float],
                 seconds: float) -> dict[str, float]:
     """Per-second rates between two :func:`status_writes` readings, largest first."""
     return top_rates(before, after, seconds, limit=len(after), digits=2)
+
+
+def gc_summary(before: dict[str, float], after: dict[str, float],
+               seconds: float) -> dict[str, dict[str, float]]:
+    """Per generation, from two :func:`status_writes` readings: ``cores`` and ``per_s`` (rates
+    of GC seconds and collections) and ``longest_s`` (the longest pause at the second)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in after.items():
+        prefix, _, generation = key.partition("/")
+        if prefix not in ("GC", "GCn", "GCmax"):
+            continue
+        entry = out.setdefault(generation, {})
+        if prefix == "GCmax":
+            entry["longest_s"] = round(value, 3)
+        else:
+            rate = (value - before.get(key, 0.0)) / max(seconds, 1e-9)
+            entry["cores" if prefix == "GC" else "per_s"] = round(rate, 3)
+    return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +428,10 @@ class FleetResult:
     # Its unary Status calls to the sidecars over the steady phase, per second: calls, and
     # failures (time-outs on a loaded host: that pod is skipped for the tick).
     sidecar_status_rps: dict[str, float] = field(default_factory=dict)
+    # The operators' garbage collectors over the steady phase, per generation: ``cores``
+    # (seconds of collection per second), ``per_s`` (collections per second), both summed
+    # over the operators, and ``longest_s`` (the longest pause since start, the largest).
+    operator_gc: dict[str, dict[str, float]] = field(default_factory=dict)
     # The API server's writes to etcd over the steady phase, per resource (requests/s): next
     # to the PATCHes in apiserver_top_rps, the difference is writes that changed nothing.
     etcd_writes_rps: dict[str, float] = field(default_factory=dict)
@@ -440,6 +473,7 @@ class FleetResult:
             "apiserver_latency": self.apiserver_latency,
             "status_writes_rps": self.status_writes_rps,
             "sidecar_status_rps": self.sidecar_status_rps,
+            "operator_gc": self.operator_gc,
             "etcd_writes_rps": self.etcd_writes_rps,
             "final_checks": self.checks,
         }
@@ -929,7 +963,9 @@ class FleetRun:
             if m1 and m2 else {},
             apiserver_latency={key: bucket_quantiles(h1.get(key, {}), after)
                                for key, after in h2.items() if after},
-            status_writes_rps={k: v for k, v in rates.items() if not k.startswith("Status/")},
+            status_writes_rps={k: v for k, v in rates.items()
+                               if not k.startswith(("Status/", "GC"))},
+            operator_gc=gc_summary(w1, w2, p2.at_s - p1.at_s) if w1 is not None and w2 else {},
             sidecar_status_rps={k.removeprefix("Status/"): v for k, v in rates.items()
                                 if k.startswith("Status/")},
         )
