@@ -91,6 +91,7 @@ async def _main(args: argparse.Namespace) -> int:
     from slipstream_operator import metrics
     from slipstream_operator.gctimes import GcTimes, refreeze_forever, tune
     from slipstream_operator.handlers import Handlers, build_registry
+    from slipstream_operator.looplag import LoopLag
     from slipstream_operator.sidecar_client import GrpcSidecarControl
 
     settings = settings_from_args(args)
@@ -114,9 +115,11 @@ async def _main(args: argparse.Namespace) -> int:
         logger.info("garbage collector thresholds %s", tune(settings.gc_young_threshold))
         refreezing = (asyncio.ensure_future(refreeze_forever(settings.gc_freeze_interval_s))
                       if settings.gc_freeze_interval_s > 0 else None)
+        loop_lag = LoopLag()
+        probing = asyncio.ensure_future(loop_lag.run())
         operator_metrics = metrics.OperatorMetrics(
             status_stats=handlers.status_stats, status_writes=handlers.status_writes.snapshot,
-            gc_times=gc_times.snapshot)
+            gc_times=gc_times.snapshot, loop_lag=loop_lag.snapshot)
         metrics.register(registry, operator_metrics)
         port = metrics_port(args)
         address = getattr(args, "metrics_address", None) or (
@@ -140,6 +143,7 @@ async def _main(args: argparse.Namespace) -> int:
             gc_times.uninstall()
             if refreezing is not None:
                 refreezing.cancel()
+            probing.cancel()
             handlers.close()
             if handlers.feed is not None:
                 await handlers.feed.close()

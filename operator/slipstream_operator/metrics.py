@@ -45,11 +45,13 @@ from importlib import metadata
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from slipstream_operator.api import GROUP, VERSION, Phase, parse_duration
 from slipstream_operator.gctimes import GcGeneration
+from slipstream_operator.looplag import BUCKETS as LAG_BUCKETS
+from slipstream_operator.looplag import LagHistogram
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +350,8 @@ class OperatorMetrics(Collector):
     """The ticks' status PATCHes per kind and per (kind, field) (``StatusWrites.snapshot``)."""
     gc_times: Callable[[], Mapping[int, GcGeneration]] | None = None
     """The garbage collector's totals per generation (``GcTimes.snapshot``); None: not shown."""
+    loop_lag: Callable[[], LagHistogram] | None = None
+    """The event loop's wake-up delays (``LoopLag.snapshot``); None: not shown."""
     registry: CollectorRegistry = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     _objects: dict[Key, _Entry] = field(init=False, default_factory=dict)
@@ -435,6 +439,8 @@ class OperatorMetrics(Collector):
             yield from _write_families(*self.status_writes())
         if self.gc_times is not None:
             yield from _gc_families(self.gc_times())
+        if self.loop_lag is not None:
+            yield _loop_lag_family(self.loop_lag())
 
     def _object_families(self, kind: str, entries: list[_Entry]) -> Iterator[Any]:
         entries.sort(key=lambda e: (e.sample.namespace, e.sample.name))
@@ -500,6 +506,19 @@ def _write_families(patches: Mapping[str, int],
     for (kind, name), n in sorted(fields.items()):
         by_field.add_metric([kind, name], float(n))
     yield by_field
+
+
+def _loop_lag_family(histogram: LagHistogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "slipstream_operator_event_loop_lag_seconds",
+        "How late the operator's event loop woke a probe that slept a fixed period: the wait "
+        "of anything due on the loop (ticks, sidecar replies, watch events).")
+    cumulative, buckets = 0, []
+    for bound, n in zip((*LAG_BUCKETS, math.inf), histogram.counts, strict=True):
+        cumulative += n
+        buckets.append(("+Inf" if bound == math.inf else repr(bound), float(cumulative)))
+    family.add_metric([], buckets, histogram.sum_s)
+    return family
 
 
 def _gc_families(generations: Mapping[int, GcGeneration]) -> Iterator[Any]:

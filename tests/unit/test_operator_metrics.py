@@ -431,3 +431,40 @@ def test_the_collector_is_tuned_and_refrozen_on_a_schedule() -> None:
         gc.set_threshold(*before)
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.unit
+def test_the_event_loop_lag_is_a_histogram_of_late_wake_ups() -> None:
+    import asyncio
+    import time
+
+    from slipstream_operator.looplag import BUCKETS, LoopLag
+
+    with pytest.raises(ValueError, match="period_s"):
+        LoopLag(period_s=0)
+    lag = LoopLag(period_s=0.01)
+    lag.observe(-0.5)  # early (a coarse clock): no lag
+    lag.observe(0.003)
+    lag.observe(100.0)  # past the last bucket: +Inf
+
+    async def main() -> None:
+        probe = asyncio.ensure_future(lag.run())
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)  # hold the loop: the probe wakes at least this late
+        await asyncio.sleep(0.05)
+        probe.cancel()
+
+    asyncio.run(main())
+    got = lag.snapshot()
+    assert len(got.counts) == len(BUCKETS) + 1 and got.counts[-1] == 1
+    assert got.counts[0] >= 1 and got.counts[1] >= 1  # the 0 and the 3 ms
+    assert sum(got.counts[BUCKETS.index(0.5):]) >= 2  # the held loop (>= 0.29 s) and the 100 s
+    assert got.sum_s >= 100.28 and got.count == sum(got.counts) >= 5
+    text = OperatorMetrics(loop_lag=lag.snapshot).render().decode()
+    family = next(f for f in text_string_to_metric_families(text)
+                  if f.name == "slipstream_operator_event_loop_lag_seconds")
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert samples[("slipstream_operator_event_loop_lag_seconds_bucket", "+Inf")] == got.count
+    assert samples[("slipstream_operator_event_loop_lag_seconds_count", None)] == got.count
+    assert samples[("slipstream_operator_event_loop_lag_seconds_sum", None)] == pytest.approx(
+        got.sum_s)
