@@ -204,7 +204,13 @@ def test_status_write_latency_and_queue_wait_come_from_bucket_deltas() -> None:
 
 
 def test_the_operators_status_writes_are_read_from_its_metrics_as_rates() -> None:
-    from slipstream_cli.fleet.clusterrun import gc_summary, status_writes, write_rates
+    from slipstream_cli.fleet.clusterrun import (
+        gc_summary,
+        loop_lag,
+        rates_of,
+        status_writes,
+        write_rates,
+    )
 
     text = (
         "# TYPE slipstream_operator_status_writes_total counter\n"
@@ -222,14 +228,29 @@ def test_the_operators_status_writes_are_read_from_its_metrics_as_rates() -> Non
         "# TYPE slipstream_operator_gc_collections_total counter\n"
         'slipstream_operator_gc_collections_total{generation="2"} 7.0\n'
         "# TYPE slipstream_operator_gc_longest_pause_seconds gauge\n"
-        'slipstream_operator_gc_longest_pause_seconds{generation="2"} 0.5\n')
+        'slipstream_operator_gc_longest_pause_seconds{generation="2"} 0.5\n'
+        "# TYPE slipstream_operator_event_loop_lag_seconds histogram\n"
+        'slipstream_operator_event_loop_lag_seconds_bucket{le="0.01"} 90.0\n'
+        'slipstream_operator_event_loop_lag_seconds_bucket{le="1.0"} 100.0\n'
+        'slipstream_operator_event_loop_lag_seconds_bucket{le="+Inf"} 100.0\n'
+        "slipstream_operator_event_loop_lag_seconds_sum 3.0\n"
+        "slipstream_operator_event_loop_lag_seconds_count 100.0\n")
     after = status_writes(text)
     assert after == {"InferenceService": 30.0, "OfflineJob": 4.0,
                      "InferenceService/observed": 20.0, "Status/calls": 99.0, "GC/2": 1.5,
-                     "GCn/2": 7.0, "GCmax/2": 0.5}
+                     "GCn/2": 7.0, "GCmax/2": 0.5, "Lag/0.01": 90.0, "Lag/1.0": 100.0,
+                     "Lag/inf": 100.0}
+    lag = loop_lag({"Lag/0.01": 40.0, "Lag/1.0": 40.0, "Lag/inf": 40.0}, after)
+    assert lag == {"count": 60.0, "p50_s": pytest.approx(0.01 * 30 / 50),
+                   "p99_s": pytest.approx(0.01 + 0.99 * (59.4 - 50) / 10, abs=1e-3)}
+    assert loop_lag(None, after) == {} and loop_lag({}, {}) == {}
     assert gc_summary({"GC/2": 0.5, "GCn/2": 2.0}, after, 10.0) == {
         "2": {"cores": 0.1, "per_s": 0.5, "longest_s": 0.5}}
-    for key in ("Status/calls", "GC/2", "GCn/2", "GCmax/2"):
+    assert rates_of(None, after, 10.0) == {}
+    assert rates_of({"GC/2": 0.5, "GCn/2": 2.0, "GCmax/2": 0.1}, after, 10.0) == {
+        "Status/calls": 9.9, "InferenceService": 3.0, "InferenceService/observed": 2.0,
+        "OfflineJob": 0.4, "GCn/2": 0.5, "GC/2": 0.1}
+    for key in ("Status/calls", "GC/2", "GCn/2", "GCmax/2", "Lag/0.01", "Lag/1.0", "Lag/inf"):
         del after[key]
     before = {"InferenceService": 10.0, "OfflineJob": 4.0, "InferenceService/observed": 5.0}
     rates = write_rates(before, after, 10.0)

@@ -233,6 +233,7 @@ def top_rates(before: dict[str, float], after: dict[str, float], seconds: float,
 
 WRITES = "slipstream_operator_status_writes"
 FIELD_WRITES = "slipstream_operator_status_field_writes"
+LOOP_LAG = "slipstream_operator_event_loop_lag_seconds"
 GC_FAMILIES = {"slipstream_operator_gc_seconds": "GC",
                "slipstream_operator_gc_collections": "GCn",
                "slipstream_operator_gc_longest_pause_seconds": "GCmax"}
@@ -245,10 +246,15 @@ def status_writes(metrics_text: str) -> dict[str, float]:
     ``Kind/field`` (PATCHes that carried that top-level status field); its unary ``Status``
     calls to sidecars as ``Status/calls`` and ``Status/failures``; and its garbage collector's
     seconds, collections and longest pause as ``GC/<generation>``, ``GCn/<generation>`` and
-    ``GCmax/<generation>``."""
+    ``GCmax/<generation>``; and its event loop's lag histogram as ``Lag/<bucket bound>``."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         name = family.name.removesuffix("_total")  # the parser keeps it on some formats
+        if name == LOOP_LAG:
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    out[f"Lag/{float(sample.labels['le'])}"] = sample.value
+            continue
         if name in GC_FAMILIES:
             for sample in family.samples:
                 if sample.name.endswith(("_total", "_seconds")):
@@ -275,6 +281,31 @@ def write_rates(before: dict[str, float], after: dict[str, float],
                 seconds: float) -> dict[str, float]:
     """Per-second rates between two :func:`status_writes` readings, largest first."""
     return top_rates(before, after, seconds, limit=len(after), digits=2)
+
+
+def rates_of(before: dict[str, float] | None, after: dict[str, float] | None,
+             seconds: float) -> dict[str, float]:
+    """:func:`write_rates` of two readings that may have failed (None: no rates), without the
+    longest-pause gauges (``GCmax/``), which are no counters, and the lag buckets."""
+    if before is None or after is None:
+        return {}
+    return {k: v for k, v in write_rates(before, after, seconds).items()
+            if not k.startswith(("GCmax/", "Lag/"))}
+
+
+def loop_lag(before: dict[str, float] | None,
+             after: dict[str, float] | None) -> dict[str, float | None]:
+    """Count, p50 and p99 of the operators' event-loop lag between two readings (empty when
+    one failed or the operator serves no histogram)."""
+    if before is None or after is None:
+        return {}
+
+    def buckets(reading: dict[str, float]) -> dict[float, float]:
+        return {float(k.removeprefix("Lag/")): v for k, v in reading.items()
+                if k.startswith("Lag/")}
+
+    now = buckets(after)
+    return bucket_quantiles(buckets(before), now) if now else {}
 
 
 def gc_summary(before: dict[str, float], after: dict[str, float],
@@ -353,6 +384,12 @@ class BumpLags:
     # writing an old window; old writes mean its ticks stopped writing.
     etcd_samples: dict[int, int] = field(default_factory=dict)
     etcd_write_age_p50_s: float | None = None
+    # The operators' own counters from the bump until its last service caught up, per
+    # second (status_writes keys: PATCHes per kind and field, Status calls, GC seconds):
+    # what one bump cost the operator, where the steady phase's rates average the bumps.
+    operator: dict[str, float] = field(default_factory=dict)
+    # The operators' event-loop lag over the same span (count, p50_s, p99_s: loop_lag).
+    loop_lag: dict[str, float | None] = field(default_factory=dict)
 
     def largest_burst(self, within_s: float = 0.05) -> int:
         """Most services stamped within ``within_s`` of each other. Ticks spread over an
@@ -377,6 +414,8 @@ class BumpLags:
             "p99_s": round(p99, 2) if p99 is not None else None,
             "max_s": round(lags[-1], 2) if lags else None,
             "largest_burst": self.largest_burst(),
+            "operator": self.operator,
+            "loop_lag": self.loop_lag,
             "probe_reopened": self.probe_reopened,
             "probe_relisted": self.probe_relisted,
             "waiting_samples": {str(k): v for k, v in sorted(self.waiting_samples.items())},
@@ -432,6 +471,8 @@ class FleetResult:
     # (seconds of collection per second), ``per_s`` (collections per second), both summed
     # over the operators, and ``longest_s`` (the longest pause since start, the largest).
     operator_gc: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The operators' event-loop lag over the steady phase (count, p50_s, p99_s).
+    operator_loop_lag: dict[str, float | None] = field(default_factory=dict)
     # The API server's writes to etcd over the steady phase, per resource (requests/s): next
     # to the PATCHes in apiserver_top_rps, the difference is writes that changed nothing.
     etcd_writes_rps: dict[str, float] = field(default_factory=dict)
@@ -474,6 +515,7 @@ class FleetResult:
             "status_writes_rps": self.status_writes_rps,
             "sidecar_status_rps": self.sidecar_status_rps,
             "operator_gc": self.operator_gc,
+            "operator_loop_lag": self.operator_loop_lag,
             "etcd_writes_rps": self.etcd_writes_rps,
             "final_checks": self.checks,
         }
@@ -831,6 +873,7 @@ class FleetRun:
                 lags: list[float] = []
                 arrivals: list[float] = []
                 time.sleep(self.bump_gap_s)
+                counters = self._operator_writes()
                 answer = self._standin("POST", "/bump")
                 bumped_at, number = float(answer["at"]), int(answer["bump"])
                 want = number * self.plan.replicas
@@ -853,6 +896,8 @@ class FleetRun:
                     time.sleep(0.1)
                 lags.extend(self.lag_timeout_s for _ in waiting)
                 arrivals.extend(self.lag_timeout_s for _ in waiting)
+                after = self._operator_writes()
+                spent = rates_of(counters, after, time.time() - bumped_at)
                 short = Counter(-1 if (n := watch.latest(key)) is None else n for key in waiting)
                 etcd, age = self._etcd_view(waiting) if waiting else ({}, None)
                 out.append(BumpLags(bump, tuple(lags), len(waiting),
@@ -860,7 +905,8 @@ class FleetRun:
                                     probe_relisted=watch.refreshed - refreshed,
                                     arrival_lags_s=tuple(arrivals),
                                     waiting_samples=dict(short),
-                                    etcd_samples=etcd, etcd_write_age_p50_s=age))
+                                    etcd_samples=etcd, etcd_write_age_p50_s=age,
+                                    operator=spent, loop_lag=loop_lag(counters, after)))
         finally:
             watch.stop()
         logger.info("status watch: %d events, reopened %d times", watch.events, watch.reopened)
@@ -964,7 +1010,8 @@ class FleetRun:
             apiserver_latency={key: bucket_quantiles(h1.get(key, {}), after)
                                for key, after in h2.items() if after},
             status_writes_rps={k: v for k, v in rates.items()
-                               if not k.startswith(("Status/", "GC"))},
+                               if not k.startswith(("Status/", "GC", "Lag/"))},
+            operator_loop_lag=loop_lag(w1, w2),
             operator_gc=gc_summary(w1, w2, p2.at_s - p1.at_s) if w1 is not None and w2 else {},
             sidecar_status_rps={k.removeprefix("Status/"): v for k, v in rates.items()
                                 if k.startswith("Status/")},
