@@ -13,8 +13,8 @@ different pod IPs.
 
 Everything it sends goes to 127.0.0.0/8: numeric addresses everywhere, no DNS names, pods
 get loopback IPs, and even ClusterIPs come from a loopback range (127.3.0.0/16), though nothing
-routes them (no kube-proxy, and Endpoints refuse loopback pod IPs): address pods by
-``status.podIP``.
+routes them (no kube-proxy, and Endpoints refuse loopback pod IPs, so the endpoint controllers
+are left off): address pods by ``status.podIP``.
 
 State (PKI, kubeconfigs, etcd data, PID files, logs) lives in ``$SLIPSTREAM_CLUSTER_DIR``
 (default ``~/.cache/slipstream/cluster``). ``up`` reuses a healthy cluster started from the same
@@ -113,6 +113,11 @@ class Ports:
         if not 1024 <= base <= 65535 - 6:
             raise ClusterError(f"port base {base} must lie in 1024..65529")
         return cls(base, base + 1, base + 2, base + 3, base + 4, base + 5)
+
+
+NO_CONTROLLERS = ("endpoints-controller", "endpointslice-controller",
+                  "endpointslice-mirroring-controller")
+"""kube-controller-manager controllers the local cluster leaves off (see ``_components``)."""
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -878,7 +883,11 @@ class LocalCluster:
                     f"--cluster-signing-cert-file={pki.ca_cert}",
                     f"--cluster-signing-key-file={pki.path('ca.key')}",
                     f"--service-cluster-ip-range={SERVICE_NETWORK}",
-                    "--controllers=*",
+                    # Endpoints and EndpointSlices refuse loopback pod IPs, so these
+                    # controllers can only fail, retry and post a Warning event, for every
+                    # Service, for ever: at 1,000 nodes about 20 writes and 38 events a
+                    # second of the API server's time. Nothing here routes a Service anyway.
+                    "--controllers=*," + ",".join(f"-{c}" for c in NO_CONTROLLERS),
                     profiling,
                 ],
                 f"https://{LOOPBACK}:{ports.controller_manager}/healthz",

@@ -54,13 +54,18 @@ def test_config_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
         lc.ClusterConfig.from_env()
 
 
-def test_control_plane_profiling_is_served_only_when_asked(
+def test_control_plane_flags_profiling_only_when_asked_and_no_endpoint_controllers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     def flags(config: lc.ClusterConfig) -> dict[str, list[str]]:
         return {c.name: [a for a in c.argv if a.startswith("--profiling")]
                 for c in lc.LocalCluster(config)._components()}
 
+    controllers = next(a for c in lc.LocalCluster(lc.ClusterConfig(state_dir=tmp_path))
+                       ._components() if c.name == "kube-controller-manager"
+                       for a in c.argv if a.startswith("--controllers="))
+    assert controllers == ("--controllers=*,-endpoints-controller,-endpointslice-controller,"
+                           "-endpointslice-mirroring-controller")  # loopback IPs: no endpoints
     off = flags(lc.ClusterConfig(state_dir=tmp_path))
     assert off["kube-apiserver"] == ["--profiling=false"]
     assert off["kube-controller-manager"] == off["kube-scheduler"] == ["--profiling=false"]
