@@ -8,8 +8,9 @@ calibration scale). Called with (targets, load) it
   SLO targets, load bucket) was searched before: a steady service never
   searches twice;
 * otherwise starts a :class:`~slipstream_operator.simsearch.SimulatedSearch` on
-  its executor (one worker thread by default, so searches run one at a time
-  and never on the kopf event loop) and answers the analytic search's result
+  its executor (one worker process by default, so searches run one at a time,
+  never on the kopf event loop and never holding its GIL; ``worker: thread``
+  runs them in a thread of the operator) and answers the analytic search's result
   marked *provisional*, which the budget policy replaces with the simulated
   result on a later reconcile once the worker has finished;
 * answers the analytic search (not provisional) where simulation is not
@@ -28,9 +29,17 @@ idle budget.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import (
+    BrokenExecutor,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass, field, replace
 
 from slipstream_operator.budgets import (
@@ -184,8 +193,24 @@ class BudgetSearches:
         self, job: SimulatedSearch, targets: SLOTargets, load: LoadStats
     ) -> Future[SearchResult]:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="budget-search")
-        return self._executor.submit(job, targets, load)
+            self._executor = self._new_executor()
+        try:
+            return self._executor.submit(job, targets, load)
+        except (BrokenExecutor, RuntimeError) as exc:  # a worker process died, or shut down
+            if not self._own_executor:
+                raise
+            logger.warning("budget search worker unusable (%s); starting a new one", exc)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._new_executor()
+            return self._executor.submit(job, targets, load)
+
+    def _new_executor(self) -> Executor:
+        """One worker: a child process (spawned, not forked from a loop with threads) unless
+        the params ask for a thread."""
+        if self.params.worker == "thread":
+            return ThreadPoolExecutor(max_workers=1, thread_name_prefix="budget-search")
+        return ProcessPoolExecutor(max_workers=1,
+                                   mp_context=multiprocessing.get_context("spawn"))
 
     def _store(self, key: tuple[Hashable, ...], result: SearchResult) -> None:
         self._cache[key] = result

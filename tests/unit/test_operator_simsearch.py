@@ -164,3 +164,33 @@ def test_a_ramping_load_searches_only_its_newest_bucket() -> None:
         assert searches.wait_idle(120.0)
         assert run(targets, LoadStats(4.0, 1000.0, 200.0)).source == "simulated"
         assert run(targets, LoadStats(1.0, 1000.0, 200.0)).provisional  # never searched
+
+
+def test_searches_run_in_a_child_process_by_default_and_survive_a_dead_worker() -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    assert PARAMS.worker == "process"
+    searches = BudgetSearches(PARAMS)
+    try:
+        run = searches.search_for(subject())
+        targets = SLOTargets(tbt_mean_s=0.05)
+        assert run(targets, LOAD).provisional
+        assert isinstance(searches._executor, ProcessPoolExecutor)
+        assert searches.wait_idle(120.0)
+        assert run(targets, LOAD).source == "simulated"  # what the child found
+        # The worker goes away (killed, or shut down under the operator): the next search
+        # starts a new one instead of failing the reconcile.
+        assert searches._executor is not None
+        searches._executor.shutdown(wait=True)
+        assert run(SLOTargets(tbt_mean_s=0.04), LOAD).provisional
+        assert searches.wait_idle(120.0)
+        assert run(SLOTargets(tbt_mean_s=0.04), LOAD).source == "simulated"
+    finally:
+        searches.close()
+    threaded = BudgetSearches(PARAMS.model_copy(update={"worker": "thread"}))
+    try:
+        assert threaded.search_for(subject())(SLOTargets(tbt_mean_s=0.05), LOAD).provisional
+        assert not isinstance(threaded._executor, ProcessPoolExecutor)
+        assert threaded.wait_idle(120.0)
+    finally:
+        threaded.close()
