@@ -256,3 +256,32 @@ def test_the_operators_status_writes_are_read_from_its_metrics_as_rates() -> Non
     rates = write_rates(before, after, 10.0)
     assert rates == {"InferenceService": 2.0, "InferenceService/observed": 1.5}  # 0/s left out
     assert list(rates) == ["InferenceService", "InferenceService/observed"]  # largest first
+
+
+def test_a_process_sample_counts_its_live_children() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from slipstream_cli.fleet.clusterrun import child_pids, proc_sample
+
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n" \
+           "time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the child has burnt its 0.5 s of CPU
+            stat = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK") >= 0.5:
+                break
+            time.sleep(0.05)
+        assert child.pid in child_pids(os.getpid())
+        alone, whole = proc_sample(os.getpid(), children=False), proc_sample(os.getpid())
+        assert whole.cpu_s - alone.cpu_s >= 0.45  # the child's CPU, not the test's
+        assert whole.rss_mb > alone.rss_mb
+    finally:
+        child.kill()
+        child.wait()
+    assert child_pids(2**22 + 12345) == []  # no such process

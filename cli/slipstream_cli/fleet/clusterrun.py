@@ -93,16 +93,41 @@ class ProcSample:
     hwm_mb: float
 
 
-def proc_sample(pid: int) -> ProcSample:
-    """CPU seconds (user+system, threads included) and memory of one process."""
+def child_pids(pid: int) -> list[int]:
+    """The live children of ``pid`` (``/proc/<pid>/task/*/children``; empty when gone)."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def proc_sample(pid: int, children: bool = True) -> ProcSample:
+    """CPU seconds (user+system, threads included) and memory of one process, with its
+    descendants (``children``): the operator's budget-search worker is its own process, and
+    the operator's cost includes it. Finished children count through cutime and cstime."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+    ticks = [int(f) for f in fields[11:15]]  # utime, stime, cutime, cstime (proc(5) 14-17)
+    cpu = sum(ticks if children else ticks[:2]) / CLK_TCK
     rss = hwm = 0.0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1]) / 1024
         elif line.startswith("VmHWM:"):
             hwm = int(line.split()[1]) / 1024
+    if children:
+        for child in child_pids(pid):
+            try:
+                sub = proc_sample(child)
+            except OSError:  # it ended meanwhile
+                continue
+            cpu, rss, hwm = cpu + sub.cpu_s, rss + sub.rss_mb, hwm + sub.hwm_mb
     return ProcSample(time.monotonic(), cpu, rss, hwm)
 
 
