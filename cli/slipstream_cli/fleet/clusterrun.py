@@ -1011,7 +1011,7 @@ class FleetRun:
             w2 = self._operator_writes()
             checks = self._checks()
             standin = {k: int(v) for k, v in self._standin("GET", "/totals").items()}
-        rates = write_rates(w1, w2, p2.at_s - p1.at_s) if w1 is not None and w2 else {}
+        rates = rates_of(w1, w2 or None, p2.at_s - p1.at_s)
         return FleetResult(
             plan=self.plan, interval_s=self.interval_s, pods_running_s=running_s,
             services_ready_s=services_s, shards_placed_s=shards_s, ready_s=ready_s,
@@ -1035,7 +1035,7 @@ class FleetRun:
             apiserver_latency={key: bucket_quantiles(h1.get(key, {}), after)
                                for key, after in h2.items() if after},
             status_writes_rps={k: v for k, v in rates.items()
-                               if not k.startswith(("Status/", "GC", "Lag/"))},
+                               if not k.startswith(("Status/", "GC"))},
             operator_loop_lag=loop_lag(w1, w2),
             operator_gc=gc_summary(w1, w2, p2.at_s - p1.at_s) if w1 is not None and w2 else {},
             sidecar_status_rps={k.removeprefix("Status/"): v for k, v in rates.items()
