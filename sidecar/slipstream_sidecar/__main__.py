@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -49,6 +49,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--sync-prefill-limit": (
         "sync_prefill_limit", int, "grant online arrivals at once while at most this many "
         "granted requests await their first token (default 16; 0: never)"),
+    "--event-loop": ("event_loop", str, "auto (uvloop when installed) | uvloop | asyncio"),
 }
 
 
@@ -69,15 +70,31 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: helper threads (gRPC, the length predictor's worker) run Python too; the event
     # loop waits for the GIL at most this long (default 5 ms, a whole TTFT budget's worth).
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
-    run_loop: Callable[[Coroutine[Any, Any, int]], int] = asyncio.run
+    try:
+        run_loop = event_loop_runner(settings.event_loop)
+    except ImportError:
+        print("slipstream sidecar: --event-loop uvloop, but uvloop is not installed "
+              "(pip install 'slipstream[sidecar]')", file=sys.stderr)
+        return 2
+    # Outside the except block, so no server traceback chains a ModuleNotFoundError for uvloop.
+    return int(run_loop(_serve(settings)))
+
+
+def event_loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, int]], int]:
+    """The ``run`` function of the chosen event loop (``event_loop`` setting).
+
+    ``auto`` takes uvloop when it imports and the standard library's loop otherwise;
+    ``uvloop`` raises ImportError when it is missing rather than silently running slower.
+    """
+    if choice == "asyncio":
+        return asyncio.run
     try:
         import uvloop  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
-        pass  # the stock event loop; the run itself stays outside this block
-    else:
-        run_loop = uvloop.run
-    # Outside the except block, so no server traceback chains a ModuleNotFoundError for uvloop.
-    return int(run_loop(_serve(settings)))
+        if choice == "uvloop":
+            raise
+        return asyncio.run
+    return cast("Callable[[Coroutine[Any, Any, int]], int]", uvloop.run)
 
 
 async def _serve(settings: Any) -> int:
@@ -89,13 +106,14 @@ async def _serve(settings: Any) -> int:
     await sidecar.start()
     runner, http_port = await serve(sidecar.proxy.app(), settings.host, settings.http_port)
     grpc_server, grpc_port = await serve_grpc(sidecar, settings.host, settings.grpc_port)
-    log.warning(
-        "sidecar serving: http %s:%d grpc %s:%d engine %s",
-        settings.host, http_port, settings.host, grpc_port, settings.engine,
-    )
-    print(f"sidecar ready http={http_port} grpc={grpc_port}", flush=True)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop_name = type(loop).__module__.split(".")[0]
+    log.warning(
+        "sidecar serving: http %s:%d grpc %s:%d engine %s loop %s",
+        settings.host, http_port, settings.host, grpc_port, settings.engine, loop_name,
+    )
+    print(f"sidecar ready http={http_port} grpc={grpc_port} loop={loop_name}", flush=True)
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)

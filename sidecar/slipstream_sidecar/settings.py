@@ -118,6 +118,12 @@ class SidecarSettings(BaseSettings):
         "await their first token (requests); each such decision costs the core O(requests in "
         "prefill). 0: every grant waits for the coalesced decision. Default 16.",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        default="auto",
+        description="The event loop: 'uvloop' (libuv; less CPU per proxied request, the "
+        "[sidecar] extra installs it on Linux), 'asyncio' (the standard library's), or "
+        "'auto': uvloop when it is installed, else asyncio.",
+    )
     status_interval_s: float = Field(
         default=1.0, gt=0, description="Default WatchStatus period (s)."
     )

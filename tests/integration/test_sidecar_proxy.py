@@ -42,11 +42,28 @@ def get(url: str) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
-@pytest.fixture(scope="module")
-def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
-    d = tmp_path_factory.mktemp("proxy")
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# The [sidecar] extra installs uvloop, which "auto" then runs on; "asyncio" is the
+# fallback. Both loops must serve the same bytes.
+@pytest.fixture(scope="module", params=["auto", "asyncio"])
+def procs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[Proc, Proc]]:
+    d = tmp_path_factory.mktemp(f"proxy-{request.param}")
     eng = engine_proc(d).start()
-    sc = sidecar_proc(d, eng.url).start()
+    sc = sidecar_proc(d, eng.url, extra=["--event-loop", request.param]).start()
+    expected = "uvloop" if request.param == "auto" and _has_uvloop() else "asyncio"
+    deadline = time.monotonic() + 10
+    while b"sidecar ready" not in sc.log_path.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"loop={expected}".encode() in sc.log_path.read_bytes()
     yield eng, sc
     sc.stop()
     eng.stop()

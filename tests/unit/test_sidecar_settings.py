@@ -34,3 +34,30 @@ def test_cli_reports_invalid_settings(capsys: pytest.CaptureFixture[str]) -> Non
     args = parser.parse_args(["--http-port", "70000"])
     assert cli.run(args) == 2
     assert "http_port" in capsys.readouterr().err
+
+
+def test_event_loop_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    uvloop = pytest.importorskip("uvloop")
+    assert SidecarSettings().event_loop == "auto"
+    assert cli.event_loop_runner("asyncio") is asyncio.run
+    assert cli.event_loop_runner("auto") is uvloop.run
+    assert cli.event_loop_runner("uvloop") is uvloop.run
+    # Without uvloop: 'auto' falls back to the standard loop, 'uvloop' refuses to start.
+    monkeypatch.setitem(__import__("sys").modules, "uvloop", None)
+    assert cli.event_loop_runner("auto") is asyncio.run
+    with pytest.raises(ImportError):
+        cli.event_loop_runner("uvloop")
+    with pytest.raises(ValidationError):
+        SidecarSettings(event_loop="trio")  # type: ignore[arg-type]
+
+
+def test_cli_refuses_uvloop_when_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "uvloop", None)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--event-loop", "uvloop"])) == 2
+    assert "uvloop is not installed" in capsys.readouterr().err
