@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from slipstream_cli.benches.sidecar import _GRANTS, _overhead_ms, _overhead_summary, _pin_layout
+from slipstream_cli.benches.sidecar import (
+    _GRANTS,
+    _overhead_ms,
+    _overhead_summary,
+    _pin_layout,
+    _ready_loop,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -41,3 +49,11 @@ def test_pin_gives_each_process_a_cpu_when_there_are_enough() -> None:
     assert len(cores) == len(set(cores)) == 5
     narrow = _pin_layout([0, 1], 3)
     assert narrow["engine"] == [0] and narrow["client"] == narrow["sidecar_baseline"] == [1]
+
+
+def test_ready_line_names_the_event_loop(tmp_path: Path) -> None:
+    log = tmp_path / "sidecar.log"
+    log.write_bytes(b"warming up\nsidecar ready http=8000 grpc=9000 loop=uvloop\n")
+    assert _ready_loop(log) == "uvloop"
+    log.write_bytes(b"sidecar ready http=8000 grpc=9000\n")  # an older sidecar's line
+    assert _ready_loop(log, wait_s=0.1) is None

@@ -34,8 +34,14 @@ reads, per block, the time requests spent in the sidecar's own code on the way
 to their first token (arrival to the engine request; first chunk to the
 client): a figure that excludes the process hops and engine-step alignment
 that dominate the end-to-end difference on a shared host.
-Timings are printed and written (``--json``), never asserted. uvloop is used
-by the sidecar only if it is installed.
+``--baseline-event-loop asyncio`` runs that path on another event loop (this
+checkout's code unless ``--baseline-sidecar`` says otherwise), so the event
+loops are compared in one run; each sidecar's loop is read from its ready line
+(``setup.event_loops``). Before the timed blocks of each concurrency, one
+untimed block goes direct (every prompt the blocks send is then in the
+engine's prefix cache, which the first timed block would otherwise fill alone)
+and one round goes through every sidecar (their connections open).
+Timings are printed and written (``--json``), never asserted.
 
 Deliberately left out: offline work (``bench colocation`` measures SLOs under
 co-location); this measures the proxy path alone.
@@ -95,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also run a sidecar imported from this directory (path "
         "'sidecar_baseline', tokenize mode)",
+    )
+    parser.add_argument(
+        "--baseline-event-loop",
+        choices=("auto", "uvloop", "asyncio"),
+        default=None,
+        help="run the 'sidecar_baseline' path on this event loop (from this checkout "
+        "unless --baseline-sidecar is given); the other sidecars use 'auto'",
     )
 
 
@@ -328,6 +341,15 @@ async def _measure(
             }
             per_stream = max(args.rounds, 40 // c)
             names = list(paths)
+            # Untimed warm-up at this concurrency: one whole block direct, so every prompt
+            # the blocks send is in the engine's prefix cache before the first timed block
+            # (else the first path of the first repeat pays every cache miss), then one
+            # request per stream on every sidecar, so no path's first block pays for
+            # opening its new connections (client -> sidecar -> engine).
+            await _closed_loop(paths["direct"], bodies, c, per_stream, s)
+            for name in names:
+                if name != "direct":
+                    await _closed_loop(paths[name], bodies, c, 1, s)
             for rep in range(args.repeats):
                 k = rep % len(names)
                 for name in names[k:] + names[:k]:
@@ -425,8 +447,10 @@ def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="slipstream-bench-sidecar-"))
     procs: list[subprocess.Popen[bytes]] = []
     pids: dict[str, int] = {}
+    loops: dict[str, str | None] = {}
     cpus = sorted(os.sched_getaffinity(0))
-    pinned = _pin_layout(cpus, 3 if args.baseline_sidecar is not None else 2)
+    baseline = args.baseline_sidecar is not None or args.baseline_event_loop is not None
+    pinned = _pin_layout(cpus, 3 if baseline else 2)
     try:
         ep = _free_port()
         engine_url = f"http://127.0.0.1:{ep}"
@@ -461,9 +485,15 @@ def run(args: argparse.Namespace) -> int:
             ("sidecar", "tokenize", None),
             ("sidecar_estimate", "estimate", None),
         ]
-        if args.baseline_sidecar is not None:
-            sidecars.append(("sidecar_baseline", "tokenize", args.baseline_sidecar.resolve()))
+        if baseline:
+            where = args.baseline_sidecar.resolve() if args.baseline_sidecar else None
+            sidecars.append(("sidecar_baseline", "tokenize", where))
         for name, mode, pythonpath in sidecars:
+            loop_flag = (
+                ["--event-loop", args.baseline_event_loop]
+                if name == "sidecar_baseline" and args.baseline_event_loop
+                else []
+            )
             hp = _free_port()
             url = f"http://127.0.0.1:{hp}"
             procs.append(
@@ -484,6 +514,7 @@ def run(args: argparse.Namespace) -> int:
                         "65536",
                         "--online-prompt-tokens",
                         mode,
+                        *loop_flag,
                     ],
                     url,
                     tmp / f"{name}.log",
@@ -492,6 +523,7 @@ def run(args: argparse.Namespace) -> int:
             )
             paths[name] = url
             pids[name] = procs[-1].pid
+            loops[name] = _ready_loop(tmp / f"{name}.log")
         if args.pin:
             os.sched_setaffinity(pids["engine"], pinned["engine"])
             for name, _, _ in sidecars:
@@ -525,7 +557,7 @@ def run(args: argparse.Namespace) -> int:
             },
             "max_rps": results.get("baseline_max_rps"),
         }
-        if args.baseline_sidecar is not None
+        if baseline
         else None,
         "max_rps": results["max_rps"],
         "direct_max_rps": results["direct_max_rps"],
@@ -557,6 +589,9 @@ def run(args: argparse.Namespace) -> int:
             "rounds": args.rounds,
             "repeats": args.repeats,
             "uvloop": _has_uvloop(),
+            # Each sidecar's event loop, from its ready line (None: an older sidecar).
+            "event_loops": loops,
+            "baseline_event_loop": args.baseline_event_loop,
             "pinned": pinned if args.pin else None,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
             "load_average_1m_at_end": os.getloadavg()[0],
@@ -586,6 +621,25 @@ def _pin_layout(cpus: list[int], n_sidecars: int) -> dict[str, list[int]]:
         layout = {"engine": [cpus[0]], "client": [cpus[1]]}
         return layout | {name: [cpus[2 + i]] for i, name in enumerate(names)}
     return {"engine": [cpus[0]], "client": [cpus[-1]]} | {name: [cpus[-1]] for name in names}
+
+
+_READY_LOOP = re.compile(rb"sidecar ready http=\d+ grpc=\d+ loop=(\w+)")
+
+
+def _ready_loop(log: Path, wait_s: float = 10.0) -> str | None:
+    """The event loop a sidecar reported in its ready line (None: a sidecar that does not).
+
+    The line follows the HTTP server's start (gRPC starts in between), so it may come
+    shortly after ``/health`` first answers."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = log.read_bytes()
+        m = _READY_LOOP.search(text)
+        if m:
+            return m.group(1).decode()
+        if b"sidecar ready" in text or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _has_uvloop() -> bool:
