@@ -231,6 +231,10 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
                          "sidecar.resources.requests.memory=512Mi",
                          "sidecar.resources.limits.memory=1Gi",
                          "operator.profilesDir=/etc/slipstream/profiles"),
+    "extra-env": ("operator.extraEnv[0].name=SLIPSTREAM_OPERATOR_GC_FREEZE_INTERVAL_S",
+                  "operator.extraEnv[0].value=300",
+                  "operator.extraEnv[1].name=SLIPSTREAM_OPERATOR_BUDGET_SEARCH__WORKER",
+                  "operator.extraEnv[1].value=thread"),
 }
 # The namespaces each operator Deployment is given, per value set (default: all).
 SHARD_NAMESPACES: dict[str, list[list[str] | None]] = {
@@ -349,9 +353,19 @@ def _check_operator_deployment(name: str, deployment: dict[str, Any],
     expected_verbosity = {"namespaced": 2, "prometheus": 0}.get(name, 1)
     assert parsed.verbose == expected_verbosity
     env = {e["name"]: e["value"] for e in container["env"]}
+    assert len(env) == len(container["env"]), "an environment variable is set twice"
     fields = {f"SLIPSTREAM_OPERATOR_{f.upper()}" for f in OperatorSettings.model_fields}
-    assert set(env) <= fields, set(env) - fields
+    # A nested setting's variable is its field's name, "__", and the member's.
+    unknown = {k for k in env if k.split("__")[0] not in fields}
+    assert not unknown, unknown
     settings = settings_from_env(env, monkeypatch)
+    if name == "extra-env":
+        assert settings.gc_freeze_interval_s == 300.0
+        assert settings.budget_search.worker == "thread"
+    else:
+        assert settings.gc_freeze_interval_s == OperatorSettings.model_fields[
+            "gc_freeze_interval_s"].default
+        assert settings.budget_search.worker == "process"
     assert settings.reconcile_interval_s == 5.0
     assert settings.sidecar_image == SIDECAR_IMAGES.get(
         name, "ghcr.io/slipstream-dev/slipstream:0.1.0")
@@ -546,6 +560,8 @@ BAD_VALUES = {
     "sidecar.image.repository=Registry/X": "/sidecar/image/repository",
     "sidecar.resources.cpu=1": "/sidecar/resources",
     "sidecar.resources.limits.memory=1GB": "/sidecar/resources/limits/memory",
+    "operator.extraEnv[0].value=1": "/operator/extraEnv/0",
+    "operator.extraEnv[0].name=not a name": "/operator/extraEnv/0/name",
 }
 
 
@@ -555,6 +571,26 @@ def test_schema_rejects_bad_values(bad: str) -> None:
     result = helm_template(bad, check=False)
     assert result.returncode != 0, f"{bad} was accepted"
     assert BAD_VALUES[bad] in result.stderr, result.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("operator.extraEnv[0].name=SLIPSTREAM_OPERATOR_WINDOW_S",
+          "operator.extraEnv[0].value=60"),
+         "operator.extraEnv[0]: SLIPSTREAM_OPERATOR_WINDOW_S is set by the chart"),
+        (("operator.extraEnv[0].name=SLIPSTREAM_OPERATOR_GC_YOUNG_THRESHOLD",
+          "operator.extraEnv[0].value=0",
+          "operator.extraEnv[1].name=SLIPSTREAM_OPERATOR_GC_YOUNG_THRESHOLD",
+          "operator.extraEnv[1].value=700"),
+         "operator.extraEnv[1]: SLIPSTREAM_OPERATOR_GC_YOUNG_THRESHOLD is listed twice"),
+    ],
+)
+def test_extra_env_cannot_override_or_repeat(sets: tuple[str, ...], message: str) -> None:
+    result = helm_template(*sets, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
 
 
 @pytest.mark.integration
