@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from slipstream_cli.benches.sidecar import (
     _GRANTS,
+    _baseline_flags,
     _overhead_ms,
     _overhead_summary,
     _pin_layout,
@@ -57,3 +59,16 @@ def test_ready_line_names_the_event_loop(tmp_path: Path) -> None:
     assert _ready_loop(log) == "uvloop"
     log.write_bytes(b"sidecar ready http=8000 grpc=9000\n")  # an older sidecar's line
     assert _ready_loop(log, wait_s=0.1) is None
+
+
+def test_baseline_path_gets_its_loop_and_extra_arguments() -> None:
+    from slipstream_cli.benches.sidecar import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--baseline-event-loop", "asyncio",
+         "--baseline-arg=--length-predictor", "--baseline-arg=input"]
+    )
+    assert _baseline_flags(args) == ["--event-loop", "asyncio", "--length-predictor", "input"]
+    assert _baseline_flags(parser.parse_args([])) == []

@@ -109,6 +109,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the 'sidecar_baseline' path on this event loop (from this checkout "
         "unless --baseline-sidecar is given); the other sidecars use 'auto'",
     )
+    parser.add_argument(
+        "--baseline-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra command-line argument of the 'sidecar_baseline' path (repeatable, "
+        "e.g. --baseline-arg=--length-predictor --baseline-arg=input); it runs from this "
+        "checkout unless --baseline-sidecar is given",
+    )
 
 
 def _data_dir() -> Path:
@@ -449,7 +458,11 @@ def run(args: argparse.Namespace) -> int:
     pids: dict[str, int] = {}
     loops: dict[str, str | None] = {}
     cpus = sorted(os.sched_getaffinity(0))
-    baseline = args.baseline_sidecar is not None or args.baseline_event_loop is not None
+    baseline = (
+        args.baseline_sidecar is not None
+        or args.baseline_event_loop is not None
+        or bool(args.baseline_arg)
+    )
     pinned = _pin_layout(cpus, 3 if baseline else 2)
     try:
         ep = _free_port()
@@ -489,11 +502,7 @@ def run(args: argparse.Namespace) -> int:
             where = args.baseline_sidecar.resolve() if args.baseline_sidecar else None
             sidecars.append(("sidecar_baseline", "tokenize", where))
         for name, mode, pythonpath in sidecars:
-            loop_flag = (
-                ["--event-loop", args.baseline_event_loop]
-                if name == "sidecar_baseline" and args.baseline_event_loop
-                else []
-            )
+            loop_flag = _baseline_flags(args) if name == "sidecar_baseline" else []
             hp = _free_port()
             url = f"http://127.0.0.1:{hp}"
             procs.append(
@@ -592,6 +601,7 @@ def run(args: argparse.Namespace) -> int:
             # Each sidecar's event loop, from its ready line (None: an older sidecar).
             "event_loops": loops,
             "baseline_event_loop": args.baseline_event_loop,
+            "baseline_args": list(args.baseline_arg),
             "pinned": pinned if args.pin else None,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
             "load_average_1m_at_end": os.getloadavg()[0],
@@ -621,6 +631,12 @@ def _pin_layout(cpus: list[int], n_sidecars: int) -> dict[str, list[int]]:
         layout = {"engine": [cpus[0]], "client": [cpus[1]]}
         return layout | {name: [cpus[2 + i]] for i, name in enumerate(names)}
     return {"engine": [cpus[0]], "client": [cpus[-1]]} | {name: [cpus[-1]] for name in names}
+
+
+def _baseline_flags(args: argparse.Namespace) -> list[str]:
+    """The extra sidecar arguments of the ``sidecar_baseline`` path."""
+    flags = ["--event-loop", args.baseline_event_loop] if args.baseline_event_loop else []
+    return flags + list(args.baseline_arg)
 
 
 _READY_LOOP = re.compile(rb"sidecar ready http=\d+ grpc=\d+ loop=(\w+)")
