@@ -67,8 +67,47 @@ def test_baseline_path_gets_its_loop_and_extra_arguments() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(
-        ["--baseline-event-loop", "asyncio",
-         "--baseline-arg=--length-predictor", "--baseline-arg=input"]
+        [
+            "--baseline-event-loop",
+            "asyncio",
+            "--baseline-arg=--length-predictor",
+            "--baseline-arg=input",
+        ]
     )
     assert _baseline_flags(args) == ["--event-loop", "asyncio", "--length-predictor", "input"]
     assert _baseline_flags(parser.parse_args([])) == []
+
+
+def _block(ttft_p50: float, ttft_p99: float) -> dict[str, float]:
+    return {
+        "ttft_p50_ms": ttft_p50,
+        "ttft_p99_ms": ttft_p99,
+        "e2e_p50_ms": 100.0,
+        "e2e_p99_ms": 200.0,
+    }
+
+
+def test_paths_are_read_against_direct_per_repeat() -> None:
+    from slipstream_cli.benches.sidecar import _against_direct
+
+    blocks = {
+        "direct": [_block(80.0, 110.0), _block(84.0, 120.0)],
+        "direct_control": [_block(82.0, 104.0), _block(83.0, 131.0)],
+    }
+    summ = {"direct": _block(82.0, 118.0), "direct_control": _block(82.5, 125.0)}
+    row = _against_direct(summ, blocks, "direct_control")
+    assert row["added_ttft_p99_ms"] == pytest.approx(7.0)
+    assert row["ratio_ttft_p50"] == pytest.approx(82.5 / 82.0)
+    # Each repeat against its own direct block: the spread the host leaves.
+    assert row["added_ttft_p99_ms_per_repeat"] == pytest.approx([-6.0, 11.0])
+    assert row["added_ttft_p50_ms_per_repeat"] == pytest.approx([2.0, -1.0])
+
+
+def test_control_path_is_on_unless_refused() -> None:
+    from slipstream_cli.benches.sidecar import DIRECT_PATHS, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).control is True
+    assert parser.parse_args(["--no-control"]).control is False
+    assert "direct_control" in DIRECT_PATHS  # timed like direct: no sidecar metrics read

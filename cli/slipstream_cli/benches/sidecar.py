@@ -34,6 +34,11 @@ reads, per block, the time requests spent in the sidecar's own code on the way
 to their first token (arrival to the engine request; first chunk to the
 client): a figure that excludes the process hops and engine-step alignment
 that dominate the end-to-end difference on a shared host.
+Every run also times a *control* path: the direct path again, in its own
+blocks of the rotation (``direct_control``; ``--no-control`` leaves it out).
+Its "added" latency is direct against direct, so it is zero but for the host:
+its per-repeat spread is the smallest difference this run can resolve, and
+the sidecar's figures are read against it (``control`` in the JSON).
 ``--baseline-event-loop asyncio`` runs that path on another event loop (this
 checkout's code unless ``--baseline-sidecar`` says otherwise), so the event
 loops are compared in one run; each sidecar's loop is read from its ready line
@@ -108,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run the 'sidecar_baseline' path on this event loop (from this checkout "
         "unless --baseline-sidecar is given); the other sidecars use 'auto'",
+    )
+    parser.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="leave out the control path (the direct path timed again in blocks of its own, "
+        "whose difference from direct is this run's resolution)",
     )
     parser.add_argument(
         "--baseline-arg",
@@ -203,6 +215,31 @@ async def _closed_loop(
 
     await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return samples
+
+
+DIRECT_PATHS = frozenset(("direct", "direct_control"))
+_METRICS = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+
+
+def _against_direct(
+    summ: dict[str, dict[str, Any]], blocks: dict[str, list[dict[str, Any]]], name: str
+) -> dict[str, Any]:
+    """Path ``name`` against the direct path of the same run: added milliseconds and
+    ratios per percentile over all its blocks, and each repeat's own added TTFT (its
+    block minus that repeat's direct block), whose spread says what the host resolves.
+    For ``direct_control`` this is direct against direct: the run's resolution."""
+    v, d = summ[name], summ["direct"]
+    return (
+        {f"added_{m}_ms": v[f"{m}_ms"] - d[f"{m}_ms"] for m in _METRICS}
+        | {f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"] for m in _METRICS}
+        | {
+            f"added_{m}_ms_per_repeat": [
+                b[f"{m}_ms"] - bd[f"{m}_ms"]
+                for b, bd in zip(blocks[name], blocks["direct"], strict=True)
+            ]
+            for m in ("ttft_p50", "ttft_p99")
+        }
+    )
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -338,7 +375,7 @@ async def _measure(
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(600)) as s:
         await _closed_loop(paths["direct"], bodies, 8, 2, s)  # warm-up
         for name, base in paths.items():
-            if name != "direct":
+            if name not in DIRECT_PATHS:
                 await _closed_loop(base, bodies, 8, 2, s)
         for c in args.concurrency:
             per: dict[str, list[Sample]] = {name: [] for name in paths}
@@ -357,17 +394,17 @@ async def _measure(
             # opening its new connections (client -> sidecar -> engine).
             await _closed_loop(paths["direct"], bodies, c, per_stream, s)
             for name in names:
-                if name != "direct":
+                if name not in DIRECT_PATHS:
                     await _closed_loop(paths[name], bodies, c, 1, s)
             for rep in range(args.repeats):
                 k = rep % len(names)
                 for name in names[k:] + names[:k]:
                     before = {p: _cpu_s(pid) for p, pid in pids.items()}
-                    o0 = await _overhead(s, paths[name]) if name != "direct" else {}
+                    o0 = await _overhead(s, paths[name]) if name not in DIRECT_PATHS else {}
                     got = await _closed_loop(paths[name], bodies, c, per_stream, s)
                     for p, pid in pids.items():
                         cpu[name][p] += _cpu_s(pid) - before[p]
-                    if name != "direct":
+                    if name not in DIRECT_PATHS:
                         o1 = await _overhead(s, paths[name])
                         _overhead_summary(o0, o1, over[name])
                         block_over: dict[str, dict[str, float]] = {}
@@ -386,31 +423,10 @@ async def _measure(
                     for p, t in cpu[name].items()
                     if p in (name, "engine")
                 }
-            d = summ["direct"]
             row: dict[str, Any] = {"paths": summ}
             for name in paths:
-                if name == "direct":
-                    continue
-                v = summ[name]
-                row[name] = (
-                    {
-                        f"added_{m}_ms": v[f"{m}_ms"] - d[f"{m}_ms"]
-                        for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
-                    }
-                    | {
-                        f"ratio_{m}": v[f"{m}_ms"] / d[f"{m}_ms"]
-                        for m in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
-                    }
-                    | {
-                        # Each repeat's own difference (its sidecar block minus its direct
-                        # block): the spread says what this host can resolve.
-                        f"added_{m}_ms_per_repeat": [
-                            b[f"{m}_ms"] - bd[f"{m}_ms"]
-                            for b, bd in zip(blocks[name], blocks["direct"], strict=True)
-                        ]
-                        for m in ("ttft_p50", "ttft_p99")
-                    }
-                )
+                if name != "direct":
+                    row[name] = _against_direct(summ, blocks, name)
             results["concurrency"][str(c)] = row
             for name, v in summ.items():
                 reps = [
@@ -424,6 +440,15 @@ async def _measure(
                         + ", ".join(f"{x:.1f}" for x in row[name]["added_ttft_p50_ms_per_repeat"]),
                         flush=True,
                     )
+            if "direct_control" in row:
+                ctl = row["direct_control"]
+                print(
+                    f"concurrency {c}: control (direct against direct) added ttft p50/p99 "
+                    f"{ctl['added_ttft_p50_ms']:.1f}/{ctl['added_ttft_p99_ms']:.1f} ms; "
+                    "p99 per repeat, ms: "
+                    + ", ".join(f"{x:.1f}" for x in ctl["added_ttft_p99_ms_per_repeat"]),
+                    flush=True,
+                )
             print(
                 f"concurrency {c}: "
                 + ", ".join(
@@ -494,6 +519,8 @@ def run(args: argparse.Namespace) -> int:
         )
         pids["engine"] = procs[-1].pid
         paths = {"direct": engine_url}
+        if args.control:
+            paths["direct_control"] = engine_url
         sidecars: list[tuple[str, str, Path | None]] = [
             ("sidecar", "tokenize", None),
             ("sidecar_estimate", "estimate", None),
@@ -568,6 +595,12 @@ def run(args: argparse.Namespace) -> int:
         }
         if baseline
         else None,
+        "control": {
+            key: {c: conc[c]["direct_control"][key] for c in conc}
+            for key in ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_ttft_p99_ms_per_repeat")
+        }
+        if args.control
+        else None,
         "max_rps": results["max_rps"],
         "direct_max_rps": results["direct_max_rps"],
         "estimate_mode": {
@@ -587,7 +620,11 @@ def run(args: argparse.Namespace) -> int:
         "sidecar_overhead_ms": {c: conc[c]["paths"]["sidecar"].get("overhead") for c in conc},
         # Every sidecar path's in-sidecar time (the baseline's too, when it exports it).
         "overhead_ms": {
-            c: {name: v.get("overhead") for name, v in conc[c]["paths"].items() if name != "direct"}
+            c: {
+                name: v.get("overhead")
+                for name, v in conc[c]["paths"].items()
+                if name not in DIRECT_PATHS
+            }
             for c in conc
         },
         "detail": conc,
@@ -602,6 +639,7 @@ def run(args: argparse.Namespace) -> int:
             "event_loops": loops,
             "baseline_event_loop": args.baseline_event_loop,
             "baseline_args": list(args.baseline_arg),
+            "control": args.control,
             "pinned": pinned if args.pin else None,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
             "load_average_1m_at_end": os.getloadavg()[0],
