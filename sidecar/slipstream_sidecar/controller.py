@@ -18,11 +18,12 @@ offline request to abort to make room. This module only feeds it events on
   O(requests in prefill) (a list of views cached at submission; the lone
   arrival itself is neither predicted nor keyed), so it is taken only while at
   most ``sync_prefill_limit`` (the sidecar setting) granted requests still
-  await their first token (16: measured at 8 and 32 on a loaded 2-core host,
-  before the views were cached, 32 cost about 0.3 ms more sidecar CPU per
-  request than 8 at 64 streams; past about 20-30 in prefill one more decision
-  delayed the rest of a burst by more than it saved its own request; not
-  re-measured end to end since); beyond that, arrivals are coalesced as below;
+  await their first token (16: first measured at 8 and 32 on a loaded 2-core
+  host, before the views were cached; re-measured on a quiet host against 32,
+  256 and 512, where deciding every arrival at once cost no more CPU and cut
+  the in-sidecar wait 25-100 fold but did not shorten the burst end to end:
+  the wait it removes is the loop taking in the rest of the burst,
+  ``docs/benchmarks/sidecar.md``); beyond that, arrivals are coalesced as below;
 * the streams report ``progress`` / ``finished`` / ``failed`` / ``aborted``;
 * after every event a *pump* runs ``decide`` once per event-loop turn
   (coalesced: a burst of arrivals in one turn is planned once), resolves the
