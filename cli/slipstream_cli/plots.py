@@ -119,8 +119,12 @@ def share_by_tolerance(
     series, with the goal and the idle-time ceiling as horizontal lines."""
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for label, points in series.items():
-        ax.plot([x for x, _ in points], [100 * y for _, y in points], marker="o",
-                label=f"budget ({label})")
+        ax.plot(
+            [x for x, _ in points],
+            [100 * y for _, y in points],
+            marker="o",
+            label=f"budget ({label})",
+        )
     ax.axhline(100 * goal, color="grey", linestyle="--", label=f"goal {goal:.0%}")
     ax.axhline(100 * ceiling, color="grey", linestyle=":", label="idle-time ceiling (1 - busy)")
     ax.set_xlabel("p99 TTFT and TBT tolerance over online-only, %")
@@ -128,4 +132,52 @@ def share_by_tolerance(
     ax.set_title("offline throughput bought by SLO tolerance")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def added_by_repeat(
+    panels: Mapping[str, Mapping[str, Mapping[str, Sequence[float]]]],
+    path: Path,
+    *,
+    goal_ms: float,
+    control: str,
+) -> Path:
+    """Added latency per repeat (dots) and over the whole run (bar), one panel per
+    concurrency and percentile: ``panels[concurrency][path] = {"p50": [...], "p99": [...],
+    "p50_all": [x], "p99_all": [y]}`` in ms. The ``control`` path's per-repeat range is
+    shaded across each panel (what the run resolves), and ``goal_ms`` drawn as a line."""
+    keys = list(panels)
+    fig, axes = plt.subplots(
+        2, max(len(keys), 1), figsize=(4.2 * max(len(keys), 1), 6.4), squeeze=False
+    )
+    for j, conc in enumerate(keys):
+        paths = panels[conc]
+        names = [n for n in paths if n == control] + [n for n in paths if n != control]
+        for i, q in enumerate(("p50", "p99")):
+            ax = axes[i][j]
+            ctl = paths.get(control, {}).get(q, [])
+            if ctl:
+                ax.axhspan(min(ctl), max(ctl), color="grey", alpha=0.18, label="control range")
+            for k, name in enumerate(names):
+                reps = list(paths[name].get(q, []))
+                ax.scatter([k] * len(reps), reps, s=14, alpha=0.7)
+                whole = paths[name].get(f"{q}_all", [])
+                if whole:
+                    ax.hlines(whole[0], k - 0.3, k + 0.3, color="black", linewidth=1.6)
+            ax.axhline(
+                goal_ms,
+                color="tab:red",
+                linestyle="--",
+                linewidth=0.9,
+                label=f"goal {goal_ms:g} ms",
+            )
+            ax.axhline(0.0, color="black", linewidth=0.5)
+            ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+            ax.set_ylabel(f"added TTFT {q}, ms")
+            streams = "1 stream" if conc == "1" else f"{conc} streams"
+            ax.set_title(f"{streams}, {q}", fontsize=10)
+            ax.grid(alpha=0.3, axis="y")
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    fig.suptitle("added TTFT against direct: each repeat (dots), the whole run (bar)")
     return _save(fig, path)

@@ -111,3 +111,32 @@ def test_control_path_is_on_unless_refused() -> None:
     assert parser.parse_args([]).control is True
     assert parser.parse_args(["--no-control"]).control is False
     assert "direct_control" in DIRECT_PATHS  # timed like direct: no sidecar metrics read
+
+
+def test_plot_shows_every_path_against_the_control(tmp_path: Path) -> None:
+    from slipstream_cli import plots
+    from slipstream_cli.benches.sidecar import _plot_panels
+
+    row = {
+        "added_ttft_p50_ms": 1.5,
+        "added_ttft_p99_ms": 9.0,
+        "added_ttft_p50_ms_per_repeat": [1.0, 2.0],
+        "added_ttft_p99_ms_per_repeat": [4.0, 14.0],
+    }
+    conc = {
+        "64": {"paths": {"direct": {}}, "sidecar": row, "direct_control": row | {}},
+        "1": {"sidecar": row},
+    }
+    panels = _plot_panels(conc)
+    assert list(panels) == ["1", "64"]  # by stream count, not as strings sort
+    assert set(panels["64"]) == {"sidecar", "direct_control"}  # not the raw per-path table
+    assert panels["64"]["sidecar"] == {
+        "p50": [1.0, 2.0],
+        "p99": [4.0, 14.0],
+        "p50_all": [1.5],
+        "p99_all": [9.0],
+    }
+    png = plots.added_by_repeat(
+        panels, tmp_path / "sidecar.png", goal_ms=1.0, control="direct_control"
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -657,7 +657,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        from slipstream_cli import plots
+
+        png = plots.added_by_repeat(
+            _plot_panels(conc), args.json.with_suffix(".png"), goal_ms=1.0, control="direct_control"
+        )
+        print(f"wrote {args.json} and {png}")
     return 0
+
+
+def _plot_panels(conc: dict[str, Any]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Per concurrency (ascending) and path (not direct itself): the added TTFT p50 and
+    p99 of each repeat and of the whole run, ms, as ``plots.added_by_repeat`` takes them."""
+    return {
+        c: {
+            name: {q: list(v[f"added_ttft_{q}_ms_per_repeat"]) for q in ("p50", "p99")}
+            | {f"{q}_all": [v[f"added_ttft_{q}_ms"]] for q in ("p50", "p99")}
+            for name, v in row.items()
+            if name != "paths"
+        }
+        for c, row in sorted(conc.items(), key=lambda kv: int(kv[0]))
+    }
 
 
 def _pin_layout(cpus: list[int], n_sidecars: int) -> dict[str, list[int]]:
