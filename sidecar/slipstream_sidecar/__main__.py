@@ -100,12 +100,14 @@ def event_loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, int]], int]:
 async def _serve(settings: Any) -> int:
     from slipstream_sidecar.app import Sidecar
     from slipstream_sidecar.grpc_server import serve_grpc
+    from slipstream_sidecar.heap import freeze_startup_heap
     from slipstream_sidecar.proxy import serve
 
     sidecar = Sidecar(settings)
     await sidecar.start()
     runner, http_port = await serve(sidecar.proxy.app(), settings.host, settings.http_port)
     grpc_server, grpc_port = await serve_grpc(sidecar, settings.host, settings.grpc_port)
+    freeze_startup_heap()
     loop = asyncio.get_running_loop()
     loop_name = type(loop).__module__.split(".")[0]
     log.warning(

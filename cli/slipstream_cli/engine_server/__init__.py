@@ -37,6 +37,7 @@ from slipstream_cli.engine_server.driver import Driver
 from slipstream_cli.engine_server.metrics import EngineMetrics
 from slipstream_scheduler.engine.model import EngineConfig, EngineModel
 from slipstream_scheduler.textgen import TextGenConfig, TokenGenerator, Tokenizer
+from slipstream_sidecar.heap import freeze_startup_heap
 from slipstream_sidecar.logging_filters import install_payload_filter
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ async def serve(opts: ServeOptions, engine: EngineModel | None = None) -> Runnin
 
 async def _serve_forever(opts: ServeOptions) -> None:
     server = await serve(opts)
+    freeze_startup_heap()  # as vLLM does once it is warm
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
