@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -40,6 +42,24 @@ def test_hashing_embedder_is_deterministic_normalised_and_similarity_aware() -> 
     np.testing.assert_array_equal(
         HashingEmbedder(dim=256).embed(["Write a poem"]), e.embed(["Write a poem"])
     )
+
+
+@pytest.mark.parametrize("bigram_weight", [1.0, 0.5])
+def test_hashing_embedder_sums_a_signed_slot_per_word_and_bigram(bigram_weight: float) -> None:
+    """The definition, feature by feature: the embedding is that sum, L2-normalised."""
+    e = HashingEmbedder(dim=64, bigram_weight=bigram_weight)
+    text = "Don't repeat the words; repeat the bigrams, then repeat the words"
+    words = ["don't", "repeat", "the", "words", "repeat", "the", "bigrams", "then"]
+    words += ["repeat", "the", "words"]
+    want = np.zeros(64, dtype=np.float64)
+    for w in words:
+        i, sign = e._slot(w)
+        want[i] += sign
+    for a, b in itertools.pairwise(words):
+        i, sign = e._slot(a + " " + b)
+        want[i] += sign * bigram_weight
+    want /= np.linalg.norm(want)
+    np.testing.assert_allclose(e.embed_one(text), want, rtol=0, atol=1e-7)
 
 
 def test_semantic_threshold_selects_similar_prompts() -> None:
