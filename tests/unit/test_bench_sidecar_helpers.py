@@ -113,6 +113,18 @@ def test_control_path_is_on_unless_refused() -> None:
     assert "direct_control" in DIRECT_PATHS  # timed like direct: no sidecar metrics read
 
 
+def test_output_lengths_default_to_the_fixed_worst_case() -> None:
+    from slipstream_cli.benches.sidecar import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.output_lengths, args.output_tokens) == ("fixed", 16)
+    assert parser.parse_args(["--output-lengths", "alpaca"]).output_lengths == "alpaca"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--output-lengths", "sharegpt"])
+
+
 def test_plot_shows_every_path_against_the_control(tmp_path: Path) -> None:
     from slipstream_cli import plots
     from slipstream_cli.benches.sidecar import _plot_panels
@@ -140,3 +152,22 @@ def test_plot_shows_every_path_against_the_control(tmp_path: Path) -> None:
         panels, tmp_path / "sidecar.png", goal_ms=1.0, control="direct_control"
     )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_harness_collector_is_off_only_while_a_block_is_timed() -> None:
+    import gc
+
+    from slipstream_cli.benches.sidecar import collector_paused
+
+    assert gc.isenabled()
+    gc.disable()
+    young = [[] for _ in range(300)]  # tracked allocations the collector has not seen yet
+    assert gc.get_count()[0] >= len(young)
+    gc.enable()
+    with collector_paused():
+        assert not gc.isenabled()
+        assert gc.get_count()[0] < 100  # collected on the way in
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("a block failed")
+    assert gc.isenabled()  # back on even when the block raises

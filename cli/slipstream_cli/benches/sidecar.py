@@ -5,8 +5,9 @@ of it (prompt lengths by ``/tokenize``, the default, and by a bytes/4 estimate),
 all as subprocesses on loopback, and drives them with an aiohttp client:
 
 * **added latency**: at 1, 64 and 256 concurrent streams (closed loop), the same
-  requests (real Alpaca prompts from ``$SLIPSTREAM_DATA``, fixed 16 output
-  tokens) go direct to the engine and through each sidecar, in alternating
+  requests (real Alpaca prompts from ``$SLIPSTREAM_DATA``; 16 output tokens
+  each, or with ``--output-lengths alpaca`` each prompt's own answer length)
+  go direct to the engine and through each sidecar, in alternating
   blocks, so all three paths see the same engine and machine load. Reported:
   TTFT and end-to-end p50/p99 of each path, the added milliseconds
   (sidecar − direct, per percentile) and the ratio sidecar/direct;
@@ -46,6 +47,9 @@ loops are compared in one run; each sidecar's loop is read from its ready line
 untimed block goes direct (every prompt the blocks send is then in the
 engine's prefix cache, which the first timed block would otherwise fill alone)
 and one round goes through every sidecar (their connections open).
+The harness's own garbage collector is paused while a block or a rate slice is
+timed (and run just before it), so a collection in the client does not land in
+one path's figures.
 Timings are printed and written (``--json``), never asserted.
 
 Deliberately left out: offline work (``bench colocation`` measures SLOs under
@@ -56,6 +60,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import re
@@ -68,6 +74,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +83,8 @@ import aiohttp
 
 MODEL = "llama-2-7b"
 CONCURRENCY = (1, 64, 256)
+OUTPUT_LENGTHS = ("fixed", "alpaca")
+MAX_ALPACA_TOKENS = 512
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -88,7 +97,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=2, help="alternating blocks per path (default 2)"
     )
-    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument(
+        "--output-tokens",
+        type=int,
+        default=16,
+        help="output tokens of every request with --output-lengths fixed (default 16)",
+    )
+    parser.add_argument(
+        "--output-lengths",
+        choices=OUTPUT_LENGTHS,
+        default="fixed",
+        help="fixed: every request asks for --output-tokens, so the streams finish in the "
+        "same engine step and come back together (a proxy's worst case); alpaca: each "
+        "prompt asks for its own Alpaca answer's length in the engine's tokens (at most "
+        f"{MAX_ALPACA_TOKENS}), so the streams drift apart as mixed traffic does",
+    )
     parser.add_argument("--rps-seconds", type=float, default=5.0)
     parser.add_argument(
         "--rps-slices", type=int, default=5, help="alternating slices of the rate test"
@@ -136,9 +159,32 @@ def _data_dir() -> Path:
     return Path(os.environ.get("SLIPSTREAM_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
+def _alpaca(n: int) -> list[dict[str, str]]:
+    rows: list[dict[str, str]] = json.loads(
+        (_data_dir() / "prompts" / "alpaca_5000.dev.json").read_text()
+    )
+    return rows[:n]
+
+
 def _prompts(n: int) -> list[str]:
-    rows = json.loads((_data_dir() / "prompts" / "alpaca_5000.dev.json").read_text())
-    return [r["instruction"] + ("\n\n" + r["input"] if r["input"] else "") for r in rows[:n]]
+    return [r["instruction"] + ("\n\n" + r["input"] if r["input"] else "") for r in _alpaca(n)]
+
+
+async def _answer_lengths(
+    session: aiohttp.ClientSession, engine: str, answers: list[str]
+) -> list[int]:
+    """Each answer's length in the engine's own tokens (``/tokenize``, no BOS), from 1 to
+    ``MAX_ALPACA_TOKENS``."""
+    out = []
+    for text in answers:
+        async with session.post(
+            engine + "/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}
+        ) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{engine}/tokenize: {r.status} {await r.text()}")
+            count = int((await r.json())["count"])
+        out.append(min(max(count, 1), MAX_ALPACA_TOKENS))
+    return out
 
 
 def _free_port() -> int:
@@ -215,6 +261,17 @@ async def _closed_loop(
 
     await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return samples
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect now, then keep this process's garbage collector off until the block ends."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 DIRECT_PATHS = frozenset(("direct", "direct_control"))
@@ -358,21 +415,31 @@ async def _measure(
     args: argparse.Namespace, paths: dict[str, str], pids: dict[str, int]
 ) -> dict[str, Any]:
     prompts = _prompts(512)
-    bodies = [
-        json.dumps(
-            {
-                "model": MODEL,
-                "prompt": p,
-                "max_tokens": args.output_tokens,
-                "ignore_eos": True,
-                "stream": True,
-            }
-        ).encode()
-        for p in prompts
-    ]
     conn = aiohttp.TCPConnector(limit=0)
     results: dict[str, Any] = {"concurrency": {}}
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(600)) as s:
+        if args.output_lengths == "alpaca":
+            answers = [r["output"] for r in _alpaca(len(prompts))]
+            lengths = await _answer_lengths(s, paths["direct"], answers)
+            results["output_tokens"] = {
+                "mean": statistics.fmean(lengths),
+                "p50": _pct([float(n) for n in lengths], 0.5),
+                "max": max(lengths),
+            }
+        else:
+            lengths = [args.output_tokens] * len(prompts)
+        bodies = [
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "prompt": p,
+                    "max_tokens": n,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            ).encode()
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
         await _closed_loop(paths["direct"], bodies, 8, 2, s)  # warm-up
         for name, base in paths.items():
             if name not in DIRECT_PATHS:
@@ -401,7 +468,8 @@ async def _measure(
                 for name in names[k:] + names[:k]:
                     before = {p: _cpu_s(pid) for p, pid in pids.items()}
                     o0 = await _overhead(s, paths[name]) if name not in DIRECT_PATHS else {}
-                    got = await _closed_loop(paths[name], bodies, c, per_stream, s)
+                    with collector_paused():
+                        got = await _closed_loop(paths[name], bodies, c, per_stream, s)
                     for p, pid in pids.items():
                         cpu[name][p] += _cpu_s(pid) - before[p]
                     if name not in DIRECT_PATHS:
@@ -465,7 +533,9 @@ async def _measure(
         for k in range(slices):
             j = k % len(rps_paths)
             for name in rps_paths[j:] + rps_paths[:j]:
-                rates[name].append(await _rps(paths[name], args.rps_seconds / slices, 64, s))
+                with collector_paused():
+                    rate = await _rps(paths[name], args.rps_seconds / slices, 64, s)
+                rates[name].append(rate)
         results["direct_max_rps"] = statistics.fmean(rates["direct"])
         results["max_rps"] = statistics.fmean(rates["sidecar"])
         if "sidecar_baseline" in rates:
@@ -631,7 +701,10 @@ def run(args: argparse.Namespace) -> int:
         "setup": {
             "engine": f"{MODEL} on {args.gpu} (engine model)",
             "cpus": os.cpu_count(),
-            "output_tokens": args.output_tokens,
+            "output_lengths": args.output_lengths,
+            "output_tokens": (
+                args.output_tokens if args.output_lengths == "fixed" else results["output_tokens"]
+            ),
             "rounds": args.rounds,
             "repeats": args.repeats,
             "uvloop": _has_uvloop(),
