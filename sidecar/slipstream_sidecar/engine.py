@@ -1,9 +1,12 @@
 """The sidecar's client of the engine's public HTTP API (vLLM's OpenAI server).
 
-One pooled :class:`aiohttp.ClientSession` for everything: the proxied requests,
-``/tokenize`` for prompt lengths and prefix-block hashes, ``/health`` and
-``/v1/models``. Aborting a request is closing its response (vLLM cancels the
-request when the connection drops); the connection is then not reused.
+One pooled :class:`aiohttp.ClientSession` for the unary requests (non-streamed
+answers, offline work, ``/tokenize`` for prompt lengths and prefix-block
+hashes, ``/health``, ``/v1/models``), and a lean link
+(:mod:`slipstream_sidecar.link`) for streamed online answers, whose every
+chunk the proxy relays. Aborting a request is closing its connection (vLLM
+cancels the request when the connection drops); the connection is then not
+reused.
 
 :class:`TokenRatio` estimates a prompt's token count from its characters, at a
 tokens-per-character ratio learned from the engine's own ``/tokenize`` answers,
@@ -23,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
+from slipstream_sidecar.link import EngineLink, Exchange, StreamSink
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,7 @@ class EngineClient:
         self._connections = connections
         self._timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._link = EngineLink(self.base_url, idle_limit=connections)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -118,6 +123,7 @@ class EngineClient:
         )
 
     async def close(self) -> None:
+        await self._link.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -148,6 +154,13 @@ class EngineClient:
             return await self.session.post(self.url(path), data=body, headers=JSON_HEADERS)
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise EngineUnavailableError(f"POST {path}: {exc!r}") from exc
+
+    async def stream(self, path: str, body: bytes, sink: StreamSink) -> Exchange:
+        """POST a request whose answer is handed to ``sink`` piece by piece as it is read.
+
+        No total timeout: the client of a streamed online request bounds its lifetime.
+        """
+        return await self._link.post(path, body, sink)
 
     async def health(self) -> bool:
         try:

@@ -48,11 +48,10 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from slipstream_scheduler.dispatcher import Incoming
@@ -64,7 +63,7 @@ from slipstream_sidecar.errors import EngineError, EngineUnavailableError
 from slipstream_sidecar.logging_filters import install_payload_filter
 from slipstream_sidecar.metrics import SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, Vector, prompt_text
-from slipstream_sidecar.sse import EventScanner
+from slipstream_sidecar.relay import CANCELLED, ENGINE_ERROR, OK, Relay
 
 log = logging.getLogger(__name__)
 
@@ -333,72 +332,55 @@ class Proxy:
     async def _stream(
         self, request: web.Request, path: str, data: bytes, ticket: Ticket
     ) -> tuple[web.StreamResponse, str]:
-        upstream = await self.engine.post(path, data, bounded=False)
+        relay = Relay(ticket, self.controller, self._ttft, self._tbt)
+        exchange = await self.engine.stream(path, data, relay)
+        relay.bind(exchange)
         complete = False
         try:
-            if upstream.status != 200:
-                body = await upstream.read()
+            status, content_type = await relay.started
+            if status != 200:
+                await relay.done
                 complete = True
-                return _passthrough(upstream.status, body, upstream.content_type), "engine_error"
+                return _passthrough(status, relay.take_pending(), content_type), ENGINE_ERROR
             resp = web.StreamResponse(status=200)
-            resp.headers["Content-Type"] = upstream.headers.get(
-                "Content-Type", "text/event-stream; charset=utf-8"
-            )
+            resp.headers["Content-Type"] = content_type or "text/event-stream; charset=utf-8"
+            if request.version >= HttpVersion11:
+                resp.enable_chunked_encoding()  # what aiohttp does anyway, but now it says so
             await resp.prepare(request)
-            write: Callable[[bytes], Awaitable[None]] = resp.write
-            scanner = EventScanner()
-            now = self.controller.now
-            progress = self.controller.progress
-            counted = reported = 0
-            relayed = False
-            exact: int | None = None
-            last = ticket.arrival_s
+            await relay.first
+            # The head goes out with the first bytes (one write); the relay writes the rest
+            # from the engine connection's callbacks.
+            t = self.controller.now()
             try:
-                async for chunk in upstream.content.iter_any():
-                    t = now()
-                    try:
-                        await write(chunk)
-                    except ConnectionError:
-                        return resp, "cancelled"  # the client went away; upstream is closed
-                    if not relayed:
-                        relayed = True
-                        self._relay.observe(now() - t)
-                    for ev in scanner.feed(chunk):
-                        if ev.usage is not None:
-                            ct = ev.usage.get("completion_tokens")
-                            if isinstance(ct, int):
-                                exact = ct
-                        if ev.tokens:
-                            if counted == 0:
-                                self._ttft.observe(t - ticket.arrival_s)
-                            else:
-                                gap = t - last
-                                self._tbt.observe(gap)
-                                self.controller.observe_gap(gap)
-                            last = t
-                            counted += 1
-                    seen = exact if exact is not None else counted
-                    if seen != reported:
-                        reported = seen
-                        progress(ticket, seen)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
-                log.warning("engine stream of %s broke after %d events", ticket.request_id, counted)
+                await resp.write(relay.take_pending())
+            except ConnectionError:
+                return resp, CANCELLED  # the client went away; the engine's request is aborted
+            self._relay.observe(self.controller.now() - t)
+            transport = request.transport
+            if transport is None:
+                return resp, CANCELLED
+            relay.attach(transport, chunked=resp.chunked)
+            outcome = await relay.done
+            if outcome == ENGINE_ERROR:
+                log.warning(
+                    "engine stream of %s broke after %d events", ticket.request_id, relay.counted
+                )
                 # Tell the client in-band, in vLLM's error shape, rather than ending the stream
                 # cleanly: without [DONE] or an error a cut answer looks like a short one.
                 with contextlib.suppress(ConnectionError):
-                    await write(_STREAM_BROKE)
-                return resp, "engine_error"
+                    await resp.write(_STREAM_BROKE)
+                return resp, ENGINE_ERROR
+            if outcome != OK:
+                return resp, outcome
             complete = True
             await resp.write_eof()
-            n = exact if exact is not None else counted
+            n = relay.tokens
             self._tokens.inc(n)
             self.controller.finished(ticket, n)
-            return resp, "ok"
+            return resp, OK
         finally:
-            if complete:
-                upstream.release()
-            else:
-                upstream.close()  # the engine aborts the request when its connection drops
+            if not complete:
+                exchange.abort()  # the engine aborts the request when its connection drops
 
 
 _STREAM_BROKE = (
@@ -432,7 +414,11 @@ def _passthrough(status: int, body: bytes, content_type: str | None) -> web.Resp
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start ``app`` on ``host:port`` (0: any free port); returns the runner and the port."""
     install_payload_filter()  # aiohttp would log the bytes of a malformed request (a prompt)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # A client that hangs up cancels its handler: a held request leaves the queue at once,
+    # an in-flight one's engine request is aborted without waiting for its next token.
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, handler_cancellation=True
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()

@@ -1,0 +1,234 @@
+"""The lean engine link: HTTP/1.1 framing, keep-alive reuse, aborts and broken answers.
+
+Every test talks to a real server on loopback: aiohttp's, or a raw asyncio one where
+a test needs bytes no well-behaved server sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from slipstream_sidecar import link as link_mod
+from slipstream_sidecar.errors import EngineUnavailableError
+from slipstream_sidecar.link import EngineLink
+from slipstream_sidecar.proxy import serve
+
+pytestmark = pytest.mark.unit
+
+
+class Sink:
+    """Records what the link hands over."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.content_type: str | None = None
+        self.pieces: list[bytes] = []
+        self.outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.reason = ""
+
+    def head(self, status: int, content_type: str | None) -> None:
+        self.status, self.content_type = status, content_type
+
+    def body(self, data: bytes) -> None:
+        self.pieces.append(data)
+
+    def end(self) -> None:
+        self.outcome.set_result("end")
+
+    def broken(self, reason: str) -> None:
+        self.reason = reason
+        self.outcome.set_result("broken")
+
+    async def result(self) -> str:
+        return await asyncio.wait_for(self.outcome, 10)
+
+
+async def _aiohttp_engine(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _raw_engine(answer: bytes, *, close: bool = True) -> tuple[asyncio.Server, str]:
+    """A server that reads one request head and writes ``answer`` verbatim."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        if close:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def sse_engine() -> AsyncIterator[tuple[str, list[int]]]:
+    """Streams five SSE events per request; records each request's client port."""
+    ports: list[int] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert request.transport is not None
+        ports.append(request.transport.get_extra_info("peername")[1])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(int(body["n"])):
+            await resp.write(b'data: {"i":%d}\n\n' % i)
+        await resp.write_eof()
+        return resp
+
+    runner, url = await _aiohttp_engine(handler)
+    yield url, ports
+    await runner.cleanup()
+
+
+async def test_a_chunked_answer_arrives_unframed_and_the_connection_is_reused(
+    sse_engine: tuple[str, list[int]],
+) -> None:
+    url, ports = sse_engine
+    link = EngineLink(url)
+    try:
+        for _ in range(2):
+            sink = Sink()
+            await link.post("/v1/completions", b'{"n":5}', sink)
+            assert await sink.result() == "end"
+            assert sink.status == 200 and sink.content_type == "text/event-stream"
+            assert b"".join(sink.pieces) == b"".join(b'data: {"i":%d}\n\n' % i for i in range(5))
+            assert link.idle == 1
+        assert len(ports) == 2 and ports[0] == ports[1]  # one keep-alive connection
+    finally:
+        await link.close()
+
+
+async def test_a_connection_idle_too_long_is_not_reused(
+    sse_engine: tuple[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, ports = sse_engine
+    monkeypatch.setattr(link_mod, "IDLE_MAX_S", 0.0)
+    link = EngineLink(url)
+    try:
+        for _ in range(2):
+            sink = Sink()
+            await link.post("/v1/completions", b'{"n":1}', sink)
+            assert await sink.result() == "end"
+            await asyncio.sleep(0.01)
+        assert len(ports) == 2 and ports[0] != ports[1]
+    finally:
+        await link.close()
+
+
+async def test_an_error_answer_with_a_length_is_passed_whole() -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response({"error": {"message": "no such model"}}, status=404)
+
+    runner, url = await _aiohttp_engine(handler)
+    link = EngineLink(url)
+    try:
+        sink = Sink()
+        await link.post("/v1/completions", b"{}", sink)
+        assert await sink.result() == "end"
+        assert sink.status == 404 and sink.content_type == "application/json; charset=utf-8"
+        assert b"".join(sink.pieces) == b'{"error": {"message": "no such model"}}'
+    finally:
+        await link.close()
+        await runner.cleanup()
+
+
+async def test_an_answer_delimited_by_the_close_ends_cleanly() -> None:
+    server, url = await _raw_engine(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\nhello"
+    )
+    link = EngineLink(url)
+    try:
+        sink = Sink()
+        await link.post("/v1/completions", b"{}", sink)
+        assert await sink.result() == "end"
+        assert b"".join(sink.pieces) == b"hello"
+        assert link.idle == 0
+    finally:
+        await link.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        # cut inside the second chunk
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n9\r\nwor",
+            "closed the connection",
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhal", "closed the connection"),
+        (b"SMTP ready\r\n\r\n", "unreadable answer"),
+    ],
+)
+async def test_a_cut_or_unreadable_answer_is_broken_not_ended(answer: bytes, said: str) -> None:
+    server, url = await _raw_engine(answer)
+    link = EngineLink(url)
+    try:
+        sink = Sink()
+        await link.post("/v1/completions", b"{}", sink)
+        assert await sink.result() == "broken"
+        assert said in sink.reason
+        assert link.idle == 0
+    finally:
+        await link.close()
+        server.close()
+
+
+async def test_abort_closes_the_connection_the_engine_streams_on() -> None:
+    gone = asyncio.Event()
+    started = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(1000):
+                await resp.write(b"data: {}\n\n")
+                started.set()
+                await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.CancelledError):
+            gone.set()
+            raise
+        return resp
+
+    runner, url = await _aiohttp_engine(handler)
+    link = EngineLink(url)
+    try:
+        sink = Sink()
+        exchange = await link.post("/v1/completions", b"{}", sink)
+        await asyncio.wait_for(started.wait(), 10)
+        exchange.abort()
+        await asyncio.wait_for(gone.wait(), 10)  # the engine saw its request go
+        assert not sink.outcome.done()  # an abort is the caller's own doing: no callback
+        assert link.idle == 0
+    finally:
+        await link.close()
+        await runner.cleanup()
+
+
+async def test_no_engine_is_engine_unavailable() -> None:
+    server, url = await _raw_engine(b"")
+    server.close()
+    await server.wait_closed()
+    link = EngineLink(url, connect_timeout_s=2.0)
+    with pytest.raises(EngineUnavailableError, match="POST /v1/completions"):
+        await link.post("/v1/completions", b"{}", Sink())
+
+
+def test_only_http_urls_are_accepted() -> None:
+    with pytest.raises(ValueError, match="expected http"):
+        EngineLink("unix:///run/vllm.sock")

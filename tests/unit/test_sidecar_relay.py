@@ -1,0 +1,160 @@
+"""Relaying a streamed answer: a slow client slows the engine's stream, a gone one aborts it.
+
+The proxy runs in this process in front of a real aiohttp server standing in for the
+engine; the client is aiohttp's, over loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from slipstream_sidecar.brain import BrainConfig, build_dispatcher
+from slipstream_sidecar.controller import Controller
+from slipstream_sidecar.engine import EngineClient
+from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.proxy import Proxy, ProxyState, serve
+from slipstream_sidecar.settings import SidecarSettings
+
+pytestmark = pytest.mark.unit
+
+EVENT = b"data: " + b"x" * (16 * 1024 - 8) + b"\n\n"  # 16 KiB
+EVENTS = 3072  # 48 MiB: more than the kernel buffers on the way can hold
+
+
+@dataclass
+class Engine:
+    url: str = ""
+    written: int = 0  # events the engine's writes have returned from
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    slow: bool = False
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    eng = Engine()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(EVENTS):
+                await resp.write(EVENT)
+                eng.written += 1
+                if eng.slow:
+                    await asyncio.sleep(0.01)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            eng.gone.set()
+            raise
+        eng.finished.set()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    eng.url = f"http://127.0.0.1:{port}"
+    yield eng
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def proxied(engine: Engine) -> AsyncIterator[tuple[str, Controller]]:
+    settings = SidecarSettings(max_num_seqs=8, kv_blocks=100_000)
+    ctl = Controller(
+        build_dispatcher(settings, BrainConfig(None, "fcfs", None)), SidecarMetrics(), tick_s=1.0
+    )
+    client = EngineClient(engine.url, connections=4, timeout_s=30.0)
+    await client.start()
+    ctl.start()
+    proxy = Proxy(client, ctl, ctl.metrics, ProxyState(), tokenize=False)
+    runner, port = await serve(proxy.app(), "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{port}/v1/completions", ctl
+    await runner.cleanup()
+    await ctl.stop()
+    await client.close()
+
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True}
+
+
+async def test_a_client_that_stops_reading_stops_the_engines_stream(
+    engine: Engine, proxied: tuple[str, Controller]
+) -> None:
+    url, ctl = proxied
+    async with aiohttp.ClientSession() as s, s.post(url, json=BODY) as r:
+        assert r.status == 200
+        await asyncio.sleep(1.0)  # not reading: the sidecar must stop reading the engine
+        assert not engine.finished.is_set()
+        stalled_at = engine.written
+        assert stalled_at < EVENTS
+        got = await r.read()
+    assert len(got) == EVENTS * len(EVENT) + len(b"data: [DONE]\n\n")
+    assert got.endswith(EVENT + b"data: [DONE]\n\n")
+    await asyncio.wait_for(engine.finished.wait(), 10)
+    assert ctl.in_flight["online"] == 0
+
+
+async def test_a_client_gone_mid_stream_aborts_the_engines_request(
+    engine: Engine, proxied: tuple[str, Controller]
+) -> None:
+    url, ctl = proxied
+    engine.slow = True
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url, json=BODY)
+        await r.content.readexactly(3 * len(EVENT))
+        r.close()  # the client hangs up
+    await asyncio.wait_for(engine.gone.wait(), 10)
+    assert engine.written < EVENTS
+    for _ in range(100):
+        if ctl.in_flight["online"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert ctl.in_flight["online"] == 0
+    assert ctl.metrics.finished.labels("online", "cancelled")._value.get() == 1
+
+
+async def test_a_held_request_whose_client_hangs_up_leaves_the_queue(engine: Engine) -> None:
+    engine.slow = True
+    settings = SidecarSettings(max_num_seqs=1, kv_blocks=100_000)
+    ctl = Controller(
+        build_dispatcher(settings, BrainConfig(None, "fcfs", None)), SidecarMetrics(), tick_s=1.0
+    )
+    client = EngineClient(engine.url, connections=4, timeout_s=30.0)
+    await client.start()
+    ctl.start()
+    proxy = Proxy(client, ctl, ctl.metrics, ProxyState(), tokenize=False)
+    runner, port = await serve(proxy.app(), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        async with aiohttp.ClientSession() as s, s.post(url, json=BODY) as first:
+            await first.content.readexactly(len(EVENT))  # the one seat is taken
+            waiting = asyncio.ensure_future(s.post(url, json=BODY))
+            for _ in range(100):
+                if ctl.held["online"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert ctl.held["online"] == 1
+            waiting.cancel()  # the second client hangs up while held
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            for _ in range(100):
+                if ctl.held["online"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert ctl.held["online"] == 0
+            assert ctl.in_flight["online"] == 1  # the first stream goes on
+            assert not engine.gone.is_set()
+    finally:
+        await runner.cleanup()
+        await ctl.stop()
+        await client.close()
