@@ -1,12 +1,11 @@
 """The sidecar's client of the engine's public HTTP API (vLLM's OpenAI server).
 
-One pooled :class:`aiohttp.ClientSession` for the unary requests (non-streamed
-answers, offline work, ``/tokenize`` for prompt lengths and prefix-block
-hashes, ``/health``, ``/v1/models``), and a lean link
-(:mod:`slipstream_sidecar.link`) for streamed online answers, whose every
-chunk the proxy relays. Aborting a request is closing its connection (vLLM
-cancels the request when the connection drops); the connection is then not
-reused.
+A lean link (:mod:`slipstream_sidecar.link`) carries the online requests, whose
+every streamed chunk the proxy relays; one pooled :class:`aiohttp.ClientSession`
+carries the rest (offline work, ``/tokenize`` for prompt lengths and
+prefix-block hashes, ``/health``, ``/v1/models``). Aborting a request is
+closing its connection (vLLM cancels the request when the connection drops);
+the connection is then not reused.
 
 :class:`TokenRatio` estimates a prompt's token count from its characters, at a
 tokens-per-character ratio learned from the engine's own ``/tokenize`` answers,
@@ -26,12 +25,11 @@ from typing import Any
 import aiohttp
 
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
-from slipstream_sidecar.link import EngineLink, Exchange, StreamSink
+from slipstream_sidecar.link import Collector, EngineLink, Exchange, StreamSink
 
 log = logging.getLogger(__name__)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-_UNBOUNDED = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,20 +135,9 @@ class EngineClient:
     def url(self, path: str) -> str:
         return self.base_url + path
 
-    async def post(
-        self, path: str, body: bytes, *, bounded: bool = True
-    ) -> aiohttp.ClientResponse:
-        """Send a request; the caller reads and releases (or closes, to abort) the response.
-
-        ``bounded=False``: without the session's total timeout (``engine_timeout_s``), for a
-        request whose lifetime its client bounds (an online request: its stream is closed
-        when the client goes away); this also saves a timer per request.
-        """
+    async def post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """Send a request; the caller reads and releases (or closes, to abort) the response."""
         try:
-            if not bounded:
-                return await self.session.post(
-                    self.url(path), data=body, headers=JSON_HEADERS, timeout=_UNBOUNDED
-                )
             return await self.session.post(self.url(path), data=body, headers=JSON_HEADERS)
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise EngineUnavailableError(f"POST {path}: {exc!r}") from exc
@@ -161,6 +148,19 @@ class EngineClient:
         No total timeout: the client of a streamed online request bounds its lifetime.
         """
         return await self._link.post(path, body, sink)
+
+    async def fetch(self, path: str, body: bytes) -> tuple[int, str | None, bytes]:
+        """POST over the lean link and return the whole answer: (status, content type, body).
+
+        For online requests (no total timeout: their client bounds them); cancelling the
+        caller aborts the engine's request.
+        """
+        sink = Collector()
+        exchange = await self._link.post(path, body, sink)
+        try:
+            return await sink.answer
+        finally:
+            exchange.abort()  # a no-op once the answer is complete
 
     async def health(self) -> bool:
         try:

@@ -71,6 +71,35 @@ class Exchange:
         self._conn.abort()
 
 
+class Collector:
+    """A sink that gathers a whole answer: ``await collector.answer`` gives
+    (status, content type, body), or raises :class:`EngineUnavailableError`."""
+
+    __slots__ = ("_content_type", "_pieces", "_status", "answer")
+
+    def __init__(self) -> None:
+        self.answer: asyncio.Future[tuple[int, str | None, bytes]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._status = 0
+        self._content_type: str | None = None
+        self._pieces: list[bytes] = []
+
+    def head(self, status: int, content_type: str | None) -> None:
+        self._status, self._content_type = status, content_type
+
+    def body(self, data: bytes) -> None:
+        self._pieces.append(data)
+
+    def end(self) -> None:
+        if not self.answer.done():
+            self.answer.set_result((self._status, self._content_type, b"".join(self._pieces)))
+
+    def broken(self, reason: str) -> None:
+        if not self.answer.done():
+            self.answer.set_exception(EngineUnavailableError(reason))
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries one exchange at a time."""
 

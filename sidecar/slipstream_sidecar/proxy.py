@@ -314,11 +314,9 @@ class Proxy:
     async def _unary(
         self, path: str, data: bytes, ticket: Ticket
     ) -> tuple[web.StreamResponse, str]:
-        upstream = await self.engine.post(path, data, bounded=False)
-        async with upstream:
-            body = await upstream.read()
-        if upstream.status != 200:
-            return _passthrough(upstream.status, body, upstream.content_type), "engine_error"
+        status, content_type, body = await self.engine.fetch(path, data)
+        if status != 200:
+            return _passthrough(status, body, content_type), ENGINE_ERROR
         tokens = 0
         try:
             usage = json.loads(body).get("usage") or {}
@@ -327,7 +325,7 @@ class Proxy:
             log.warning("engine answer without usage; counting 0 output tokens")
         self._tokens.inc(tokens)
         self.controller.finished(ticket, tokens)
-        return _passthrough(200, body, upstream.content_type), "ok"
+        return _passthrough(200, body, content_type), OK
 
     async def _stream(
         self, request: web.Request, path: str, data: bytes, ticket: Ticket
@@ -363,7 +361,10 @@ class Proxy:
             outcome = await relay.done
             if outcome == ENGINE_ERROR:
                 log.warning(
-                    "engine stream of %s broke after %d events", ticket.request_id, relay.counted
+                    "engine stream of %s broke after %d events: %s",
+                    ticket.request_id,
+                    relay.counted,
+                    relay.reason,
                 )
                 # Tell the client in-band, in vLLM's error shape, rather than ending the stream
                 # cleanly: without [DONE] or an error a cut answer looks like a short one.

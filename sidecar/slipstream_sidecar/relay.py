@@ -62,6 +62,7 @@ class Relay:
         "done",
         "exact",
         "first",
+        "reason",
         "started",
         "status",
         "ticket",
@@ -81,6 +82,7 @@ class Relay:
         self.status = 0
         self.counted = 0  # token events seen
         self.exact: int | None = None  # completion_tokens from the stream's usage
+        self.reason = ""  # why the engine's answer broke off
         self._reported = 0
         self._last = ticket.arrival_s
         self._scanner = EventScanner()
@@ -135,6 +137,7 @@ class Relay:
         self._finish(OK)
 
     def broken(self, reason: str) -> None:
+        self.reason = reason
         if not self.started.done():
             self.started.set_exception(EngineUnavailableError(reason))
             self.started.exception()  # retrieved: the handler may be gone

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from slipstream_sidecar import link as link_mod
+from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.errors import EngineUnavailableError
 from slipstream_sidecar.link import EngineLink
 from slipstream_sidecar.proxy import serve
@@ -232,3 +233,40 @@ async def test_no_engine_is_engine_unavailable() -> None:
 def test_only_http_urls_are_accepted() -> None:
     with pytest.raises(ValueError, match="expected http"):
         EngineLink("unix:///run/vllm.sock")
+
+
+async def test_fetch_returns_the_whole_answer_and_cancelling_it_aborts_the_request() -> None:
+    gone = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if body == b'{"slow":true}':
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                gone.set()  # the engine model, like vLLM, is cancelled when its client goes
+                raise
+        return web.json_response({"echo": body.decode()})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    client = EngineClient(f"http://127.0.0.1:{port}", connections=4, timeout_s=5.0)
+    await client.start()
+    try:
+        status, ctype, body = await client.fetch("/v1/completions", b'{"a":1}')
+        assert (status, ctype) == (200, "application/json; charset=utf-8")
+        assert body == b'{"echo": "{\\"a\\":1}"}'
+        slow = asyncio.ensure_future(client.fetch("/v1/completions", b'{"slow":true}'))
+        await asyncio.sleep(0.2)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        await asyncio.wait_for(gone.wait(), 10)
+    finally:
+        await client.close()
+        await runner.cleanup()
