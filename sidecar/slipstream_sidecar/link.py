@@ -53,22 +53,33 @@ class StreamSink(Protocol):
 
 
 class Exchange:
-    """One request in flight: pause, resume or abort the reading of its answer."""
+    """One request in flight: pause, resume or abort the reading of its answer.
+
+    Once its answer is complete (or broken) an exchange no longer touches the
+    connection, which may by then carry another request.
+    """
 
     __slots__ = ("_conn",)
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
 
+    @property
+    def live(self) -> bool:
+        return self._conn.exchange is self
+
     def pause(self) -> None:
-        self._conn.pause()
+        if self.live:
+            self._conn.pause()
 
     def resume(self) -> None:
-        self._conn.resume()
+        if self.live:
+            self._conn.resume()
 
     def abort(self) -> None:
         """Close the connection unless the answer is complete (the engine then aborts)."""
-        self._conn.abort()
+        if self.live:
+            self._conn.abort()
 
 
 class Collector:
@@ -107,6 +118,7 @@ class _Connection(asyncio.Protocol):
         self._link = link
         self.transport: asyncio.Transport | None = None
         self._sink: StreamSink | None = None
+        self.exchange: Exchange | None = None  # the one in flight
         self._parser: httptools.HttpResponseParser | None = None
         self._content_type: str | None = None
         self._framed = False  # the answer has Content-Length or chunked framing
@@ -162,13 +174,15 @@ class _Connection(asyncio.Protocol):
 
     # -- exchange -----------------------------------------------------------------------------
 
-    def start(self, request: bytes, sink: StreamSink) -> None:
-        assert self.transport is not None
+    def start(self, request: bytes, sink: StreamSink) -> Exchange:
+        assert self.transport is not None and self.exchange is None
+        self.exchange = exchange = Exchange(self)
         self._sink = sink
         self._parser = httptools.HttpResponseParser(self)
         self._content_type = None
         self._framed = self._headers_done = False
         self.transport.write(request)
+        return exchange
 
     def pause(self) -> None:
         if self.transport is not None and not self._paused:
@@ -181,13 +195,14 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def abort(self) -> None:
-        if self._sink is not None:
-            self._sink = None
-            self._close()
+        self._sink = self._parser = None
+        self.exchange = None
+        self._close()
 
     def _complete(self) -> None:
         sink, parser = self._sink, self._parser
         self._sink = self._parser = None
+        self.exchange = None
         if sink is None:
             return
         reusable = parser is not None and parser.should_keep_alive() and self._framed
@@ -200,6 +215,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, reason: str) -> None:
         sink = self._sink
         self._sink = self._parser = None
+        self.exchange = None
         self._close()
         if sink is not None:
             sink.broken(reason)
@@ -241,8 +257,7 @@ class EngineLink:
             len(body),
             body,
         )
-        conn.start(request, sink)
-        return Exchange(conn)
+        return conn.start(request, sink)
 
     async def close(self) -> None:
         """Close every connection, idle or busy."""

@@ -111,6 +111,29 @@ async def test_a_chunked_answer_arrives_unframed_and_the_connection_is_reused(
         await link.close()
 
 
+async def test_a_finished_exchange_cannot_touch_the_next_request_on_its_connection(
+    sse_engine: tuple[str, list[int]],
+) -> None:
+    url, ports = sse_engine
+    link = EngineLink(url)
+    try:
+        first = Sink()
+        done = await link.post("/v1/completions", b'{"n":1}', first)
+        assert await first.result() == "end"
+        second = Sink()
+        await link.post("/v1/completions", b'{"n":400}', second)
+        assert len(ports) == 1 or ports[-1] == ports[0]  # the same connection, reused
+        assert not done.live
+        done.abort()  # late (a cancelled caller's cleanup): must not cut the second answer
+        done.pause()
+        assert await second.result() == "end"
+        assert len(b"".join(second.pieces)) == sum(
+            len(b'data: {"i":%d}\n\n' % i) for i in range(400)
+        )
+    finally:
+        await link.close()
+
+
 async def test_a_connection_idle_too_long_is_not_reused(
     sse_engine: tuple[str, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
