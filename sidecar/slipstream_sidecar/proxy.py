@@ -346,8 +346,8 @@ class Proxy:
                 resp.enable_chunked_encoding()  # what aiohttp does anyway, but now it says so
             await resp.prepare(request)
             await relay.first
-            # The head goes out with the first bytes (one write); the relay writes the rest
-            # from the engine connection's callbacks.
+            # The bytes read so far go through aiohttp's writer (which knows the head is out);
+            # the relay writes the rest from the engine connection's callbacks.
             t = self.controller.now()
             try:
                 await resp.write(relay.take_pending())
