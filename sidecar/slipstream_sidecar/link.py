@@ -138,6 +138,11 @@ class _Connection(asyncio.Protocol):
             return
         try:
             parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            # A sink raised: our bug, not the engine's. The type only (no prompt text in logs).
+            cause = exc.__context__
+            log.error("a relay failed on the engine's answer: %s", type(cause).__name__)
+            self._fail(f"the sidecar failed relaying the answer: {type(cause).__name__}")
         except httptools.HttpParserError as exc:
             self._fail(f"unreadable answer from the engine: {exc}")
 

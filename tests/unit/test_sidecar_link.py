@@ -293,3 +293,22 @@ async def test_fetch_returns_the_whole_answer_and_cancelling_it_aborts_the_reque
     finally:
         await client.close()
         await runner.cleanup()
+
+
+async def test_a_sink_that_raises_breaks_its_answer_and_is_logged_by_type(
+    sse_engine: tuple[str, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    class Faulty(Sink):
+        def body(self, data: bytes) -> None:
+            raise KeyError("a prompt must not reach the log")
+
+    url, _ = sse_engine
+    link = EngineLink(url)
+    try:
+        sink = Faulty()
+        await link.post("/v1/completions", b'{"n":3}', sink)
+        assert await sink.result() == "broken"
+        assert sink.reason == "the sidecar failed relaying the answer: KeyError"
+        assert "KeyError" in caplog.text and "prompt" not in caplog.text
+    finally:
+        await link.close()
