@@ -67,9 +67,10 @@ async def engine() -> AsyncIterator[Engine]:
     await runner.cleanup()
 
 
-@pytest.fixture
-async def proxied(engine: Engine) -> AsyncIterator[tuple[str, Controller]]:
-    settings = SidecarSettings(max_num_seqs=8, kv_blocks=100_000)
+@contextlib.asynccontextmanager
+async def _sidecar(engine: Engine, max_num_seqs: int) -> AsyncIterator[tuple[str, Controller]]:
+    """The proxy in front of ``engine``: (its completions URL, its controller)."""
+    settings = SidecarSettings(max_num_seqs=max_num_seqs, kv_blocks=100_000)
     ctl = Controller(
         build_dispatcher(settings, BrainConfig(None, "fcfs", None)), SidecarMetrics(), tick_s=1.0
     )
@@ -78,10 +79,18 @@ async def proxied(engine: Engine) -> AsyncIterator[tuple[str, Controller]]:
     ctl.start()
     proxy = Proxy(client, ctl, ctl.metrics, ProxyState(), tokenize=False)
     runner, port = await serve(proxy.app(), "127.0.0.1", 0)
-    yield f"http://127.0.0.1:{port}/v1/completions", ctl
-    await runner.cleanup()
-    await ctl.stop()
-    await client.close()
+    try:
+        yield f"http://127.0.0.1:{port}/v1/completions", ctl
+    finally:
+        await runner.cleanup()
+        await ctl.stop()
+        await client.close()
+
+
+@pytest.fixture
+async def proxied(engine: Engine) -> AsyncIterator[tuple[str, Controller]]:
+    async with _sidecar(engine, max_num_seqs=8) as sidecar:
+        yield sidecar
 
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True}
@@ -125,36 +134,25 @@ async def test_a_client_gone_mid_stream_aborts_the_engines_request(
 
 async def test_a_held_request_whose_client_hangs_up_leaves_the_queue(engine: Engine) -> None:
     engine.slow = True
-    settings = SidecarSettings(max_num_seqs=1, kv_blocks=100_000)
-    ctl = Controller(
-        build_dispatcher(settings, BrainConfig(None, "fcfs", None)), SidecarMetrics(), tick_s=1.0
-    )
-    client = EngineClient(engine.url, connections=4, timeout_s=30.0)
-    await client.start()
-    ctl.start()
-    proxy = Proxy(client, ctl, ctl.metrics, ProxyState(), tokenize=False)
-    runner, port = await serve(proxy.app(), "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    try:
-        async with aiohttp.ClientSession() as s, s.post(url, json=BODY) as first:
-            await first.content.readexactly(len(EVENT))  # the one seat is taken
-            waiting = asyncio.ensure_future(s.post(url, json=BODY))
-            for _ in range(100):
-                if ctl.held["online"] == 1:
-                    break
-                await asyncio.sleep(0.02)
-            assert ctl.held["online"] == 1
-            waiting.cancel()  # the second client hangs up while held
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiting
-            for _ in range(100):
-                if ctl.held["online"] == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert ctl.held["online"] == 0
-            assert ctl.in_flight["online"] == 1  # the first stream goes on
-            assert not engine.gone.is_set()
-    finally:
-        await runner.cleanup()
-        await ctl.stop()
-        await client.close()
+    async with (
+        _sidecar(engine, max_num_seqs=1) as (url, ctl),
+        aiohttp.ClientSession() as s,
+        s.post(url, json=BODY) as first,
+    ):
+        await first.content.readexactly(len(EVENT))  # the one seat is taken
+        waiting = asyncio.ensure_future(s.post(url, json=BODY))
+        for _ in range(100):
+            if ctl.held["online"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert ctl.held["online"] == 1
+        waiting.cancel()  # the second client hangs up while held
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        for _ in range(100):
+            if ctl.held["online"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert ctl.held["online"] == 0
+        assert ctl.in_flight["online"] == 1  # the first stream goes on
+        assert not engine.gone.is_set()
