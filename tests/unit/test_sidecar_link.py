@@ -93,62 +93,59 @@ async def sse_engine() -> AsyncIterator[tuple[str, list[int]]]:
     await runner.cleanup()
 
 
-async def test_a_chunked_answer_arrives_unframed_and_the_connection_is_reused(
+@pytest.fixture
+async def sse_link(
     sse_engine: tuple[str, list[int]],
-) -> None:
+) -> AsyncIterator[tuple[EngineLink, list[int]]]:
+    """A link to ``sse_engine``, closed afterwards; with the engine's record of client ports."""
     url, ports = sse_engine
     link = EngineLink(url)
-    try:
-        for _ in range(2):
-            sink = Sink()
-            await link.post("/v1/completions", b'{"n":5}', sink)
-            assert await sink.result() == "end"
-            assert sink.status == 200 and sink.content_type == "text/event-stream"
-            assert b"".join(sink.pieces) == b"".join(b'data: {"i":%d}\n\n' % i for i in range(5))
-            assert link.idle == 1
-        assert len(ports) == 2 and ports[0] == ports[1]  # one keep-alive connection
-    finally:
-        await link.close()
+    yield link, ports
+    await link.close()
+
+
+async def test_a_chunked_answer_arrives_unframed_and_the_connection_is_reused(
+    sse_link: tuple[EngineLink, list[int]],
+) -> None:
+    link, ports = sse_link
+    for _ in range(2):
+        sink = Sink()
+        await link.post("/v1/completions", b'{"n":5}', sink)
+        assert await sink.result() == "end"
+        assert sink.status == 200 and sink.content_type == "text/event-stream"
+        assert b"".join(sink.pieces) == b"".join(b'data: {"i":%d}\n\n' % i for i in range(5))
+        assert link.idle == 1
+    assert len(ports) == 2 and ports[0] == ports[1]  # one keep-alive connection
 
 
 async def test_a_finished_exchange_cannot_touch_the_next_request_on_its_connection(
-    sse_engine: tuple[str, list[int]],
+    sse_link: tuple[EngineLink, list[int]],
 ) -> None:
-    url, ports = sse_engine
-    link = EngineLink(url)
-    try:
-        first = Sink()
-        done = await link.post("/v1/completions", b'{"n":1}', first)
-        assert await first.result() == "end"
-        second = Sink()
-        await link.post("/v1/completions", b'{"n":400}', second)
-        assert len(ports) == 1 or ports[-1] == ports[0]  # the same connection, reused
-        assert not done.live
-        done.abort()  # late (a cancelled caller's cleanup): must not cut the second answer
-        done.pause()
-        assert await second.result() == "end"
-        assert len(b"".join(second.pieces)) == sum(
-            len(b'data: {"i":%d}\n\n' % i) for i in range(400)
-        )
-    finally:
-        await link.close()
+    link, ports = sse_link
+    first = Sink()
+    done = await link.post("/v1/completions", b'{"n":1}', first)
+    assert await first.result() == "end"
+    second = Sink()
+    await link.post("/v1/completions", b'{"n":400}', second)
+    assert len(ports) == 1 or ports[-1] == ports[0]  # the same connection, reused
+    assert not done.live
+    done.abort()  # late (a cancelled caller's cleanup): must not cut the second answer
+    done.pause()
+    assert await second.result() == "end"
+    assert len(b"".join(second.pieces)) == sum(len(b'data: {"i":%d}\n\n' % i) for i in range(400))
 
 
 async def test_a_connection_idle_too_long_is_not_reused(
-    sse_engine: tuple[str, list[int]], monkeypatch: pytest.MonkeyPatch
+    sse_link: tuple[EngineLink, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url, ports = sse_engine
+    link, ports = sse_link
     monkeypatch.setattr(link_mod, "IDLE_MAX_S", 0.0)
-    link = EngineLink(url)
-    try:
-        for _ in range(2):
-            sink = Sink()
-            await link.post("/v1/completions", b'{"n":1}', sink)
-            assert await sink.result() == "end"
-            await asyncio.sleep(0.01)
-        assert len(ports) == 2 and ports[0] != ports[1]
-    finally:
-        await link.close()
+    for _ in range(2):
+        sink = Sink()
+        await link.post("/v1/completions", b'{"n":1}', sink)
+        assert await sink.result() == "end"
+        await asyncio.sleep(0.01)
+    assert len(ports) == 2 and ports[0] != ports[1]
 
 
 async def test_an_error_answer_with_a_length_is_passed_whole() -> None:
@@ -296,19 +293,15 @@ async def test_fetch_returns_the_whole_answer_and_cancelling_it_aborts_the_reque
 
 
 async def test_a_sink_that_raises_breaks_its_answer_and_is_logged_by_type(
-    sse_engine: tuple[str, list[int]], caplog: pytest.LogCaptureFixture
+    sse_link: tuple[EngineLink, list[int]], caplog: pytest.LogCaptureFixture
 ) -> None:
     class Faulty(Sink):
         def body(self, data: bytes) -> None:
             raise KeyError("a prompt must not reach the log")
 
-    url, _ = sse_engine
-    link = EngineLink(url)
-    try:
-        sink = Faulty()
-        await link.post("/v1/completions", b'{"n":3}', sink)
-        assert await sink.result() == "broken"
-        assert sink.reason == "the sidecar failed relaying the answer: KeyError"
-        assert "KeyError" in caplog.text and "prompt" not in caplog.text
-    finally:
-        await link.close()
+    link, _ = sse_link
+    sink = Faulty()
+    await link.post("/v1/completions", b'{"n":3}', sink)
+    assert await sink.result() == "broken"
+    assert sink.reason == "the sidecar failed relaying the answer: KeyError"
+    assert "KeyError" in caplog.text and "prompt" not in caplog.text
