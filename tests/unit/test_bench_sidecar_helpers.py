@@ -46,10 +46,11 @@ def test_stage_histogram_mean_and_bucket_bounds() -> None:
 
 
 def test_pin_gives_each_process_a_cpu_when_there_are_enough() -> None:
-    wide = _pin_layout(list(range(8)), 3)
+    hops = ["sidecar", "sidecar_estimate", "sidecar_baseline"]
+    wide = _pin_layout(list(range(8)), hops)
     cores = [c for cpus in wide.values() for c in cpus]
     assert len(cores) == len(set(cores)) == 5
-    narrow = _pin_layout([0, 1], 3)
+    narrow = _pin_layout([0, 1], hops)
     assert narrow["engine"] == [0] and narrow["client"] == narrow["sidecar_baseline"] == [1]
 
 

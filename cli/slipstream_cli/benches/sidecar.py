@@ -47,6 +47,11 @@ loops are compared in one run; each sidecar's loop is read from its ready line
 untimed block goes direct (every prompt the blocks send is then in the
 engine's prefix cache, which the first timed block would otherwise fill alone)
 and one round goes through every sidecar (their connections open).
+``--reference-proxy`` adds a compiled reverse proxy (``hack/refproxy``, Go's
+standard library, built with the local toolchain, nothing downloaded) as path
+``proxy_reference``: it forwards and flushes and decides nothing, so its
+added latency is what a proxy hop itself costs on this host (one more
+process, two more sockets per token), the floor under the sidecar's figure.
 The harness's own garbage collector is paused while a block or a rate slice is
 timed (and run just before it), so a collection in the client does not land in
 one path's figures.
@@ -153,6 +158,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. --baseline-arg=--length-predictor --baseline-arg=input); it runs from this "
         "checkout unless --baseline-sidecar is given",
     )
+    parser.add_argument(
+        "--reference-proxy",
+        action="store_true",
+        help="also run a compiled reverse proxy (hack/refproxy, Go standard library, built "
+        "here with the local go toolchain) as path 'proxy_reference': it forwards and "
+        "flushes and decides nothing, so its added latency is what any proxy hop costs on "
+        "this host, the floor under the sidecar's",
+    )
 
 
 def _data_dir() -> Path:
@@ -187,6 +200,44 @@ async def _answer_lengths(
     return out
 
 
+REFPROXY_SRC = REPO_ROOT / "hack" / "refproxy"
+REFERENCE = "proxy_reference"
+
+
+def _build_refproxy(into: Path) -> Path:
+    """Build the reference proxy from ``hack/refproxy`` (standard library only: nothing is
+    downloaded; ``GOPROXY=off``) into ``into``."""
+    out = into / "refproxy"
+    env = dict(os.environ, GOPROXY="off", GOTOOLCHAIN="local", CGO_ENABLED="0")
+    try:
+        subprocess.run(
+            ["go", "build", "-o", str(out), "."],
+            cwd=REFPROXY_SRC,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+    except FileNotFoundError as exc:
+        raise RuntimeError("--reference-proxy needs the go toolchain on PATH") from exc
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(
+            f"building {REFPROXY_SRC} failed: {exc.stderr.decode()[-2000:]}"
+        ) from exc
+    return out
+
+
+def _start_refproxy(binary: Path, engine_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [str(binary), "--engine", engine_url, "--listen", f"127.0.0.1:{port}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    _wait_healthy(proc, f"http://127.0.0.1:{port}", log, "refproxy")
+    return proc
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,18 +261,23 @@ def _start(
             start_new_session=True,
             env=env,
         )
+    _wait_healthy(proc, url, log, args[0])
+    return proc
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, what: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"{what} exited: {log.read_text()[-2000:]}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as resp:
                 if resp.status == 200:
-                    return proc
+                    return
         except (urllib.error.URLError, OSError):
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"{args[0]} did not become ready")
+    raise RuntimeError(f"{what} did not become ready")
 
 
 @dataclass
@@ -527,7 +583,7 @@ async def _measure(
             )
         # Rates in alternating slices (order rotating), averaged: one path measured
         # after the other would follow the host's load of that moment.
-        rps_paths = [n for n in ("direct", "sidecar", "sidecar_baseline") if n in paths]
+        rps_paths = [n for n in ("direct", "sidecar", "sidecar_baseline", REFERENCE) if n in paths]
         rates: dict[str, list[float]] = {n: [] for n in rps_paths}
         slices = max(1, args.rps_slices)
         for k in range(slices):
@@ -540,6 +596,8 @@ async def _measure(
         results["max_rps"] = statistics.fmean(rates["sidecar"])
         if "sidecar_baseline" in rates:
             results["baseline_max_rps"] = statistics.fmean(rates["sidecar_baseline"])
+        if REFERENCE in rates:
+            results["reference_max_rps"] = statistics.fmean(rates[REFERENCE])
         print(
             f"max rps: sidecar {results['max_rps']:.0f}, direct {results['direct_max_rps']:.0f}",
             flush=True,
@@ -558,7 +616,9 @@ def run(args: argparse.Namespace) -> int:
         or args.baseline_event_loop is not None
         or bool(args.baseline_arg)
     )
-    pinned = _pin_layout(cpus, 3 if baseline else 2)
+    hops = ["sidecar", "sidecar_estimate"] + (["sidecar_baseline"] if baseline else [])
+    hops += [REFERENCE] if args.reference_proxy else []
+    pinned = _pin_layout(cpus, hops)
     try:
         ep = _free_port()
         engine_url = f"http://127.0.0.1:{ep}"
@@ -632,9 +692,17 @@ def run(args: argparse.Namespace) -> int:
             loops[name] = _ready_loop(tmp / f"{name}.log")
         if args.pin:
             os.sched_setaffinity(pids["engine"], pinned["engine"])
-            for name, _, _ in sidecars:
-                os.sched_setaffinity(pids[name], pinned[name])
             os.sched_setaffinity(0, pinned["client"])
+        if args.reference_proxy:
+            rp = _free_port()
+            procs.append(
+                _start_refproxy(_build_refproxy(tmp), engine_url, rp, tmp / f"{REFERENCE}.log")
+            )
+            paths[REFERENCE] = f"http://127.0.0.1:{rp}"
+            pids[REFERENCE] = procs[-1].pid
+        if args.pin:
+            for name in hops:
+                os.sched_setaffinity(pids[name], pinned[name])
         results = asyncio.run(_measure(args, paths, pids))
     finally:
         if args.pin:
@@ -670,6 +738,13 @@ def run(args: argparse.Namespace) -> int:
             for key in ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_ttft_p99_ms_per_repeat")
         }
         if args.control
+        else None,
+        "reference_proxy": {
+            key: {c: conc[c][REFERENCE][key] for c in conc}
+            for key in ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_ttft_p99_ms_per_repeat")
+        }
+        | {"max_rps": results.get("reference_max_rps")}
+        if args.reference_proxy
         else None,
         "max_rps": results["max_rps"],
         "direct_max_rps": results["direct_max_rps"],
@@ -715,6 +790,7 @@ def run(args: argparse.Namespace) -> int:
             "control": args.control,
             "pinned": pinned if args.pin else None,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
+            "reference_proxy": args.reference_proxy,
             "load_average_1m_at_end": os.getloadavg()[0],
         },
     }
@@ -753,12 +829,12 @@ def _plot_panels(conc: dict[str, Any]) -> dict[str, dict[str, dict[str, list[flo
     }
 
 
-def _pin_layout(cpus: list[int], n_sidecars: int) -> dict[str, list[int]]:
+def _pin_layout(cpus: list[int], names: list[str]) -> dict[str, list[int]]:
     """CPUs for ``--pin``: on a host with a core for each process (engine, client and
-    every sidecar), one core each, so no path's latency includes another's CPU work;
-    otherwise the engine on the first CPU and the sidecars and the client on the last."""
-    names = ["sidecar", "sidecar_estimate", "sidecar_baseline"][:n_sidecars]
-    if len(cpus) >= 2 + n_sidecars:
+    every proxy in ``names``), one core each, so no path's latency includes another's
+    CPU work; otherwise the engine on the first CPU and the proxies and the client on
+    the last."""
+    if len(cpus) >= 2 + len(names):
         layout = {"engine": [cpus[0]], "client": [cpus[1]]}
         return layout | {name: [cpus[2 + i]] for i, name in enumerate(names)}
     return {"engine": [cpus[0]], "client": [cpus[-1]]} | {name: [cpus[-1]] for name in names}

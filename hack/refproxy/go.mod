@@ -1,0 +1,3 @@
+module slipstream.dev/refproxy
+
+go 1.22
