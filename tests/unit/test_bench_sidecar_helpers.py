@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import re
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from slipstream_cli.benches.sidecar import (
     _GRANTS,
+    BrokenAnswerError,
     _baseline_flags,
+    _closed_loop,
     _overhead_ms,
     _overhead_summary,
     _pin_layout,
     _ready_loop,
+    _stream_one,
 )
 
 pytestmark = pytest.mark.unit
@@ -172,3 +178,48 @@ def test_the_harness_collector_is_off_only_while_a_block_is_timed() -> None:
     with pytest.raises(RuntimeError), collector_paused():
         raise RuntimeError("a block failed")
     assert gc.isenabled()  # back on even when the block raises
+
+
+async def _cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A path that answers every other request whole and cuts the rest midway."""
+    n = 0
+    while True:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return
+        length = 2  # the test's bodies are b"{}"
+        await reader.readexactly(length)
+        n += 1
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n6\r\ndata: \r\n"
+        )
+        if n % 2:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            continue
+        await writer.drain()
+        writer.close()  # no terminating chunk
+        return
+
+
+async def test_a_cut_stream_names_the_path_that_cut_it() -> None:
+    server = await asyncio.start_server(_cut, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _stream_one(session, base + "/v1/completions", b"{}")  # whole
+            with pytest.raises(BrokenAnswerError, match=re.escape(base)):
+                await _stream_one(session, base + "/v1/completions", b"{}")
+            # Without a place to count them, a cut answer ends the run ...
+            with pytest.raises(BrokenAnswerError):
+                await _closed_loop(base, [b"{}"], 1, 4, session)
+            # ... with one, it is counted and left out, and the loop goes on.
+            broken: list[str] = []
+            got = await _closed_loop(base, [b"{}"], 1, 4, session, broken=broken)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert len(got) == 2 and len(broken) == 2
+    assert all(base in b for b in broken)
