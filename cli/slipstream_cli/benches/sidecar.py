@@ -164,8 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run a compiled reverse proxy (hack/refproxy, Go standard library, built "
         "here with the local go toolchain) as path 'proxy_reference': it forwards and "
         "flushes and decides nothing, so its added latency is what any proxy hop costs on "
-        "this host, the floor under the sidecar's (at 256 streams it has cut answers; "
-        "docs/benchmarks/sidecar.md)",
+        "this host, the floor under the sidecar's (it cuts an answer now and then: those "
+        "are counted and left out of its figures; docs/benchmarks/sidecar.md)",
     )
 
 
