@@ -159,6 +159,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "checkout unless --baseline-sidecar is given",
     )
     parser.add_argument(
+        "--block-warmup",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="untimed rounds per stream just before each timed block, so no block pays for "
+        "reopening the connections the client and the proxies dropped while other paths ran "
+        "(default 0: the first round of each block pays it)",
+    )
+    parser.add_argument(
         "--reference-proxy",
         action="store_true",
         help="also run a compiled reverse proxy (hack/refproxy, Go standard library, built "
@@ -556,6 +565,12 @@ async def _measure(
             for rep in range(args.repeats):
                 k = rep % len(names)
                 for name in names[k:] + names[:k]:
+                    if args.block_warmup:
+                        # Untimed: every connection of this path (client -> proxy -> engine)
+                        # open again after the other paths' blocks, as in steady traffic.
+                        await _closed_loop(
+                            paths[name], bodies, c, args.block_warmup, s, broken=broken.get(name)
+                        )
                     before = {p: _cpu_s(pid) for p, pid in pids.items()}
                     o0 = await _overhead(s, paths[name]) if name not in DIRECT_PATHS else {}
                     with collector_paused():
@@ -840,6 +855,7 @@ def run(args: argparse.Namespace) -> int:
             "pinned": pinned if args.pin else None,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
             "reference_proxy": args.reference_proxy,
+            "block_warmup": args.block_warmup,
             "load_average_1m_at_end": os.getloadavg()[0],
         },
     }
