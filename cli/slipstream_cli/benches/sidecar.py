@@ -52,6 +52,9 @@ standard library, built with the local toolchain, nothing downloaded) as path
 ``proxy_reference``: it forwards and flushes and decides nothing, so its
 added latency is what a proxy hop itself costs on this host (one more
 process, two more sockets per token), the floor under the sidecar's figure.
+``--block-warmup ROUNDS`` runs untimed rounds just before each timed block:
+while the other paths run, a path's connections (client -> proxy -> engine)
+are dropped, and without it each block's first round reopens them.
 The harness's own garbage collector is paused while a block or a rate slice is
 timed (and run just before it), so a collection in the client does not land in
 one path's figures.
