@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,12 +103,19 @@ class TokenRatio:
 class EngineClient:
     """Pooled HTTP client to one engine."""
 
-    def __init__(self, base_url: str, *, connections: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connections: int,
+        timeout_s: float,
+        on_resend: Callable[[], None] | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._connections = connections
         self._timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
-        self._link = EngineLink(self.base_url, idle_limit=connections)
+        self._link = EngineLink(self.base_url, idle_limit=connections, on_resend=on_resend)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(

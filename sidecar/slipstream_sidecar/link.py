@@ -14,9 +14,16 @@ parses the answer and calls the sink: ``head`` once, ``body`` per piece (the
 chunked framing removed), then ``end`` or ``broken``. Closing the connection
 aborts the request (vLLM cancels a request whose connection drops).
 
+One retry: a request sent on a *reused* connection that the engine closes
+before a single byte of the answer arrives is sent once more on a new
+connection. That is the keep-alive race (the server closed the idle
+connection as the request crossed it), in which the engine never read the
+request; Go's ``net/http`` transport and aiohttp's client retry it too. Any
+other break (a new connection, or an answer already begun) is reported to the
+sink, and the caller decides.
+
 Deliberately left out: redirects, proxies, compression (none is asked for),
-trailers, and retries: a request on a connection that breaks is reported to
-its sink, and the caller decides.
+trailers.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import contextlib
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
@@ -59,10 +67,11 @@ class Exchange:
     connection, which may by then carry another request.
     """
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "aborted")
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
+        self.aborted = False
 
     @property
     def live(self) -> bool:
@@ -78,6 +87,7 @@ class Exchange:
 
     def abort(self) -> None:
         """Close the connection unless the answer is complete (the engine then aborts)."""
+        self.aborted = True  # a retry not yet on its new connection is not sent
         if self.live:
             self._conn.abort()
 
@@ -125,6 +135,8 @@ class _Connection(asyncio.Protocol):
         self._headers_done = False
         self._paused = False
         self.idle_since = 0.0
+        self._request = b""  # the request in flight, kept for the one retry
+        self._retry = False  # reused connection, nothing of the answer read yet
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -136,6 +148,7 @@ class _Connection(asyncio.Protocol):
         if parser is None:  # bytes nobody asked for: the connection is not reusable
             self._close()
             return
+        self._retry = False
         try:
             parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -150,6 +163,12 @@ class _Connection(asyncio.Protocol):
         self._link._forget(self)
         self.transport = None
         if self._sink is None:
+            return
+        if self._retry and self.exchange is not None:
+            sink, exchange, request = self._sink, self.exchange, self._request
+            self._sink = self._parser = None
+            self.exchange = None
+            self._link._resend(request, sink, exchange, exc)
             return
         if self._headers_done and not self._framed and exc is None:
             self._complete()  # an answer delimited by the connection's close
@@ -179,13 +198,27 @@ class _Connection(asyncio.Protocol):
 
     # -- exchange -----------------------------------------------------------------------------
 
-    def start(self, request: bytes, sink: StreamSink) -> Exchange:
+    def start(
+        self,
+        request: bytes,
+        sink: StreamSink,
+        *,
+        reused: bool = False,
+        exchange: Exchange | None = None,
+    ) -> Exchange:
+        """Send ``request``; ``exchange``: the one a retry carries over from its first try."""
         assert self.transport is not None and self.exchange is None
-        self.exchange = exchange = Exchange(self)
+        if exchange is None:
+            exchange = Exchange(self)
+        else:
+            exchange._conn = self
+        self.exchange = exchange
         self._sink = sink
         self._parser = httptools.HttpResponseParser(self)
         self._content_type = None
         self._framed = self._headers_done = False
+        self._request = request if reused else b""
+        self._retry = reused
         self.transport.write(request)
         return exchange
 
@@ -208,6 +241,7 @@ class _Connection(asyncio.Protocol):
         sink, parser = self._sink, self._parser
         self._sink = self._parser = None
         self.exchange = None
+        self._request = b""
         if sink is None:
             return
         reusable = parser is not None and parser.should_keep_alive() and self._framed
@@ -233,7 +267,14 @@ class _Connection(asyncio.Protocol):
 class EngineLink:
     """Pooled keep-alive connections to one engine, for streamed answers."""
 
-    def __init__(self, base_url: str, *, idle_limit: int = 1024, connect_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        idle_limit: int = 1024,
+        connect_timeout_s: float = 5.0,
+        on_resend: Callable[[], None] | None = None,
+    ):
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"engine URL {base_url!r}: expected http://host:port or https://")
@@ -249,23 +290,60 @@ class EngineLink:
         self._idle_limit = idle_limit
         self._connect_timeout_s = connect_timeout_s
         self._all: set[_Connection] = set()
+        self._resending: set[asyncio.Task[None]] = set()
+        self.resent = 0  # requests sent again after a reused connection closed under them
+        self._on_resend = on_resend
 
     async def post(self, path: str, body: bytes, sink: StreamSink) -> Exchange:
         """Send ``POST path`` with a JSON ``body``; the answer goes to ``sink``.
 
         Raises :class:`EngineUnavailableError` when no connection can be made.
         """
-        conn = self._reuse() or await self._connect(path)
+        conn = self._reuse()
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect(path)
         request = b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
             (self._prefix + path).encode("latin-1"),
             self._head,
             len(body),
             body,
         )
-        return conn.start(request, sink)
+        return conn.start(request, sink, reused=reused)
+
+    def _resend(
+        self, request: bytes, sink: StreamSink, exchange: Exchange, exc: Exception | None
+    ) -> None:
+        """The engine closed a reused connection before answering: send once more, on a
+        new connection (called from ``connection_lost``; the connect is a task)."""
+        log.debug("engine closed a reused connection under a request (%r); sending again", exc)
+        self.resent += 1
+        if self._on_resend is not None:
+            self._on_resend()
+        task = asyncio.get_running_loop().create_task(self._send_again(request, sink, exchange))
+        self._resending.add(task)
+        task.add_done_callback(self._resending.discard)
+
+    async def _send_again(self, request: bytes, sink: StreamSink, exchange: Exchange) -> None:
+        if exchange.aborted:
+            return  # the caller gave up on it meanwhile; an abort has no callback
+        try:
+            conn = await self._connect(request.split(b" ", 2)[1].decode("latin-1"))
+        except EngineUnavailableError as exc:
+            sink.broken(str(exc))
+            return
+        except asyncio.CancelledError:
+            sink.broken("the sidecar is shutting down")
+            raise
+        if exchange.aborted:
+            conn._close()
+            return
+        conn.start(request, sink, exchange=exchange)
 
     async def close(self) -> None:
         """Close every connection, idle or busy."""
+        for task in list(self._resending):
+            task.cancel()
         for conn in list(self._all):
             conn._fail("the sidecar is shutting down")
         self._idle.clear()

@@ -7,6 +7,7 @@ a test needs bytes no well-behaved server sends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -305,3 +306,113 @@ async def test_a_sink_that_raises_breaks_its_answer_and_is_logged_by_type(
     assert await sink.result() == "broken"
     assert sink.reason == "the sidecar failed relaying the answer: KeyError"
     assert "KeyError" in caplog.text and "prompt" not in caplog.text
+
+
+class _RacingEngine:
+    """Answers the first request of every connection (keep-alive), then closes the
+    connection on its next request without a byte: the keep-alive race, where the server
+    drops an idle connection as a request crosses it. The first ``unanswered`` new
+    connections are closed that way at once. ``seen``: (connection, body) per request
+    answered, (connection, b"dropped") per request closed on."""
+
+    def __init__(self, server: asyncio.Server, handlers: list[asyncio.Task[None]]) -> None:
+        self.server = server
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self.handlers = handlers
+        self.seen: list[tuple[int, bytes]] = []
+
+    async def close(self) -> None:
+        self.server.close()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+
+
+async def _racing_engine(unanswered: int) -> _RacingEngine:
+    handlers: list[asyncio.Task[None]] = []
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
+    conns = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.append(task)
+        conns += 1
+        me = conns
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            if me <= unanswered:
+                engine.seen.append((me, b"dropped"))
+            else:
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                engine.seen.append((me, await reader.readexactly(length)))
+                writer.write(answer)
+                await writer.drain()
+                await reader.readuntil(b"\r\n\r\n")  # the next request: closed on, unread
+                engine.seen.append((me, b"dropped"))
+        writer.close()
+
+    engine = _RacingEngine(await asyncio.start_server(handle, "127.0.0.1", 0), handlers)
+    return engine
+
+
+async def test_a_request_on_a_reused_connection_the_engine_closed_is_sent_again() -> None:
+    engine = await _racing_engine(unanswered=0)
+    counted: list[int] = []
+    link = EngineLink(engine.url, on_resend=lambda: counted.append(1))  # the metric's hook
+    try:
+        first = Sink()
+        await link.post("/v1/completions", b'{"n":1}', first)
+        assert await first.result() == "end"
+        assert link.idle == 1
+        second = Sink()
+        await link.post("/v1/completions", b'{"n":2}', second)  # reuses, meets the close
+        assert await second.result() == "end", second.reason
+        assert second.status == 200 and b"".join(second.pieces) == b"ok"
+        assert link.resent == 1 and counted == [1]
+        # connection 1 answered the first and closed on the second; connection 2 answered it
+        assert engine.seen == [(1, b'{"n":1}'), (1, b"dropped"), (2, b'{"n":2}')]
+    finally:
+        await link.close()
+        await engine.close()
+
+
+async def test_a_new_connection_closed_before_an_answer_is_broken_not_sent_again() -> None:
+    engine = await _racing_engine(unanswered=1)
+    link = EngineLink(engine.url)
+    try:
+        sink = Sink()
+        await link.post("/v1/completions", b'{"n":1}', sink)
+        assert await sink.result() == "broken"
+        assert "closed the connection" in sink.reason
+        assert link.resent == 0 and engine.seen == [(1, b"dropped")]
+    finally:
+        await link.close()
+        await engine.close()
+
+
+async def test_an_answer_begun_on_a_reused_connection_is_never_sent_again() -> None:
+    cut = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    full = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        for answer in (full, cut):  # the second request on the connection is cut short
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            served += 1
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    link = EngineLink(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        for expected in ("end", "broken"):
+            sink = Sink()
+            await link.post("/v1/completions", b"{}", sink)
+            assert await sink.result() == expected
+        assert served == 2 and link.resent == 0
+    finally:
+        await link.close()
+        server.close()
