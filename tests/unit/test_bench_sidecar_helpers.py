@@ -143,12 +143,18 @@ def test_plot_shows_every_path_against_the_control(tmp_path: Path) -> None:
         "added_ttft_p99_ms_per_repeat": [4.0, 14.0],
     }
     conc = {
-        "64": {"paths": {"direct": {}}, "sidecar": row, "direct_control": row | {}},
+        "64": {
+            "paths": {"direct": {}},
+            "first_round": {"direct": {"ttft_p50_ms": 80.0}},
+            "sidecar": row,
+            "direct_control": row | {},
+        },
         "1": {"sidecar": row},
     }
     panels = _plot_panels(conc)
     assert list(panels) == ["1", "64"]  # by stream count, not as strings sort
-    assert set(panels["64"]) == {"sidecar", "direct_control"}  # not the raw per-path table
+    # not the raw per-path table, nor the first rounds (no per-repeat figures)
+    assert set(panels["64"]) == {"sidecar", "direct_control"}
     assert panels["64"]["sidecar"] == {
         "p50": [1.0, 2.0],
         "p99": [4.0, 14.0],
@@ -223,3 +229,35 @@ async def test_a_cut_stream_names_the_path_that_cut_it() -> None:
         await server.wait_closed()
     assert len(got) == 2 and len(broken) == 2
     assert all(base in b for b in broken)
+
+
+def test_each_block_has_one_warm_up_round_by_default() -> None:
+    from slipstream_cli.benches.sidecar import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).block_warmup == 1
+    assert parser.parse_args(["--block-warmup", "0"]).block_warmup == 0
+
+
+def test_first_rounds_are_read_against_direct_first_rounds() -> None:
+    from slipstream_cli.benches.sidecar import Sample, _first_round
+
+    def samples(*ttft_ms: float) -> list[Sample]:
+        return [Sample(t / 1e3, t / 1e3 + 0.2) for t in ttft_ms]
+
+    first = {
+        "direct": samples(80.0, 90.0, 100.0),
+        "sidecar": samples(85.0, 99.0, 140.0),
+        "proxy_reference": samples(81.0, 90.0, 103.0),
+    }
+    row = _first_round(first)
+    assert set(row) == {"direct", "sidecar", "proxy_reference"}
+    assert row["direct"] == {
+        "n": 3.0,
+        "ttft_p50_ms": pytest.approx(90.0),
+        "ttft_p99_ms": pytest.approx(100.0),
+    }
+    assert row["sidecar"]["added_ttft_p50_ms"] == pytest.approx(9.0)
+    assert row["sidecar"]["added_ttft_p99_ms"] == pytest.approx(40.0)
+    assert row["proxy_reference"]["added_ttft_p99_ms"] == pytest.approx(3.0)

@@ -52,9 +52,14 @@ standard library, built with the local toolchain, nothing downloaded) as path
 ``proxy_reference``: it forwards and flushes and decides nothing, so its
 added latency is what a proxy hop itself costs on this host (one more
 process, two more sockets per token), the floor under the sidecar's figure.
-``--block-warmup ROUNDS`` runs untimed rounds just before each timed block:
-while the other paths run, a path's connections (client -> proxy -> engine)
-are dropped, and without it each block's first round reopens them.
+``--block-warmup ROUNDS`` (default 1) runs rounds just before each timed
+block: while the other paths run, a path's connections (client -> proxy ->
+engine) are dropped, and without it each block's first round reopens them, so
+the figures mix a burst after a lull with steady traffic. The first of those
+rounds is timed on its own (``first_round`` per path: each stream's first
+request after the path sat idle while the others ran, against direct's), so
+that cost stays visible without landing in the steady figures; 0 gives the
+old blocks, where it does.
 The harness's own garbage collector is paused while a block or a rate slice is
 timed (and run just before it), so a collection in the client does not land in
 one path's figures.
@@ -164,11 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-warmup",
         type=int,
-        default=0,
+        default=1,
         metavar="ROUNDS",
-        help="untimed rounds per stream just before each timed block, so no block pays for "
-        "reopening the connections the client and the proxies dropped while other paths ran "
-        "(default 0: the first round of each block pays it)",
+        help="rounds per stream just before each timed block, so no block pays for reopening "
+        "the connections the client and the proxies dropped while other paths ran; the first "
+        "is timed apart ('first_round': the burst after a lull) (default 1; 0: the first "
+        "round of each block pays it, as before the sixteenth session)",
     )
     parser.add_argument(
         "--reference-proxy",
@@ -361,6 +367,7 @@ def collector_paused() -> Iterator[None]:
 
 
 DIRECT_PATHS = frozenset(("direct", "direct_control"))
+_NOT_PATHS = frozenset(("paths", "first_round"))  # a concurrency row's other keys
 _METRICS = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
 
 
@@ -383,6 +390,23 @@ def _against_direct(
             for m in ("ttft_p50", "ttft_p99")
         }
     )
+
+
+def _first_round(first: dict[str, list[Sample]]) -> dict[str, dict[str, float]]:
+    """Each path's first round after a lull (TTFT p50/p99 over every block's first
+    request per stream) and, but for direct, its added TTFT against direct's."""
+    out: dict[str, dict[str, float]] = {}
+    d = _summary(first["direct"])
+    for name, samples in first.items():
+        v = _summary(samples)
+        row = {"n": float(v["n"]), "ttft_p50_ms": v["ttft_p50_ms"], "ttft_p99_ms": v["ttft_p99_ms"]}
+        if name != "direct":
+            row |= {
+                "added_ttft_p50_ms": v["ttft_p50_ms"] - d["ttft_p50_ms"],
+                "added_ttft_p99_ms": v["ttft_p99_ms"] - d["ttft_p99_ms"],
+            }
+        out[name] = row
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -548,6 +572,7 @@ async def _measure(
                 await _closed_loop(base, bodies, 8, 2, s, broken=broken.get(name))
         for c in args.concurrency:
             per: dict[str, list[Sample]] = {name: [] for name in paths}
+            first: dict[str, list[Sample]] = {name: [] for name in paths}
             blocks: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
             cpu: dict[str, dict[str, float]] = {n: dict.fromkeys(pids, 0.0) for n in paths}
             over: dict[str, dict[str, dict[str, float]]] = {n: {} for n in paths}
@@ -569,11 +594,22 @@ async def _measure(
                 k = rep % len(names)
                 for name in names[k:] + names[:k]:
                     if args.block_warmup:
-                        # Untimed: every connection of this path (client -> proxy -> engine)
-                        # open again after the other paths' blocks, as in steady traffic.
-                        await _closed_loop(
-                            paths[name], bodies, c, args.block_warmup, s, broken=broken.get(name)
-                        )
+                        # Every connection of this path (client -> proxy -> engine) open again
+                        # after the other paths' blocks, as in steady traffic. The first round
+                        # (the burst after a lull) is kept apart; the rest are untimed.
+                        with collector_paused():
+                            first[name] += await _closed_loop(
+                                paths[name], bodies, c, 1, s, broken=broken.get(name)
+                            )
+                        if args.block_warmup > 1:
+                            await _closed_loop(
+                                paths[name],
+                                bodies,
+                                c,
+                                args.block_warmup - 1,
+                                s,
+                                broken=broken.get(name),
+                            )
                     before = {p: _cpu_s(pid) for p, pid in pids.items()}
                     o0 = await _overhead(s, paths[name]) if name not in DIRECT_PATHS else {}
                     with collector_paused():
@@ -605,6 +641,8 @@ async def _measure(
             for name in paths:
                 if name != "direct":
                     row[name] = _against_direct(summ, blocks, name)
+            if args.block_warmup:
+                row["first_round"] = _first_round(first)
             results["concurrency"][str(c)] = row
             for name, v in summ.items():
                 reps = [
@@ -625,6 +663,16 @@ async def _measure(
                     f"{ctl['added_ttft_p50_ms']:.1f}/{ctl['added_ttft_p99_ms']:.1f} ms; "
                     "p99 per repeat, ms: "
                     + ", ".join(f"{x:.1f}" for x in ctl["added_ttft_p99_ms_per_repeat"]),
+                    flush=True,
+                )
+            if "first_round" in row:
+                print(
+                    f"concurrency {c}: first round after a lull, added ttft p50/p99: "
+                    + ", ".join(
+                        f"{n} {v['added_ttft_p50_ms']:.1f}/{v['added_ttft_p99_ms']:.1f} ms"
+                        for n, v in row["first_round"].items()
+                        if n != "direct"
+                    ),
                     flush=True,
                 )
             print(
@@ -786,6 +834,8 @@ def run(args: argparse.Namespace) -> int:
         "added_e2e_p50_ms": {c: conc[c]["sidecar"]["added_e2e_p50_ms"] for c in conc},
         "added_e2e_p99_ms": {c: conc[c]["sidecar"]["added_e2e_p99_ms"] for c in conc},
         "ratio_ttft_p99": {c: conc[c]["sidecar"]["ratio_ttft_p99"] for c in conc},
+        # The burst after a lull (each block's first round; None with --block-warmup 0).
+        "first_round": {c: conc[c].get("first_round") for c in conc},
         "baseline": {
             "added_ttft_p50_ms": {
                 c: conc[c]["sidecar_baseline"]["added_ttft_p50_ms"] for c in conc
@@ -891,7 +941,7 @@ def _plot_panels(conc: dict[str, Any]) -> dict[str, dict[str, dict[str, list[flo
             name: {q: list(v[f"added_ttft_{q}_ms_per_repeat"]) for q in ("p50", "p99")}
             | {f"{q}_all": [v[f"added_ttft_{q}_ms"]] for q in ("p50", "p99")}
             for name, v in row.items()
-            if name != "paths"
+            if name not in _NOT_PATHS
         }
         for c, row in sorted(conc.items(), key=lambda kv: int(kv[0]))
     }
