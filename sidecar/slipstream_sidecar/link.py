@@ -17,8 +17,12 @@ aborts the request (vLLM cancels a request whose connection drops).
 One retry: a request sent on a *reused* connection that the engine closes
 before a single byte of the answer arrives is sent once more on a new
 connection. That is the keep-alive race (the server closed the idle
-connection as the request crossed it), in which the engine never read the
-request; Go's ``net/http`` transport and aiohttp's client retry it too. Any
+connection as the request crossed it), in which the engine did not take the
+request. HTTP clients in general retry only idempotent methods there (RFC
+9112, 9.3.1; Go's transport and aiohttp's client do so), but a generation
+request changes nothing in the engine beyond its own answer, and the client
+has seen none of it, so sending a POST again is safe here; at worst (an
+engine that took it and died before answering) it is computed twice. Any
 other break (a new connection, or an answer already begun) is reported to the
 sink, and the caller decides.
 
