@@ -28,10 +28,8 @@ offline request to abort to make room. This module only feeds it events on
 * after every event a *pump* runs ``decide`` once per event-loop turn
   (coalesced: a burst of arrivals in one turn is planned once), resolves the
   tickets it submits and fires the abort callbacks of the ones it aborts, and
-  decides again at once while a decision submitted something and work is
-  still held (one decision looks at a bounded window of each queue, so a
-  burst larger than it is granted in one callback, not one window per loop
-  turn); a
+  pumps again in the next turn while a decision submitted something and work
+  is still held (one decision looks at a bounded window of each queue); a
   ticker also pumps every ``tick_s`` while anything is held, for decisions
   that depend only on time (it sleeps on an event while nothing is held, so an
   idle sidecar does not wake 200 times a second).
@@ -152,10 +150,6 @@ class Controller:
         self.decide_calls = 0
         self.sync_grants = 0  # online requests granted inside register (grant_now)
         self.sync_prefill_limit = sync_prefill_limit
-        # Decisions per pump: enough windows of ``lookahead`` to fill every engine slot.
-        self._follow_ups = max(
-            2, -(-dispatcher.limits.max_num_seqs // dispatcher.config.lookahead) + 1
-        )
         self.prefilling = 0  # granted requests with no token on their submission yet
         self.latency_model: LatencyModel | None = None  # for the predicted-step gauge only
         self._admitted = {label: metrics.admitted.labels(label) for label in ("online", "offline")}
@@ -335,19 +329,7 @@ class Controller:
         self._pump()
 
     def _pump(self) -> None:
-        """Decide, and while a decision submits something and work is still held, decide
-        again at once: the dispatcher shows the planner at most ``lookahead`` requests per
-        class per decision, and a burst of 256 arrivals would otherwise be granted one
-        window per event-loop turn, each turn as long as the burst's other callbacks make
-        it (18.8 ms held on average at 256 streams, ``docs/benchmarks/sidecar.md``)."""
-        d = self.dispatcher
-        for _ in range(self._follow_ups):
-            dec = d.decide(self.now())
-            self._apply(dec)
-            if not (dec.submit and (self.held["online"] or self.held["offline"])):
-                return
-        # Still submitting after every follow-up: the rest in the next loop turn.
-        self._schedule_pump()
+        self._apply(self.dispatcher.decide(self.now()))
 
     def _apply(self, dec: Decisions) -> None:
         """Carry out one decision: resolve the tickets it submits, abort the ones it aborts."""
@@ -375,6 +357,11 @@ class Controller:
             self.metrics.preemptions.labels(ticket.label).inc()
             if ticket._on_abort is not None:
                 ticket._on_abort()
+        if dec.submit and (self.held["online"] or self.held["offline"]):
+            # The dispatcher shows the planner at most ``lookahead`` requests per
+            # decision: plan again in the next loop turn rather than at the next
+            # stream event or tick (a burst of 256 arrivals would wait 8 ticks).
+            self._schedule_pump()
         if dec.submit or dec.abort:
             log.debug(
                 "dispatch: submit=%d abort=%d held=%s in_flight=%s",

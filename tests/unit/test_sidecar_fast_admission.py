@@ -102,28 +102,3 @@ async def test_a_burst_beyond_one_decisions_window_is_granted_without_waiting_fo
         await asyncio.sleep(0)
     assert all(t._fut.done() for t in tickets)
     assert ctl.held["online"] == 0 and ctl.in_flight["online"] == len(tickets)
-
-
-async def test_a_burst_beyond_one_decisions_window_is_granted_in_one_loop_turn() -> None:
-    ctl = _controller(max_num_seqs=512)  # tick_s=1.0 and no ticker started: pumps only
-    lookahead = ctl.dispatcher.config.lookahead
-    tickets = [
-        ctl.register(Incoming(f"o{i}", RequestClass.ONLINE, 100, 8, 100.0))
-        for i in range(3 * lookahead + 5)
-    ]
-    calls = ctl.decide_calls
-    await asyncio.sleep(0)  # one loop turn: the pump scheduled by the arrivals runs once
-    assert all(t._fut.done() for t in tickets)
-    assert ctl.held["online"] == 0
-    assert ctl.decide_calls - calls >= 4  # four windows, decided back to back
-
-
-async def test_a_decision_that_submits_nothing_ends_the_pump() -> None:
-    ctl = _controller(max_num_seqs=8)  # room for 8: the rest stay held
-    lookahead = ctl.dispatcher.config.lookahead
-    for i in range(lookahead + 4):
-        ctl.register(Incoming(f"o{i}", RequestClass.ONLINE, 100, 8, 100.0))
-    calls = ctl.decide_calls
-    await asyncio.sleep(0)
-    assert ctl.in_flight["online"] == 8 and ctl.held["online"] == lookahead - 4
-    assert ctl.decide_calls - calls <= 2  # the one that granted 8 and one that found no room
