@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import re
 from pathlib import Path
 
@@ -261,3 +262,21 @@ def test_first_rounds_are_read_against_direct_first_rounds() -> None:
     assert row["sidecar"]["added_ttft_p50_ms"] == pytest.approx(9.0)
     assert row["sidecar"]["added_ttft_p99_ms"] == pytest.approx(40.0)
     assert row["proxy_reference"]["added_ttft_p99_ms"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_block_order_balances_positions_and_predecessors(n: int) -> None:
+    from collections import Counter
+
+    from slipstream_cli.benches.sidecar import block_order
+
+    names = [f"p{i}" for i in range(n)]
+    rows = [block_order(names, rep) for rep in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(row) == names for row in rows)  # every path once per repeat
+    positions = Counter((i, name) for row in rows for i, name in enumerate(row))
+    assert len(set(positions.values())) == 1 and len(positions) == n * n
+    pairs = Counter(pair for row in rows for pair in itertools.pairwise(row))
+    if n > 1:
+        # every ordered pair of different paths, each equally often
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    assert block_order(names, len(rows)) == rows[0]  # cyclic beyond one design

@@ -27,7 +27,10 @@ and the client on the last; ``os.sched_setaffinity``; on a shared host this
 separates them from each other, not from other work). ``--baseline-sidecar DIR`` adds one more
 path, a sidecar whose package is imported from ``DIR`` first on
 ``PYTHONPATH`` (an older checkout's ``sidecar/``), so before/after comparisons
-come from one run. The order of the paths rotates from block to block, and
+come from one run. The order of the paths changes from repeat to repeat
+(``block_order``: a Williams design, so over its repeats each path is in
+every position equally often and follows every other path equally often; a
+plain rotation kept each path behind the same one every time), and
 each repeat's own added TTFT (its sidecar block minus its direct block) is
 kept, so the spread between repeats shows what the host can resolve. From
 each sidecar that exports ``slipstream_proxy_overhead_seconds`` the bench also
@@ -392,6 +395,29 @@ def _against_direct(
     )
 
 
+def block_order(names: list[str], rep: int) -> list[str]:
+    """The paths' order in repeat ``rep``: row ``rep`` (cyclically) of a Williams design.
+
+    Over ``n`` repeats (``2n`` for an odd number ``n`` of paths) each path is in
+    every position equally often and directly follows every other path equally
+    often, so no path's figures always carry the same predecessor's after-effects
+    (its connections, the engine's cache, the host's state).
+    """
+    n = len(names)
+    base = [0]
+    lo, hi = 1, n - 1
+    while len(base) < n:  # 0, 1, n-1, 2, n-2, ...
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + i) % n for b in base] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [names[j] for j in rows[rep % len(rows)]]
+
+
 def _first_round(first: dict[str, list[Sample]]) -> dict[str, dict[str, float]]:
     """Each path's first round after a lull (TTFT p50/p99 over every block's first
     request per stream) and, but for direct, its added TTFT against direct's."""
@@ -591,8 +617,7 @@ async def _measure(
                 if name not in DIRECT_PATHS:
                     await _closed_loop(paths[name], bodies, c, 1, s, broken=broken.get(name))
             for rep in range(args.repeats):
-                k = rep % len(names)
-                for name in names[k:] + names[:k]:
+                for name in block_order(names, rep):
                     if args.block_warmup:
                         # Every connection of this path (client -> proxy -> engine) open again
                         # after the other paths' blocks, as in steady traffic. The first round
