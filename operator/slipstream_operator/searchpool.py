@@ -21,6 +21,10 @@ The worker's wall time is bounded by ``SimSearchParams.max_wall_s`` inside the
 search (between trials); a thread cannot be killed, so a trial in progress
 finishes (each is bounded by the sample's virtual horizon and ``max_steps``).
 
+The worker process exits by itself within a second of the operator's death
+(``_exit_with_parent``): an operator killed with SIGKILL cannot shut its pool
+down, and a spawned worker would otherwise wait on its queue for ever.
+
 Deliberately left out: persistence across operator restarts (a restarted
 operator searches again, answering analytically meanwhile) and searching the
 idle budget.
@@ -30,6 +34,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import (
@@ -209,14 +216,31 @@ class BudgetSearches:
         the params ask for a thread."""
         if self.params.worker == "thread":
             return ThreadPoolExecutor(max_workers=1, thread_name_prefix="budget-search")
-        return ProcessPoolExecutor(max_workers=1,
-                                   mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_exit_with_parent,
+        )
 
     def _store(self, key: tuple[Hashable, ...], result: SearchResult) -> None:
         self._cache[key] = result
         self._cache.move_to_end(key)
         while len(self._cache) > self.params.cache_entries:
             self._cache.popitem(last=False)
+
+
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """In the worker: exit as soon as the process that started it is gone (it is then
+    re-parented, so ``getppid`` changes). Polling rather than ``PR_SET_PDEATHSIG``,
+    which fires when the *thread* that started the worker ends, not the process."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 SearchFactory = Callable[[SearchSubject], BudgetSearch]

@@ -30,7 +30,9 @@ from slipstream_scheduler.types import EngineLimits
 pytestmark = pytest.mark.unit
 
 PROFILE = (
-    Path(slipstream_scheduler.__file__).parent / "engine" / "profiles"
+    Path(slipstream_scheduler.__file__).parent
+    / "engine"
+    / "profiles"
     / "latency_llama-2-7b_a100.json"
 )
 MODEL = LinearLatencyModel.from_json(PROFILE.read_text())
@@ -91,8 +93,9 @@ def test_synthesized_sample_matches_the_load() -> None:
 def test_names_limits_and_buckets() -> None:
     assert engine_model_name("meta-llama/Llama-2-7b-hf", "A100") == "llama-2-7b"
     assert engine_model_name("mistralai/Mistral-7B", "h100") is None
-    assert engine_limits(["--max-num-seqs", "128", "--max-num-batched-tokens=4096"]) == \
-        EngineLimits(max_num_seqs=128, max_num_batched_tokens=4096)
+    assert engine_limits(
+        ["--max-num-seqs", "128", "--max-num-batched-tokens=4096"]
+    ) == EngineLimits(max_num_seqs=128, max_num_batched_tokens=4096)
     near = bucket_load(LoadStats(2.0, 1000.0, 200.0), 1.25, 0.1)
     assert near == bucket_load(LoadStats(2.1, 1040.0, 195.0), 1.25, 0.1)
     assert near != bucket_load(LoadStats(3.0, 1000.0, 200.0), 1.25, 0.1)
@@ -194,3 +197,52 @@ def test_searches_run_in_a_child_process_by_default_and_survive_a_dead_worker() 
         assert threaded.wait_idle(120.0)
     finally:
         threaded.close()
+
+
+_OWNER = """
+import os, time
+from slipstream_operator.searchpool import BudgetSearches
+from slipstream_operator.simsearch import SimSearchParams
+pool = BudgetSearches(SimSearchParams())._new_executor()
+print(pool.submit(os.getpid).result(), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's exit is reaped by whatever
+    process adopted it, which in a container may never do so)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_the_search_worker_exits_when_its_operator_is_killed() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    try:
+        worker = int(owner.stdout.readline())
+        assert worker != owner.pid
+        assert _running(worker)  # alive while its operator is
+        owner.send_signal(signal.SIGKILL)  # no shutdown of the pool can run
+        owner.wait(10)
+        deadline = time.monotonic() + 30  # a liveness bound, not a timing under test
+        while time.monotonic() < deadline:
+            if not _running(worker):
+                return
+            time.sleep(0.1)
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the search worker outlived its operator")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        owner.stdout.close()
