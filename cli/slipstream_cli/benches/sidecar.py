@@ -708,14 +708,13 @@ async def _measure(
                 ),
                 flush=True,
             )
-        # Rates in alternating slices (order rotating), averaged: one path measured
+        # Rates in alternating slices (in the blocks' balanced order), averaged: one path measured
         # after the other would follow the host's load of that moment.
         rps_paths = [n for n in ("direct", "sidecar", "sidecar_baseline", REFERENCE) if n in paths]
         rates: dict[str, list[float]] = {n: [] for n in rps_paths}
         slices = max(1, args.rps_slices)
         for k in range(slices):
-            j = k % len(rps_paths)
-            for name in rps_paths[j:] + rps_paths[:j]:
+            for name in block_order(rps_paths, k):
                 with collector_paused():
                     rate = await _rps(
                         paths[name], args.rps_seconds / slices, 64, s, broken=broken.get(name)
