@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import slipstream_scheduler
+from slipstream_cli.cluster import pid_alive
 from slipstream_operator.budgets import AnalyticSearch, LoadStats, SLOTargets
 from slipstream_operator.searchpool import BudgetSearches, SearchSubject
 from slipstream_operator.simsearch import (
@@ -209,16 +210,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan's exit is reaped by whatever
-    process adopted it, which in a container may never do so)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
 def test_the_search_worker_exits_when_its_operator_is_killed() -> None:
     import os
     import signal
@@ -231,12 +222,14 @@ def test_the_search_worker_exits_when_its_operator_is_killed() -> None:
     try:
         worker = int(owner.stdout.readline())
         assert worker != owner.pid
-        assert _running(worker)  # alive while its operator is
+        python = Path(sys.executable)  # what the spawned worker runs
+        assert pid_alive(worker, python)  # alive while its operator is
         owner.send_signal(signal.SIGKILL)  # no shutdown of the pool can run
         owner.wait(10)
         deadline = time.monotonic() + 30  # a liveness bound, not a timing under test
         while time.monotonic() < deadline:
-            if not _running(worker):
+            # (a zombie counts as gone: whoever adopted the orphan may never reap it)
+            if not pid_alive(worker, python):
                 return
             time.sleep(0.1)
         os.kill(worker, signal.SIGKILL)
