@@ -37,3 +37,12 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def front_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sidecar's compiled front (``sidecar/front``), built once per session with the
+    local go toolchain (standard library only; a cold build cache takes about 25 s)."""
+    from slipstream_cli.gobuild import build_front
+
+    return build_front(tmp_path_factory.mktemp("front"))

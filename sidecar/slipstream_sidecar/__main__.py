@@ -49,6 +49,8 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--sync-prefill-limit": (
         "sync_prefill_limit", int, "grant online arrivals at once while at most this many "
         "granted requests await their first token (default 16; 0: never)"),
+    "--front": ("front", str, "python (default) | compiled: what serves the HTTP port"),
+    "--front-binary": ("front_binary", Path, "the slipstream-front executable (--front compiled)"),
     "--event-loop": ("event_loop", str, "auto (uvloop when installed) | uvloop | asyncio"),
 }
 
@@ -104,8 +106,31 @@ async def _serve(settings: Any) -> int:
     from slipstream_sidecar.proxy import serve
 
     sidecar = Sidecar(settings)
+    front = None
+    if settings.front == "compiled":
+        from slipstream_sidecar.front import find_binary
+
+        try:
+            binary = find_binary(settings.front_binary)
+        except FileNotFoundError as exc:
+            print(f"slipstream sidecar: {exc}", file=sys.stderr)
+            return 2
     await sidecar.start()
-    runner, http_port = await serve(sidecar.proxy.app(), settings.host, settings.http_port)
+    if settings.front == "compiled":
+        from slipstream_sidecar.front import start_front
+
+        front = await start_front(
+            sidecar.proxy,
+            sidecar.proxy.app(),
+            engine=settings.engine,
+            host=settings.host,
+            port=settings.http_port,
+            binary=binary,
+            engine_connections=settings.engine_connections,
+        )
+        runner, http_port = None, front.port
+    else:
+        runner, http_port = await serve(sidecar.proxy.app(), settings.host, settings.http_port)
     grpc_server, grpc_port = await serve_grpc(sidecar, settings.host, settings.grpc_port)
     freeze_startup_heap()
     loop = asyncio.get_running_loop()
@@ -114,14 +139,31 @@ async def _serve(settings: Any) -> int:
         "sidecar serving: http %s:%d grpc %s:%d engine %s loop %s",
         settings.host, http_port, settings.host, grpc_port, settings.engine, loop_name,
     )
-    print(f"sidecar ready http={http_port} grpc={grpc_port} loop={loop_name}", flush=True)
+    print(
+        f"sidecar ready http={http_port} grpc={grpc_port} loop={loop_name} front={settings.front}",
+        flush=True,
+    )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    status = 0
+    if front is None:
+        await stop.wait()
+    else:
+        stopped = loop.create_task(stop.wait())
+        front_gone = loop.create_task(front.wait_closed())
+        await asyncio.wait((stopped, front_gone), return_when=asyncio.FIRST_COMPLETED)
+        if front_gone.done():
+            log.error("the compiled front exited; the sidecar stops")
+            status = 1
+        stopped.cancel()
+        front_gone.cancel()
     sidecar.proxy_state.draining = True
     await grpc_server.stop(grace=1.0)
+    if front is not None:
+        await front.stop()
     await sidecar.stop()
-    await runner.cleanup()
-    return 0
+    if runner is not None:
+        await runner.cleanup()
+    return status

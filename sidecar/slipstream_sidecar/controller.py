@@ -111,6 +111,20 @@ class Ticket:
         """
         return await self._fut
 
+    def when_granted(self, callback: Callable[[Grant], None]) -> None:
+        """Call ``callback`` with the grant when the dispatcher submits this request (at
+        once when it has; never when the request leaves first). For a caller with no
+        task of its own to wait in (the compiled front, ``front.py``)."""
+
+        def done(fut: asyncio.Future[Grant]) -> None:
+            if not fut.cancelled():
+                callback(fut.result())
+
+        if self._fut.done():
+            done(self._fut)
+        else:
+            self._fut.add_done_callback(done)
+
     def on_abort(self, callback: Callable[[], None] | None) -> None:
         """What to do when the dispatcher aborts this request (close its stream)."""
         self._on_abort = callback

@@ -48,6 +48,7 @@ import itertools
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -57,7 +58,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.textgen import block_hashes
 from slipstream_scheduler.types import RequestClass
-from slipstream_sidecar.controller import Controller, Ticket
+from slipstream_sidecar.controller import Controller, Grant, Ticket
 from slipstream_sidecar.engine import EngineClient, TokenRatio, prompt_chars
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
 from slipstream_sidecar.logging_filters import install_payload_filter
@@ -81,6 +82,23 @@ def error_response(status: int, message: str, err_type: str = "BadRequestError")
     """An error in vLLM's ErrorResponse shape (used only for the sidecar's own errors)."""
     doc = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
     return web.json_response(doc, status=status)
+
+
+@dataclass(slots=True)
+class Admission:
+    """One online request between its arrival and the engine (``Proxy.inspect``)."""
+
+    arrival: float
+    raw: bytes
+    body: dict[str, Any]
+    client_priority: bool  # the client sent a ``priority`` (removed from ``body``)
+    asked: object  # max_tokens or max_completion_tokens as sent
+    text: str | None  # the prompt's text, when the length predictor reads it
+    exact: bool = False  # the length is to be measured (/tokenize), not estimated
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    hashes: tuple[int, ...] = ()
+    vector: Vector | None = None
 
 
 class ProxyState:
@@ -173,7 +191,37 @@ class Proxy:
         arrival = self.controller.now()
         if self.state.draining:
             return error_response(503, "the sidecar is draining", "ServiceUnavailableError")
-        raw = await request.read()
+        adm = self.inspect(await request.read(), arrival)
+        if isinstance(adm, web.Response):
+            return adm
+        if adm.exact:
+            refused = await self.measure(adm)
+            if refused is not None:
+                return refused
+        ticket = self.register(adm)
+        outcome = "cancelled"
+        try:
+            # Already granted when it fits at once (a done future: no loop turn here).
+            data = self.engine_body(adm, await ticket.granted())
+            self._to_engine.observe(self.controller.now() - arrival)
+            if adm.body.get("stream"):
+                resp, outcome = await self._stream(request, path, data, ticket)
+            else:
+                resp, outcome = await self._unary(path, data, ticket)
+            return resp
+        except EngineUnavailableError as exc:
+            outcome = "engine_error"
+            return error_response(503, str(exc), "ServiceUnavailableError")
+        finally:
+            self.settle(adm, ticket, outcome, self.controller.now() - arrival)
+
+    # -- admission, shared with the compiled front (front.py) ---------------------------------
+
+    def inspect(self, raw: bytes, arrival: float) -> Admission | web.Response:
+        """Read one generation request's body: what the dispatcher needs to know of it,
+        its prompt length estimated when an exact one cannot matter (``_estimate_now``),
+        else marked for :meth:`measure`; an error response for a body that is not a JSON
+        object."""
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -187,68 +235,72 @@ class Proxy:
         asked = body.get("max_tokens") or body.get("max_completion_tokens")
         lengths = self.lengths
         text = prompt_text(body) if lengths is not None and lengths.uses_text else None
-        vector = None
+        adm = Admission(arrival, raw, body, client_priority, asked, text)
         fast = self._estimate_now(body, asked)
         if fast is not None:
-            prompt_tokens, max_tokens = fast
-            hashes: tuple[int, ...] = ()
+            adm.prompt_tokens, adm.max_tokens = fast
         else:
-            self._exact_pending += 1
-            try:
-                prompt_tokens, hashes = await self._measure(body, raw)
-                max_tokens = self._max_tokens(asked, prompt_tokens)
-                if text is not None and not self.controller.online_fits_now(
-                    prompt_tokens + max_tokens
-                ):
-                    # It may be held: its place in the order needs its predicted lengths.
-                    vector = await self._embed(text, prompt_tokens)
-            except EngineUnavailableError as exc:
-                return error_response(503, str(exc), "ServiceUnavailableError")
-            except EngineError as exc:
-                # The engine refuses what it cannot tokenize; it would refuse the request too.
-                self.metrics.finished.labels("online", "rejected").inc()
-                return _passthrough(exc.status, exc.body, "application/json")
-            finally:
-                self._exact_pending -= 1
+            adm.exact = True
+            self._exact_pending += 1  # later arrivals wait for /tokenize too (no overtaking)
+        return adm
+
+    async def measure(self, adm: Admission) -> web.Response | None:
+        """The exact prompt length of an admission :meth:`inspect` marked ``exact`` (and its
+        embedding when it may be held); an error response when the engine refuses it."""
+        try:
+            adm.prompt_tokens, adm.hashes = await self._measure(adm.body, adm.raw)
+            adm.max_tokens = self._max_tokens(adm.asked, adm.prompt_tokens)
+            if adm.text is not None and not self.controller.online_fits_now(
+                adm.prompt_tokens + adm.max_tokens
+            ):
+                # It may be held: its place in the order needs its predicted lengths.
+                adm.vector = await self._embed(adm.text, adm.prompt_tokens)
+        except EngineUnavailableError as exc:
+            return error_response(503, str(exc), "ServiceUnavailableError")
+        except EngineError as exc:
+            # The engine refuses what it cannot tokenize; it would refuse the request too.
+            self.metrics.finished.labels("online", "rejected").inc()
+            return _passthrough(exc.status, exc.body, "application/json")
+        finally:
+            self._exact_pending -= 1
+        return None
+
+    def register(self, adm: Admission) -> Ticket:
+        """Hand the admission to the dispatcher (granted at once when it fits)."""
         rid = f"on-{_PREFIX}-{next(_ids)}"
-        ticket = self.controller.register(
+        return self.controller.register(
             Incoming(
                 rid,
                 RequestClass.ONLINE,
-                prompt_tokens,
-                max_tokens,
-                arrival,
-                vector=vector,
-                block_hashes=hashes,
+                adm.prompt_tokens,
+                adm.max_tokens,
+                adm.arrival,
+                vector=adm.vector,
+                block_hashes=adm.hashes,
             ),
             grant_now=True,
         )
-        outcome = "cancelled"
-        try:
-            # Already granted when it fits at once (a done future: no loop turn here).
-            grant = await ticket.granted()
-            if client_priority or not body or not _spliceable(raw):
-                body["priority"] = grant.priority
-                data = json.dumps(body, separators=(",", ":")).encode()
-            else:
-                data = with_priority(raw, grant.priority)
-            self._to_engine.observe(self.controller.now() - arrival)
-            if body.get("stream"):
-                resp, outcome = await self._stream(request, path, data, ticket)
-            else:
-                resp, outcome = await self._unary(path, data, ticket)
-            return resp
-        except EngineUnavailableError as exc:
-            outcome = "engine_error"
-            return error_response(503, str(exc), "ServiceUnavailableError")
-        finally:
-            if outcome != "ok":
-                self.controller.failed(ticket)
-            elif text is not None and vector is None and lengths is not None:
-                # Admitted without an embedding: the text history learns it in the background.
-                lengths.learn(text, prompt_tokens, ticket.generated)
-            self.metrics.finished.labels("online", outcome).inc()
-            self._e2e.observe(self.controller.now() - arrival)
+
+    def engine_body(self, adm: Admission, grant: Grant) -> bytes:
+        """The body sent to the engine: the client's, with the dispatcher's priority."""
+        if adm.client_priority or not adm.body or not _spliceable(adm.raw):
+            adm.body["priority"] = grant.priority
+            return json.dumps(adm.body, separators=(",", ":")).encode()
+        return with_priority(adm.raw, grant.priority)
+
+    def splices(self, adm: Admission) -> bool:
+        """Whether :meth:`engine_body` would splice the priority into the client's bytes."""
+        return not adm.client_priority and bool(adm.body) and _spliceable(adm.raw)
+
+    def settle(self, adm: Admission, ticket: Ticket, outcome: str, e2e_s: float) -> None:
+        """The request has left (``outcome``): the dispatcher and the metrics are told."""
+        if outcome != OK:
+            self.controller.failed(ticket)
+        elif adm.text is not None and adm.vector is None and self.lengths is not None:
+            # Admitted without an embedding: the text history learns it in the background.
+            self.lengths.learn(adm.text, adm.prompt_tokens, ticket.generated)
+        self.metrics.finished.labels("online", outcome).inc()
+        self._e2e.observe(e2e_s)
 
     async def _embed(self, text: str, prompt_tokens: int) -> Vector | None:
         assert self.lengths is not None

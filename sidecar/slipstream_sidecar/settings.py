@@ -124,6 +124,18 @@ class SidecarSettings(BaseSettings):
         "[sidecar] extra installs it on Linux), 'asyncio' (the standard library's), or "
         "'auto': uvloop when it is installed, else asyncio.",
     )
+    front: Literal["python", "compiled"] = Field(
+        default="python",
+        description="What serves the OpenAI HTTP port: 'python' (this process's aiohttp "
+        "front door) or 'compiled' (the slipstream-front executable, started by this "
+        "process: it forwards and relays, this process still decides every request; "
+        "docs/sidecar.md).",
+    )
+    front_binary: Path | None = Field(
+        default=None,
+        description="The slipstream-front executable for front 'compiled' (default: beside "
+        "this Python, else on PATH).",
+    )
     status_interval_s: float = Field(
         default=1.0, gt=0, description="Default WatchStatus period (s)."
     )

@@ -12,9 +12,15 @@ from helpers_procs import MODEL, engine_proc, sidecar_proc
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def test_engine_death_mid_stream_reaches_the_client_as_an_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("front", ["python", "compiled"])
+def test_engine_death_mid_stream_reaches_the_client_as_an_error(
+    tmp_path: Path, front: str, request: pytest.FixtureRequest
+) -> None:
+    extra = ["--front", front]
+    if front == "compiled":
+        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
     eng = engine_proc(tmp_path).start()
-    sc = sidecar_proc(tmp_path, eng.url).start()
+    sc = sidecar_proc(tmp_path, eng.url, extra=extra).start()
     conn: http.client.HTTPConnection | None = None
     try:
         host, port = sc.url.removeprefix("http://").split(":")

@@ -41,9 +41,15 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def test_held_requests_are_keyed_by_similar_prompts_and_history_grows(tmp_path: Path) -> None:
+@pytest.mark.parametrize("front", ["python", "compiled"])
+def test_held_requests_are_keyed_by_similar_prompts_and_history_grows(
+    tmp_path: Path, front: str, request: pytest.FixtureRequest
+) -> None:
+    extra = ["--front", front]
+    if front == "compiled":
+        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
     eng = engine_proc(tmp_path, max_num_seqs=2).start()
-    sc = sidecar_proc(tmp_path, eng.url, max_num_seqs=2).start()
+    sc = sidecar_proc(tmp_path, eng.url, max_num_seqs=2, extra=extra).start()
     try:
         prompts = [f"Tell me about {SECRET} number {i}, please." for i in range(12)]
         with ThreadPoolExecutor(12) as pool:

@@ -51,19 +51,27 @@ def _has_uvloop() -> bool:
 
 
 # The [sidecar] extra installs uvloop, which "auto" then runs on; "asyncio" is the
-# fallback. Both loops must serve the same bytes.
-@pytest.fixture(scope="module", params=["auto", "asyncio"])
+# fallback; "compiled" serves the HTTP port from the compiled front (front.py) with the
+# decisions still taken in Python. All three must serve the same bytes.
+@pytest.fixture(scope="module", params=["auto", "asyncio", "compiled"])
 def procs(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Proc, Proc]]:
     d = tmp_path_factory.mktemp(f"proxy-{request.param}")
+    if request.param == "compiled":
+        binary = request.getfixturevalue("front_binary")
+        extra = ["--front", "compiled", "--front-binary", str(binary)]
+        ready = b"front=compiled"
+    else:
+        extra = ["--event-loop", request.param]
+        expected = "uvloop" if request.param == "auto" and _has_uvloop() else "asyncio"
+        ready = f"loop={expected} front=python".encode()
     eng = engine_proc(d).start()
-    sc = sidecar_proc(d, eng.url, extra=["--event-loop", request.param]).start()
-    expected = "uvloop" if request.param == "auto" and _has_uvloop() else "asyncio"
+    sc = sidecar_proc(d, eng.url, extra=extra).start()
     deadline = time.monotonic() + 10
     while b"sidecar ready" not in sc.log_path.read_bytes() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert f"loop={expected}".encode() in sc.log_path.read_bytes()
+    assert ready in sc.log_path.read_bytes()
     yield eng, sc
     sc.stop()
     eng.stop()
@@ -126,9 +134,15 @@ def test_models_health_and_metrics(procs: tuple[Proc, Proc]) -> None:
     assert "vllm:" not in text
 
 
-def test_ready_follows_the_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("front", ["python", "compiled"])
+def test_ready_follows_the_engine(
+    tmp_path: Path, front: str, request: pytest.FixtureRequest
+) -> None:
+    extra = ["--front", front]
+    if front == "compiled":
+        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
     eng = engine_proc(tmp_path, name="engine-ready").start()
-    sc = sidecar_proc(tmp_path, eng.url, name="sidecar-ready").start()
+    sc = sidecar_proc(tmp_path, eng.url, name="sidecar-ready", extra=extra).start()
     try:
         # /health answers before the first engine check has finished on a loaded host.
         deadline = time.monotonic() + 10

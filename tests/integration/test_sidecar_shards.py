@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,19 +105,35 @@ class Stack:
         return ch, stub  # type: ignore[return-value]
 
 
-def start_stack(tmp: Path, *, sidecar_seqs: int = 64, engine_port: int | None = None) -> Stack:
+def start_stack(
+    tmp: Path,
+    *,
+    sidecar_seqs: int = 64,
+    engine_port: int | None = None,
+    extra: Sequence[str] = (),
+) -> Stack:
     token = tmp / "token"
     token.write_text(TOKEN)
     eng = engine_proc(tmp, port=engine_port, max_num_seqs=64).start()
     sc = sidecar_proc(
-        tmp, eng.url, token_file=token, state_dir=tmp / "state", max_num_seqs=sidecar_seqs
+        tmp,
+        eng.url,
+        token_file=token,
+        state_dir=tmp / "state",
+        max_num_seqs=sidecar_seqs,
+        extra=extra,
     ).start()
     return Stack(eng, sc, tmp)
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = start_stack(tmp_path, sidecar_seqs=4)
+# The online streams reach the sidecar through its Python front door and through the
+# compiled front (front.py); the offline shard runs in the sidecar either way.
+@pytest.fixture(params=["python", "compiled"])
+def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    extra = ["--front", request.param]
+    if request.param == "compiled":
+        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
+    s = start_stack(tmp_path, sidecar_seqs=4, extra=extra)
     yield s
     s.sidecar.stop()
     s.engine.stop()

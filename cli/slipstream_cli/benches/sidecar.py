@@ -97,6 +97,8 @@ from typing import Any
 
 import aiohttp
 
+from slipstream_cli.gobuild import REFPROXY_SRC, go_build
+
 MODEL = "llama-2-7b"
 CONCURRENCY = (1, 64, 256)
 OUTPUT_LENGTHS = ("fixed", "alpaca")
@@ -222,30 +224,12 @@ async def _answer_lengths(
     return out
 
 
-REFPROXY_SRC = REPO_ROOT / "hack" / "refproxy"
 REFERENCE = "proxy_reference"
 
 
 def _build_refproxy(into: Path) -> Path:
-    """Build the reference proxy from ``hack/refproxy`` (standard library only: nothing is
-    downloaded; ``GOPROXY=off``) into ``into``."""
-    out = into / "refproxy"
-    env = dict(os.environ, GOPROXY="off", GOTOOLCHAIN="local", CGO_ENABLED="0")
-    try:
-        subprocess.run(
-            ["go", "build", "-o", str(out), "."],
-            cwd=REFPROXY_SRC,
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-    except FileNotFoundError as exc:
-        raise RuntimeError("--reference-proxy needs the go toolchain on PATH") from exc
-    except subprocess.CalledProcessError as exc:
-        raise RuntimeError(
-            f"building {REFPROXY_SRC} failed: {exc.stderr.decode()[-2000:]}"
-        ) from exc
-    return out
+    """Build the reference proxy from ``hack/refproxy`` into ``into`` (nothing downloaded)."""
+    return go_build(REFPROXY_SRC, into / "refproxy")
 
 
 def _start_refproxy(binary: Path, engine_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:

@@ -1,0 +1,3 @@
+module slipstream.dev/front
+
+go 1.22

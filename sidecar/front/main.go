@@ -1,0 +1,284 @@
+// slipstream-front is the sidecar's compiled data path (`slipstream sidecar
+// --front compiled`, docs/sidecar.md). It serves the pod's OpenAI HTTP port:
+// for each generation request it asks the sidecar's Python process, over a
+// Unix socket, whether and with which vLLM priority to send it (the
+// dispatcher decides; nothing is decided here), forwards it to the engine,
+// relays the answer byte for byte and reports its tokens back. Every other
+// route is passed to the Python process's own HTTP server on a second Unix
+// socket. The sidecar starts this process and stops it; when either side of
+// the control socket goes away, so does this process. Standard library only.
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// The largest request body taken, as the Python front door's client_max_size.
+const maxBody = 64 << 20
+
+const (
+	routeCompletions = 'c'
+	routeChat        = 'h'
+)
+
+var streamBroke = []byte(`data: {"error": {"message": "the inference engine stopped while streaming this answer; ` +
+	`it is incomplete", "type": "EngineStreamError", "param": null, "code": 502}}` + "\n\n")
+
+type front struct {
+	engine  string
+	client  *http.Client
+	control *control
+	ids     atomic.Uint32
+}
+
+func main() {
+	engine := flag.String("engine", "", "engine base URL (http://HOST:PORT)")
+	listen := flag.String("listen", "127.0.0.1:8000", "address of the OpenAI HTTP port")
+	controlPath := flag.String("control", "", "the sidecar's control socket")
+	internal := flag.String("internal", "", "the sidecar's own HTTP server (Unix socket)")
+	conns := flag.Int("engine-connections", 1024, "connections kept open to the engine")
+	flag.Parse()
+	target, err := url.Parse(*engine)
+	if err != nil || target.Scheme != "http" || target.Host == "" {
+		fmt.Fprintf(os.Stderr, "slipstream-front: --engine must be an http:// URL, got %q\n", *engine)
+		os.Exit(2)
+	}
+	if *controlPath == "" || *internal == "" {
+		fmt.Fprintln(os.Stderr, "slipstream-front: --control and --internal are required")
+		os.Exit(2)
+	}
+	ctl, err := dialControl(*controlPath)
+	if err != nil {
+		log.Fatalf("slipstream-front: %v", err)
+	}
+	f := &front{
+		engine: strings.TrimRight(*engine, "/"),
+		client: &http.Client{Transport: &http.Transport{
+			DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+			MaxIdleConns:        *conns,
+			MaxIdleConnsPerHost: *conns,
+			IdleConnTimeout:     90 * time.Second,
+			DisableCompression:  true,
+		}},
+		control: ctl,
+	}
+	sidecar := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: "sidecar"})
+	sidecar.FlushInterval = -1
+	sidecar.Transport = &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", *internal)
+		},
+		DisableCompression: true,
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) {
+		f.generate(w, r, routeCompletions, "/v1/completions")
+	})
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		f.generate(w, r, routeChat, "/v1/chat/completions")
+	})
+	mux.Handle("/", sidecar)
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		log.Fatalf("slipstream-front: %v", err)
+	}
+	go func() {
+		log.Fatalf("slipstream-front: control link: %v", ctl.run())
+	}()
+	// The sidecar reads the bound port from this line.
+	fmt.Printf("listening on %s\n", ln.Addr())
+	os.Stdout.Sync()
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 30 * time.Second}
+	log.Fatal(srv.Serve(ln))
+}
+
+func seconds(d time.Duration) float64 { return d.Seconds() }
+
+// generate carries one completion or chat request: arrival, the sidecar's
+// decision, the engine's answer relayed, the end reported.
+func (f *front) generate(w http.ResponseWriter, r *http.Request, route byte, path string) {
+	start := time.Now()
+	body, err := io.ReadAll(io.LimitReader(r.Body, maxBody+1))
+	if err != nil {
+		return // the client went away while sending
+	}
+	if len(body) > maxBody {
+		writeError(w, http.StatusRequestEntityTooLarge, "request body is larger than 64 MiB", "BadRequestError")
+		return
+	}
+	id := f.ids.Add(1)
+	wait := f.control.arrive(id, route, body)
+	var rep reply
+	select {
+	case rep = <-wait:
+	case <-r.Context().Done():
+		f.control.forget(id)
+		f.control.end(id, outcomeCancelled, 0, seconds(time.Since(start)), -1, -1)
+		return
+	}
+	var data []byte
+	switch rep.kind {
+	case kindRefuse:
+		if len(rep.payload) < 2 {
+			writeError(w, http.StatusInternalServerError, "malformed refusal from the sidecar", "InternalServerError")
+			return
+		}
+		status := int(rep.payload[0]) | int(rep.payload[1])<<8
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		w.Write(rep.payload[2:])
+		return // the sidecar settled it when it refused
+	case kindBody:
+		data = rep.payload
+	default:
+		prio, perr := strconv.Atoi(string(rep.payload))
+		if perr != nil {
+			prio = 0
+		}
+		data = withPriority(body, prio)
+	}
+	toEngine := seconds(time.Since(start))
+	outcome, tokens, relay := f.forward(w, r, path, data, id, start)
+	f.control.end(id, outcome, uint32(tokens), seconds(time.Since(start)), toEngine, relay)
+}
+
+// withPriority puts "priority":N in front of the members of the body's object
+// (the sidecar grants with 'G' only a body it checked it can splice).
+func withPriority(body []byte, prio int) []byte {
+	i := bytes.IndexByte(body, '{')
+	out := make([]byte, 0, len(body)+24)
+	out = append(out, `{"priority":`...)
+	out = strconv.AppendInt(out, int64(prio), 10)
+	out = append(out, ',')
+	return append(out, body[i+1:]...)
+}
+
+// forward sends the granted request to the engine and relays its answer; it
+// returns the outcome, the output tokens and the first relay write's time
+// (negative: none).
+func (f *front) forward(w http.ResponseWriter, r *http.Request, path string, data []byte, id uint32, start time.Time) (byte, int, float64) {
+	ctx := r.Context()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, f.engine+path, bytes.NewReader(data))
+	if err != nil {
+		writeError(w, http.StatusInternalServerError, err.Error(), "InternalServerError")
+		return outcomeEngineError, 0, -1
+	}
+	req.Header.Set("Content-Type", "application/json")
+	// An empty idempotency key: the transport may send the request again on a new
+	// connection when a reused one closed before any answer byte; the engine never
+	// saw it, and generation has no side effects. The header is not sent.
+	req.Header["X-Idempotency-Key"] = nil
+	resp, err := f.client.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return outcomeCancelled, 0, -1
+		}
+		writeError(w, http.StatusServiceUnavailable, "the inference engine is unavailable: "+err.Error(), "ServiceUnavailableError")
+		return outcomeEngineError, 0, -1
+	}
+	defer resp.Body.Close()
+	ctype := resp.Header.Get("Content-Type")
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(ctype, "text/event-stream") {
+		answer, rerr := io.ReadAll(resp.Body)
+		if rerr != nil {
+			if ctx.Err() != nil {
+				return outcomeCancelled, 0, -1
+			}
+			writeError(w, http.StatusServiceUnavailable, "the inference engine stopped while answering: "+rerr.Error(), "ServiceUnavailableError")
+			return outcomeEngineError, 0, -1
+		}
+		if ctype == "" {
+			ctype = "application/json"
+		}
+		w.Header().Set("Content-Type", ctype)
+		w.WriteHeader(resp.StatusCode)
+		w.Write(answer)
+		if resp.StatusCode != http.StatusOK {
+			return outcomeEngineError, 0, -1
+		}
+		return outcomeOK, usageTokens(answer), -1
+	}
+	return f.relay(w, ctx, resp, ctype, id, start)
+}
+
+func (f *front) relay(w http.ResponseWriter, ctx context.Context, resp *http.Response, ctype string, id uint32, start time.Time) (byte, int, float64) {
+	w.Header().Set("Content-Type", ctype)
+	w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(w)
+	sc := newScanner()
+	buf := make([]byte, 32<<10)
+	relayFirst := -1.0
+	var last time.Time
+	reported := 0
+	var gaps []float64
+	for {
+		n, err := resp.Body.Read(buf)
+		if n > 0 {
+			t := time.Now()
+			found := sc.feed(buf[:n])
+			ttft := -1.0
+			gaps = gaps[:0]
+			for k := 0; k < found; k++ {
+				if sc.counted-found+k == 0 {
+					ttft = seconds(t.Sub(start))
+				} else {
+					gaps = append(gaps, seconds(t.Sub(last)))
+				}
+				last = t
+			}
+			_, werr := w.Write(buf[:n])
+			if werr == nil {
+				werr = rc.Flush()
+			}
+			if relayFirst < 0 {
+				relayFirst = seconds(time.Since(t))
+			}
+			if werr != nil {
+				return outcomeCancelled, sc.tokens(), relayFirst
+			}
+			if seen := sc.tokens(); seen != reported || ttft >= 0 || len(gaps) > 0 {
+				reported = seen
+				f.control.progress(id, uint32(seen), ttft, gaps)
+			}
+		}
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			return outcomeOK, sc.tokens(), relayFirst
+		}
+		if ctx.Err() != nil {
+			return outcomeCancelled, sc.tokens(), relayFirst
+		}
+		// Tell the client in-band, in vLLM's error shape: without [DONE] or an error a
+		// cut answer looks like a short one.
+		log.Printf("slipstream-front: engine stream of request %d broke after %d events: %v", id, sc.counted, err)
+		w.Write(streamBroke)
+		rc.Flush()
+		return outcomeEngineError, sc.tokens(), relayFirst
+	}
+}
+
+func writeError(w http.ResponseWriter, status int, message, kind string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	msg, _ := json.Marshal(message)
+	fmt.Fprintf(w, `{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`, msg, kind, status)
+}
