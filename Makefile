@@ -13,7 +13,7 @@ EXTRAS     ?= operator,sidecar,semantic,dev
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
+.PHONY: help venv front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
 
 help:
 	@echo "make demo        run the main job (builds what it needs)"
@@ -24,6 +24,7 @@ help:
 	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
 	@echo "make bench       rerun every benchmark into docs/benchmarks/"
 	@echo "make proto       regenerate the sidecar's gRPC code"
+	@echo "make front       build the sidecar's compiled front into $(BIN) (--front compiled)"
 
 venv: $(VENV)/.installed
 
@@ -38,6 +39,14 @@ $(VENV)/.installed: pyproject.toml
 	@$(BIN)/python -m pip install --quiet --progress-bar off -e '.[$(EXTRAS)]' || { \
 	  echo "==> pip failed; free space on this disk now:"; df -h .; exit 1; }
 	@touch $@
+
+# The sidecar's compiled front (Go standard library: nothing is downloaded), where
+# `slipstream sidecar --front compiled` looks first: beside the environment's Python.
+front: $(BIN)/slipstream-front
+
+$(BIN)/slipstream-front: venv $(wildcard sidecar/front/*.go) sidecar/front/go.mod
+	@echo "==> slipstream-front (sidecar/front) into $(BIN)"
+	@cd sidecar/front && GOPROXY=off GOTOOLCHAIN=local CGO_ENABLED=0 go build -trimpath -o $(abspath $(BIN))/slipstream-front .
 
 system-deps:
 	@if ! command -v prometheus >/dev/null 2>&1; then \

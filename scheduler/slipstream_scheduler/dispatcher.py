@@ -610,6 +610,49 @@ class Dispatcher:
         self._queue(rec).push(req)
         self._dirty = True
 
+    def online_allowance(self) -> tuple[int, int]:
+        """(requests, KV blocks): how many online arrivals, using how many KV blocks in
+        all, the dispatcher would submit on arrival, as :meth:`decide` would, with no
+        decision per arrival.
+
+        The planner's online phase admits an online request whenever a sequence slot
+        and KV blocks are free for it (offline work in flight is preempted to make
+        room, so it takes no slot here). That rule needs no plan while no online
+        request is held; while one is, the allowance is (0, 0): a newcomer must not
+        overtake it. A shell that sends arrivals inside this allowance straight to the
+        engine reports each with :meth:`arrive_submitted`.
+        """
+        if len(self.online_queue):
+            return 0, 0
+        room = self.limits.max_num_seqs - self._n_inflight[RequestClass.ONLINE]
+        cap = self.config.max_online_inflight
+        if cap is not None:
+            room = min(room, cap - self._n_inflight[RequestClass.ONLINE])
+        blocks = self.est_free_kv_blocks
+        if room <= 0 or blocks <= 0:
+            return 0, 0
+        return room, blocks
+
+    def arrive_submitted(self, req: Incoming, now_s: float) -> Decisions:
+        """An online request the shell sent to the engine on arrival, inside the
+        :meth:`online_allowance` it held then. It arrives and is decided at once, so
+        what its admission sets off (offline work preempted to make room, more work
+        submitted) is in the returned decisions, as from :meth:`decide`. Were the
+        planner to hold it (an allowance gone stale in flight), it is taken in
+        flight all the same, with the online priority: the engine has it."""
+        if req.cls is not RequestClass.ONLINE:
+            raise DispatcherError("only online requests arrive submitted", req.request_id)
+        rid = req.request_id
+        self.arrive(req, now_s)
+        dec = self.decide(now_s)
+        if not any(s.request_id == rid for s in dec.submit):
+            self.online_queue.take(rid, now_s)
+            self._take(self._recs[rid])
+            self._submitted += 1
+            self._dirty = True
+            dec = Decisions((*dec.submit, Submit(rid, self.config.online_priority, 0)), dec.abort)
+        return dec
+
     def progress(self, request_id: str, generated_tokens: int, now_s: float) -> None:
         """``generated_tokens`` tokens seen so far on this submission's stream."""
         rec = self._get(request_id)

@@ -8,8 +8,18 @@ package main
 // front -> sidecar: 'A' arrival (route byte + the client's body), 'P' progress
 // (tokens seen, TTFT when this read held the first token, then the token gaps),
 // 'E' end (outcome, tokens, end-to-end, time to the engine, first relay write).
+// 'S' sent: a request this front sent to the engine on arrival, inside the
+// allowance (route byte + body).
 // sidecar -> front: 'G' grant (vLLM priority), 'B' grant with a rewritten body,
-// 'R' refusal (HTTP status + an error body in vLLM's shape).
+// 'R' refusal (HTTP status + an error body in vLLM's shape), 'C' allowance.
+//
+// The allowance: while no online request is held, the dispatcher would submit
+// any arrival that finds a sequence slot and KV blocks free, so the sidecar
+// hands that rule to the front ahead of time: up to N requests using up to B KV
+// blocks in all may go straight to the engine at the online priority, counted
+// from the sidecar's seen-th 'S' frame (the front subtracts what it sent since).
+// The front uses it only while none of its own arrivals awaits a reply, so a
+// newcomer never overtakes a held request.
 
 import (
 	"bufio"
@@ -31,7 +41,11 @@ const (
 	kindGrant    = 'G'
 	kindBody     = 'B'
 	kindRefuse   = 'R'
+	kindSent     = 'S'
+	kindAllow    = 'C'
 )
+
+const allowanceLen = 28
 
 // Outcomes of an 'E' frame.
 const (
@@ -46,11 +60,24 @@ type reply struct {
 	payload []byte
 }
 
+// allowance is what the front may send on arrival (see the file's comment).
+type allowance struct {
+	seen        uint32 // 'S' frames the sidecar had registered when it computed this
+	sent        uint32 // 'S' frames sent
+	count       int
+	blocks      int
+	tokPerByte  float64
+	blockSize   int
+	priority    int
+	outstanding []int // KV blocks of each request sent after the seen-th, oldest first
+}
+
 type control struct {
 	conn    net.Conn
 	out     chan []byte
 	mu      sync.Mutex
 	pending map[uint32]chan reply
+	allow   allowance
 }
 
 func dialControl(path string) (*control, error) {
@@ -113,6 +140,12 @@ func (c *control) read() error {
 		}
 		switch kind {
 		case kindGrant, kindBody, kindRefuse:
+		case kindAllow:
+			if len(payload) != allowanceLen {
+				return fmt.Errorf("allowance frame of %d bytes", len(payload))
+			}
+			c.setAllowance(payload)
+			continue
 		default:
 			return fmt.Errorf("unknown control frame %q", kind)
 		}
@@ -124,6 +157,65 @@ func (c *control) read() error {
 			ch <- reply{kind, payload}
 		}
 	}
+}
+
+func (c *control) setAllowance(p []byte) {
+	seen := binary.LittleEndian.Uint32(p[0:4])
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	a := &c.allow
+	ahead := int(a.sent - seen) // sent after the sidecar's count: still to subtract
+	if ahead < 0 {
+		ahead = 0
+	}
+	if ahead < len(a.outstanding) {
+		a.outstanding = append(a.outstanding[:0], a.outstanding[len(a.outstanding)-ahead:]...)
+	}
+	a.seen = seen
+	a.count = int(binary.LittleEndian.Uint32(p[4:8]))
+	a.blocks = int(binary.LittleEndian.Uint32(p[8:12]))
+	a.tokPerByte = math.Float64frombits(binary.LittleEndian.Uint64(p[12:20]))
+	a.blockSize = int(binary.LittleEndian.Uint32(p[20:24]))
+	a.priority = int(int32(binary.LittleEndian.Uint32(p[24:28])))
+}
+
+// blockSize is the engine's KV block size as the sidecar last said (16 before).
+func (c *control) blockSize() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.allow.blockSize > 0 {
+		return c.allow.blockSize
+	}
+	return 16
+}
+
+// trySend takes a request of maxTokens output tokens inside the allowance when it
+// fits and no arrival awaits a reply; it then tells the sidecar ('S') and returns
+// the priority to send it with.
+func (c *control) trySend(id uint32, route byte, body []byte, maxTokens int) (int, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	a := &c.allow
+	if len(c.pending) > 0 || a.count <= len(a.outstanding) || a.blockSize <= 0 {
+		return 0, false
+	}
+	tokens := int(math.Ceil(float64(len(body))*a.tokPerByte)) + maxTokens
+	blocks := (tokens + a.blockSize - 1) / a.blockSize
+	used := 0
+	for _, b := range a.outstanding {
+		used += b
+	}
+	if used+blocks > a.blocks {
+		return 0, false
+	}
+	a.outstanding = append(a.outstanding, blocks)
+	a.sent++
+	frame := make([]byte, headerLen+1+len(body))
+	putHeader(frame, kindSent, id, 1+len(body))
+	frame[headerLen] = route
+	copy(frame[headerLen+1:], body)
+	c.out <- frame // in order: an arrival queued after this lock comes after it
+	return a.priority, true
 }
 
 // arrive registers request id and tells the sidecar; the reply comes on the channel.

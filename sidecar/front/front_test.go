@@ -156,3 +156,71 @@ func readFull(c net.Conn, b []byte) (int, error) {
 	}
 	return n, nil
 }
+
+func allowanceFrame(seen, count, blocks uint32, ratio float64, blockSize uint32, prio int32) []byte {
+	p := make([]byte, allowanceLen)
+	binary.LittleEndian.PutUint32(p[0:], seen)
+	binary.LittleEndian.PutUint32(p[4:], count)
+	binary.LittleEndian.PutUint32(p[8:], blocks)
+	binary.LittleEndian.PutUint64(p[12:], math.Float64bits(ratio))
+	binary.LittleEndian.PutUint32(p[20:], blockSize)
+	binary.LittleEndian.PutUint32(p[24:], uint32(prio))
+	return p
+}
+
+func TestTheAllowanceBoundsWhatIsSentOnArrival(t *testing.T) {
+	c := &control{out: make(chan []byte, 16), pending: make(map[uint32]chan reply)}
+	body := make([]byte, 64) // 16 tokens at 0.25 per byte
+	if _, ok := c.trySend(1, routeCompletions, body, 16); ok {
+		t.Fatal("sent before any allowance")
+	}
+	c.setAllowance(allowanceFrame(0, 2, 10, 0.25, 16, -1))
+	for id := uint32(1); id <= 2; id++ { // 32 tokens: two blocks each
+		if prio, ok := c.trySend(id, routeCompletions, body, 16); !ok || prio != -1 {
+			t.Fatalf("request %d: sent %v priority %d", id, ok, prio)
+		}
+	}
+	if _, ok := c.trySend(3, routeCompletions, body, 16); ok {
+		t.Fatal("sent past the allowance's count")
+	}
+	if len(c.out) != 2 || (<-c.out)[0] != kindSent {
+		t.Fatal("each request sent on arrival is reported")
+	}
+	// The sidecar has seen one of the two: its new allowance counts from there.
+	c.setAllowance(allowanceFrame(1, 2, 4, 0.25, 16, -1))
+	if _, ok := c.trySend(3, routeCompletions, body, 16); !ok {
+		t.Fatal("the seen request no longer counts against the allowance")
+	}
+	c.setAllowance(allowanceFrame(3, 8, 4, 0.25, 16, -1))
+	if _, ok := c.trySend(4, routeCompletions, body, 100); ok {
+		t.Fatal("sent past the allowance's KV blocks")
+	}
+	c.arrive(5, routeCompletions, body) // awaiting its reply: nothing may overtake it
+	if _, ok := c.trySend(6, routeCompletions, body, 1); ok {
+		t.Fatal("a newcomer overtook a request awaiting its decision")
+	}
+}
+
+func TestSendableBodies(t *testing.T) {
+	cases := []struct {
+		body   string
+		tokens int
+		ok     bool
+	}{
+		{`{"prompt":"x","max_tokens":7}`, 7, true},
+		{` {"messages":[],"max_completion_tokens":5}`, 5, true},
+		{`{"prompt":"x","max_tokens":0,"max_completion_tokens":3}`, 3, true},
+		{`{"prompt":"x"}`, 0, false},                              // no length asked: the sidecar sizes it
+		{`{"prompt":"x","max_tokens":4,"priority":-9}`, 0, false}, // a client priority is replaced there
+		{`{"prompt":"x","max_tokens":-2}`, 0, false},
+		{`{"prompt":"x","max_tokens":"4"}`, 0, false},
+		{`[1,2]`, 0, false},
+		{`not json`, 0, false},
+	}
+	for _, tc := range cases {
+		tokens, ok := sendable([]byte(tc.body))
+		if ok != tc.ok || tokens != tc.tokens {
+			t.Errorf("%s: got (%d, %v), want (%d, %v)", tc.body, tokens, ok, tc.tokens, tc.ok)
+		}
+	}
+}

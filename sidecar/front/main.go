@@ -124,6 +124,12 @@ func (f *front) generate(w http.ResponseWriter, r *http.Request, route byte, pat
 		return
 	}
 	id := f.ids.Add(1)
+	if maxTokens, ok := sendable(body); ok {
+		if prio, sent := f.control.trySend(id, route, body, maxTokens); sent {
+			f.finish(w, r, path, withPriority(body, prio), id, start)
+			return
+		}
+	}
 	wait := f.control.arrive(id, route, body)
 	var rep reply
 	select {
@@ -154,9 +160,41 @@ func (f *front) generate(w http.ResponseWriter, r *http.Request, route byte, pat
 		}
 		data = withPriority(body, prio)
 	}
+	f.finish(w, r, path, data, id, start)
+}
+
+// finish sends a granted request on and reports its end.
+func (f *front) finish(w http.ResponseWriter, r *http.Request, path string, data []byte, id uint32, start time.Time) {
 	toEngine := seconds(time.Since(start))
 	outcome, tokens, relay := f.forward(w, r, path, data, id, start)
 	f.control.end(id, outcome, uint32(tokens), seconds(time.Since(start)), toEngine, relay)
+}
+
+// sendable reports whether a body may go to the engine on arrival inside the
+// allowance, and its output tokens: a JSON object (first byte '{' or white
+// space, as the splice needs) without a client priority, asking for a number
+// of tokens. Anything else is decided by the sidecar.
+func sendable(body []byte) (int, bool) {
+	if len(body) == 0 || !strings.ContainsRune("{ \t\r\n", rune(body[0])) {
+		return 0, false
+	}
+	var probe struct {
+		Priority            json.RawMessage `json:"priority"`
+		MaxTokens           *int            `json:"max_tokens"`
+		MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	}
+	if json.Unmarshal(body, &probe) != nil || probe.Priority != nil {
+		return 0, false
+	}
+	// As the sidecar reads it: max_tokens, or max_completion_tokens when that is unset or 0.
+	asked := probe.MaxTokens
+	if asked == nil || *asked == 0 {
+		asked = probe.MaxCompletionTokens
+	}
+	if asked == nil || *asked < 1 {
+		return 0, false
+	}
+	return *asked, true
 }
 
 // withPriority puts "priority":N in front of the members of the body's object
@@ -218,23 +256,35 @@ func (f *front) forward(w http.ResponseWriter, r *http.Request, path string, dat
 	return f.relay(w, ctx, resp, ctype, id, start)
 }
 
+// relay copies a streamed answer to the client, each piece as it comes, and
+// reports its tokens: the first at once (its TTFT), then whenever the output
+// crosses a KV block (the dispatcher's estimate changes only there), and the
+// rest at the end, with every token gap for the TBT histogram.
 func (f *front) relay(w http.ResponseWriter, ctx context.Context, resp *http.Response, ctype string, id uint32, start time.Time) (byte, int, float64) {
 	w.Header().Set("Content-Type", ctype)
 	w.WriteHeader(http.StatusOK)
 	rc := http.NewResponseController(w)
 	sc := newScanner()
 	buf := make([]byte, 32<<10)
+	bs := f.control.blockSize()
 	relayFirst := -1.0
 	var last time.Time
 	reported := 0
+	ttft := -1.0
 	var gaps []float64
+	report := func() {
+		seen := sc.tokens()
+		if seen != reported || ttft >= 0 || len(gaps) > 0 {
+			f.control.progress(id, uint32(seen), ttft, gaps)
+			reported, ttft, gaps = seen, -1, gaps[:0]
+		}
+	}
+	defer report()
 	for {
 		n, err := resp.Body.Read(buf)
 		if n > 0 {
 			t := time.Now()
 			found := sc.feed(buf[:n])
-			ttft := -1.0
-			gaps = gaps[:0]
 			for k := 0; k < found; k++ {
 				if sc.counted-found+k == 0 {
 					ttft = seconds(t.Sub(start))
@@ -253,9 +303,8 @@ func (f *front) relay(w http.ResponseWriter, ctx context.Context, resp *http.Res
 			if werr != nil {
 				return outcomeCancelled, sc.tokens(), relayFirst
 			}
-			if seen := sc.tokens(); seen != reported || ttft >= 0 || len(gaps) > 0 {
-				reported = seen
-				f.control.progress(id, uint32(seen), ttft, gaps)
+			if ttft >= 0 || sc.tokens()/bs != reported/bs {
+				report()
 			}
 		}
 		if err == nil {

@@ -11,15 +11,15 @@ import (
 )
 
 var (
-	sseSep        = []byte("\n\n")
-	sseData       = []byte("data: ")
-	sseDone       = []byte("[DONE]")
-	sseUsage      = []byte(`"usage":{`)
-	emptyChoices  = []byte(`"choices":[]`)
-	emptyText     = []byte(`"text":""`)
-	emptyContent  = []byte(`"content":""`)
-	noContent     = []byte(`"content":null`)
-	textMember    = []byte(`"text":`)
+	sseSep       = []byte("\n\n")
+	sseData      = []byte("data: ")
+	sseDone      = []byte("[DONE]")
+	sseUsage     = []byte(`"usage":{`)
+	emptyChoices = []byte(`"choices":[]`)
+	emptyText    = []byte(`"text":""`)
+	emptyContent = []byte(`"content":""`)
+	noContent    = []byte(`"content":null`)
+	textMember   = []byte(`"text":`)
 )
 
 type scanner struct {

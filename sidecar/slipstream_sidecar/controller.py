@@ -166,6 +166,9 @@ class Controller:
         self.sync_prefill_limit = sync_prefill_limit
         self.prefilling = 0  # granted requests with no token on their submission yet
         self.latency_model: LatencyModel | None = None  # for the predicted-step gauge only
+        # Called when the engine's load as the dispatcher sees it may have changed (a
+        # decision, a request leaving): the compiled front's allowance is recomputed.
+        self.on_change: Callable[[], None] | None = None
         self._admitted = {label: metrics.admitted.labels(label) for label in ("online", "offline")}
         self._grants_at_arrival = metrics.grants_at_arrival
 
@@ -228,6 +231,32 @@ class Controller:
         self._schedule_pump()
         return ticket
 
+    def register_sent(self, incoming: Incoming) -> Ticket:
+        """An online request the compiled front already sent to the engine, inside the
+        allowance it held (:meth:`online_allowance`): decided at once
+        (``Dispatcher.arrive_submitted``), so its ticket comes back granted."""
+        if incoming.request_id in self._tickets:
+            raise KeyError(f"request {incoming.request_id} is already registered")
+        ticket = Ticket(
+            incoming.request_id, incoming.cls, incoming.arrival_s, incoming.prompt_tokens
+        )
+        self._tickets[incoming.request_id] = ticket
+        self.held[ticket.label] += 1  # until the decision below takes it in flight
+        self._apply(self.dispatcher.arrive_submitted(incoming, self.now()))
+        if ticket.state == _GRANTED:
+            self.sync_grants += 1
+            self._grants_at_arrival.inc()
+        return ticket
+
+    def online_allowance(self) -> tuple[int, int]:
+        """(requests, KV blocks) online arrivals may take on arrival, with no decision
+        each (``Dispatcher.online_allowance``); (0, 0) while one is held."""
+        return self.dispatcher.online_allowance()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
     def _may_grant_now(self, ticket: Ticket, incoming: Incoming) -> bool:
         """Online, first in line, fits now, and the core's decision is still cheap."""
         return (
@@ -258,12 +287,14 @@ class Controller:
         if self._leave(ticket):
             self.dispatcher.finished(ticket.request_id, output_tokens, self.now())
             self._schedule_pump()
+            self._changed()
 
     def failed(self, ticket: Ticket) -> None:
         """The request leaves: engine error, client gone, or shard revoked."""
         if self._leave(ticket):
             self.dispatcher.failed(ticket.request_id, self.now())
             self._schedule_pump()
+            self._changed()
 
     def aborted(self, ticket: Ticket) -> None:
         """The stream of an aborted request is closed; it waits for its next grant."""
@@ -377,6 +408,7 @@ class Controller:
             # stream event or tick (a burst of 256 arrivals would wait 8 ticks).
             self._schedule_pump()
         if dec.submit or dec.abort:
+            self._changed()
             log.debug(
                 "dispatch: submit=%d abort=%d held=%s in_flight=%s",
                 len(dec.submit),

@@ -61,6 +61,11 @@ _HEADER = struct.Struct("<cII")
 _PROGRESS = struct.Struct("<Id")
 _END = struct.Struct("<cIddd")
 _STATUS = struct.Struct("<H")
+_ALLOWANCE = struct.Struct("<IIIdIi")
+_ESTIMATE_TOKENS_PER_BYTE = 0.25  # the estimate mode's bytes/4
+# The allowance is recomputed after every batch of frames and every decision; this
+# also catches what changes the engine's load between them (offline tokens, Drain).
+_ALLOWANCE_REFRESH_S = 0.02
 _OUTCOMES = {b"o": "ok", b"e": "engine_error", b"c": "cancelled"}
 _START_TIMEOUT_S = 30.0
 
@@ -109,10 +114,15 @@ class FrontLink(asyncio.Protocol):
         self._tokens = metrics.output_tokens.labels("online")
         self._to_engine = metrics.proxy_overhead.labels("to_engine")
         self._relay = metrics.proxy_overhead.labels("relay")
+        self._sent_total = metrics.sent_on_arrival
         self._buf = bytearray()
         self._requests: dict[int, _Request] = {}
         self._transport: asyncio.Transport | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.sent_seen = 0  # requests the front sent on arrival, as registered here
+        self._allowance: tuple[int, int, int, float] | None = None  # the last one sent
+        self._refresh_scheduled = False
+        self._refresher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
         self.connected: asyncio.Future[None] = loop.create_future()
         self.lost: asyncio.Future[None] = loop.create_future()
@@ -128,10 +138,15 @@ class FrontLink(asyncio.Protocol):
             transport.close()
             return
         self._transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
+        self.controller.on_change = self._schedule_refresh
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_periodically())
         if not self.connected.done():
             self.connected.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.controller.on_change = None
+        if self._refresher is not None:
+            self._refresher.cancel()
         for req in self._requests.values():
             if req.ticket is not None:
                 self.proxy.settle(req.adm, req.ticket, "engine_error", 0.0)
@@ -159,12 +174,15 @@ class FrontLink(asyncio.Protocol):
                 self._transport.close()
         finally:
             del buf[:at]
+            self._schedule_refresh()
 
     # -- frames from the front ----------------------------------------------------------------
 
     def _frame(self, kind: bytes, rid: int, payload: bytes) -> None:
         if kind == b"P":
             self._progress(rid, payload)
+        elif kind == b"S":
+            self._sent(rid, payload)
         elif kind == b"A":
             self._arrive(rid, payload)
         elif kind == b"E":
@@ -190,6 +208,13 @@ class FrontLink(asyncio.Protocol):
             task.add_done_callback(self._tasks.discard)
         else:
             self._admit(rid, req)
+
+    def _sent(self, rid: int, payload: bytes) -> None:
+        """A request the front sent to the engine on arrival, inside its allowance."""
+        self.sent_seen += 1
+        self._sent_total.inc()
+        adm = self.proxy.inspect_sent(payload[1:], self.controller.now())
+        self._requests[rid] = _Request(adm, self.proxy.register_sent(adm))
 
     async def _measure_then_admit(self, rid: int, req: _Request) -> None:
         refused = await self.proxy.measure(req.adm)
@@ -250,6 +275,43 @@ class FrontLink(asyncio.Protocol):
             self._tokens.inc(tokens)
             self.controller.finished(req.ticket, tokens)
         self.proxy.settle(req.adm, req.ticket, outcome, e2e)
+
+    # -- the allowance ------------------------------------------------------------------------
+
+    def _schedule_refresh(self) -> None:
+        if not self._refresh_scheduled:
+            self._refresh_scheduled = True
+            asyncio.get_running_loop().call_soon(self._refresh)
+
+    async def _refresh_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(_ALLOWANCE_REFRESH_S)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """Send the front the allowance in force, when it changed: (requests, KV blocks)
+        it may send on arrival with no decision each, counted from the ``sent_seen``-th
+        such request (those it sent after are its to subtract)."""
+        self._refresh_scheduled = False
+        if self.state.draining or not self.proxy.allowance_ready():
+            count, blocks = 0, 0
+        else:
+            count, blocks = self.controller.online_allowance()
+        ratio = self.proxy.ratio.ratio if self.proxy.tokenizes else _ESTIMATE_TOKENS_PER_BYTE
+        allowance = (self.sent_seen, count, blocks, ratio)
+        last = self._allowance
+        if last is not None and last[:3] == allowance[:3] and abs(last[3] - ratio) < 0.01 * ratio:
+            return
+        self._allowance = allowance
+        payload = _ALLOWANCE.pack(
+            self.sent_seen,
+            count,
+            blocks,
+            ratio,
+            self.controller.dispatcher.limits.block_size,
+            self.controller.dispatcher.config.online_priority,
+        )
+        self._send(b"C", 0, payload)
 
     # -- frames to the front ------------------------------------------------------------------
 

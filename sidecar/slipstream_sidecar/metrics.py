@@ -114,6 +114,13 @@ class SidecarMetrics:
             "the engine without waiting for the rest of a burst to be parsed).",
             registry=r,
         )
+        self.sent_on_arrival = Counter(
+            "slipstream_online_sent_on_arrival_total",
+            "Online requests the compiled front sent to the engine on arrival, inside the "
+            "allowance the dispatcher gave it (no decision each; counted in "
+            "slipstream_online_grants_at_arrival_total too).",
+            registry=r,
+        )
         self.engine_resent = Counter(
             "slipstream_engine_requests_resent_total",
             "Requests sent to the engine a second time, on a new connection, because the engine "

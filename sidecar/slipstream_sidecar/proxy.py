@@ -244,6 +244,46 @@ class Proxy:
             self._exact_pending += 1  # later arrivals wait for /tokenize too (no overtaking)
         return adm
 
+    def inspect_sent(self, raw: bytes, arrival: float) -> Admission:
+        """:meth:`inspect` for a request the compiled front already sent to the engine
+        inside its allowance: its prompt length is estimated (the request is not held,
+        so no exact length can change a decision), as for any request that cannot be
+        held. A body this side cannot read (the front read it) still becomes an
+        admission, sized by its bytes: the engine has it."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            body = {}
+        client_priority = body.pop("priority", _ABSENT) is not _ABSENT
+        asked = body.get("max_tokens") or body.get("max_completion_tokens")
+        lengths = self.lengths
+        text = prompt_text(body) if lengths is not None and lengths.uses_text else None
+        adm = Admission(arrival, raw, body, client_priority, asked, text)
+        chars = prompt_chars(body) if self._tokenize else None
+        if chars is None:
+            adm.prompt_tokens = max(len(raw) // 4, 1)
+        else:
+            adm.prompt_tokens = self.ratio.estimate(chars)
+            self._estimated(body, chars)
+        adm.max_tokens = self._max_tokens(asked, adm.prompt_tokens)
+        return adm
+
+    def register_sent(self, adm: Admission) -> Ticket:
+        """Hand an admission of :meth:`inspect_sent` to the dispatcher, already granted."""
+        return self.controller.register_sent(self._incoming(adm))
+
+    @property
+    def tokenizes(self) -> bool:
+        """Prompt lengths come from the engine's /tokenize (else bytes/4)."""
+        return self._tokenize
+
+    def allowance_ready(self) -> bool:
+        """Whether estimated prompt lengths may be trusted yet (the front may send requests
+        on arrival only then; until then each is measured and decided here)."""
+        return not self._tokenize or self.ratio.observations >= _CALIBRATION_MIN
+
     async def measure(self, adm: Admission) -> web.Response | None:
         """The exact prompt length of an admission :meth:`inspect` marked ``exact`` (and its
         embedding when it may be held); an error response when the engine refuses it."""
@@ -267,18 +307,17 @@ class Proxy:
 
     def register(self, adm: Admission) -> Ticket:
         """Hand the admission to the dispatcher (granted at once when it fits)."""
-        rid = f"on-{_PREFIX}-{next(_ids)}"
-        return self.controller.register(
-            Incoming(
-                rid,
-                RequestClass.ONLINE,
-                adm.prompt_tokens,
-                adm.max_tokens,
-                adm.arrival,
-                vector=adm.vector,
-                block_hashes=adm.hashes,
-            ),
-            grant_now=True,
+        return self.controller.register(self._incoming(adm), grant_now=True)
+
+    def _incoming(self, adm: Admission) -> Incoming:
+        return Incoming(
+            f"on-{_PREFIX}-{next(_ids)}",
+            RequestClass.ONLINE,
+            adm.prompt_tokens,
+            adm.max_tokens,
+            adm.arrival,
+            vector=adm.vector,
+            block_hashes=adm.hashes,
         )
 
     def engine_body(self, adm: Admission, grant: Grant) -> bytes:
@@ -335,12 +374,17 @@ class Proxy:
         max_tokens = self._max_tokens(asked, prompt_tokens)
         if not self.controller.online_fits_now(prompt_tokens + max_tokens):
             return None
+        self._estimated(body, chars)
+        return prompt_tokens, max_tokens
+
+    def _estimated(self, body: dict[str, Any], chars: int) -> None:
+        """One more request admitted on an estimated length: every ``_CALIBRATE_EVERY``-th
+        is tokenized in the background, to keep the learned ratio current."""
         self.estimated += 1
         if self.estimated % _CALIBRATE_EVERY == 0:
             task = asyncio.get_running_loop().create_task(self._calibrate(body, chars))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-        return prompt_tokens, max_tokens
 
     async def _calibrate(self, body: dict[str, Any], chars: int) -> None:
         try:

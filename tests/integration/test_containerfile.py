@@ -56,7 +56,7 @@ def test_the_copied_paths_build_a_wheel_with_everything_the_image_runs(tmp_path:
         path = REPO / src
         assert path.exists(), f"Containerfile copies {src}, which is not in the repository"
         if path.is_dir():
-            shutil.copytree(path, context / src,
+            shutil.copytree(path, context / src, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
             shutil.copy2(path, context / src)
@@ -107,3 +107,15 @@ def test_entry_point_and_user_match_the_chart_and_the_operator() -> None:
                              timeout=120, check=False)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "usage" in out.stdout.lower()
+
+
+def test_the_image_carries_the_compiled_front_on_path() -> None:
+    # Built from the front's own sources in a Go stage (nothing downloaded), copied to a
+    # directory on PATH, where `--front compiled` finds it (front.find_binary).
+    stages = [rest for op, rest in instructions() if op == "FROM"]
+    assert any(rest.startswith("golang:") and rest.endswith(" AS front") for rest in stages)
+    copies = [rest for op, rest in instructions() if op == "COPY"]
+    assert "sidecar/front ./" in copies
+    assert "--from=front /out/slipstream-front /usr/local/bin/slipstream-front" in copies
+    build = next(rest for op, rest in instructions() if op == "RUN" and "go build" in rest)
+    assert "GOPROXY=off" in build and "-o /out/slipstream-front" in build

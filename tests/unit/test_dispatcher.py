@@ -433,3 +433,74 @@ def test_cached_prefill_views_follow_a_replaced_limit_or_priority() -> None:
     assert after == list(InFlight.of(tuple(d._running_view())).prefilling)
     assert [r.computed_tokens for r in after] == [r.computed_tokens - 64 for r in before]
     assert {r.priority for r in after} == {0, 50}
+
+
+def test_the_online_allowance_is_what_a_decision_would_submit() -> None:
+    d = _disp("naive", seqs=4)
+    d.arrive(_inc("off0", OFF), 0.0)
+    d.arrive(_inc("on0", ON), 0.0)
+    d.decide(0.0)
+    n, blocks = d.online_allowance()
+    assert n == 3  # four slots, one online in flight; offline in flight takes none
+    assert blocks == d.est_free_kv_blocks > 0
+    for i in range(n + 1):
+        d.arrive(_inc(f"on{i + 1}", ON, t=1.0), 1.0)
+    subs = [s.request_id for s in d.decide(1.0).submit]
+    assert subs == ["on1", "on2", "on3"]  # exactly the allowance; the fourth is held
+    assert d.online_allowance() == (0, 0)  # held online: no newcomer may overtake it
+
+
+def test_the_online_allowance_is_bounded_by_the_kv_estimate() -> None:
+    d = _disp("naive", seqs=64, kv=20)
+    d.arrive(_inc("on0", ON, prompt=160), 0.0)  # ten 16-token blocks
+    d.decide(0.0)
+    assert d.online_allowance() == (63, 10)
+    d.arrive(_inc("on1", ON, prompt=160), 0.0)
+    d.decide(0.0)
+    assert d.online_allowance() == (0, 0)  # no KV left
+
+
+@pytest.mark.parametrize("submitted", [False, True])
+def test_an_online_arrival_sent_under_the_allowance_is_as_if_decided(submitted: bool) -> None:
+    # The preemption scenario above, with on1 either decided or sent on arrival: the
+    # state after it, and the offline work its arrival preempts, are the same.
+    d = _idle_disp(0.00712)
+    for i in range(4):
+        d.arrive(_inc(f"off{i}", OFF, prompt=500), float(i))
+    assert len(d.decide(4.0).submit) == 4
+    d.progress("off0", 5, 5.0)
+    d.progress("off1", 5, 5.0)
+    assert d.online_allowance()[0] >= 1
+    if submitted:
+        dec = d.arrive_submitted(_inc("on1", ON, prompt=100), 6.0)
+    else:
+        d.arrive(_inc("on1", ON, prompt=100), 6.0)
+        dec = d.decide(6.0)
+    assert dec.submit == (Submit("on1", 0, 0),)
+    assert dec.abort == tuple(Abort(f"off{i}", "preempt") for i in (3, 2, 1))
+    st = d.stats()
+    assert (st.online_inflight, st.online_queued, st.submitted) == (1, 0, 5)
+    assert d.request_state("on1") == (True, 0, 0)
+    d.progress("on1", 1, 7.0)
+    d.finished("on1", 50, 8.0)
+    assert d.stats().finished == 1
+
+
+def test_an_arrival_sent_on_a_stale_allowance_is_taken_in_flight_all_the_same() -> None:
+    d = _disp("online-only", seqs=1)
+    d.arrive(_inc("on0", ON), 0.0)
+    d.decide(0.0)
+    assert d.online_allowance() == (0, 0)
+    dec = d.arrive_submitted(_inc("on1", ON), 1.0)  # the engine has it: it is in flight
+    assert dec.submit == (Submit("on1", 0, 0),)
+    st = d.stats()
+    assert (st.online_inflight, st.online_queued) == (2, 0)
+    d.finished("on1", 50, 2.0)
+    d.finished("on0", 50, 2.0)
+    assert d.stats().online_inflight == 0
+
+
+def test_only_online_requests_arrive_submitted() -> None:
+    d = _disp()
+    with pytest.raises(DispatcherError, match="only online"):
+        d.arrive_submitted(_inc("off1", OFF), 0.0)

@@ -13,7 +13,7 @@ import re
 import socket
 import struct
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from slipstream_sidecar.front import FrontLink
 from slipstream_sidecar.settings import SidecarSettings
 
 HEADER = struct.Struct("<cII")
+ALLOWANCE = struct.Struct("<IIIdIi")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Front:
     sock: socket.socket
     link: FrontLink
     sidecar: Sidecar
+    allowances: list[tuple[int, int, int, float, int, int]] = field(default_factory=list)
 
     async def send(self, kind: bytes, rid: int, payload: bytes, *, bytewise: bool = False) -> None:
         frame = HEADER.pack(kind, rid, len(payload)) + payload
@@ -44,10 +46,23 @@ class Front:
             await loop.sock_sendall(self.sock, frame)
 
     async def receive(self) -> tuple[bytes, int, bytes]:
+        """The next frame that is not an allowance (those are kept in ``allowances``)."""
+        while True:
+            kind, rid, payload = await self.receive_any()
+            if kind != b"C":
+                return kind, rid, payload
+            self.allowances.append(ALLOWANCE.unpack(payload))
+
+    async def receive_any(self) -> tuple[bytes, int, bytes]:
         loop = asyncio.get_running_loop()
         head = await self._exactly(loop, HEADER.size)
         kind, rid, n = HEADER.unpack(head)
         return kind, rid, await self._exactly(loop, n)
+
+    async def next_allowance(self) -> tuple[int, int, int, float, int, int]:
+        kind, _, payload = await self.receive_any()
+        assert kind == b"C"
+        return ALLOWANCE.unpack(payload)
 
     async def _exactly(self, loop: asyncio.AbstractEventLoop, n: int) -> bytes:
         data = b""
@@ -176,3 +191,42 @@ async def test_a_lost_front_settles_what_was_in_flight(front: Front) -> None:
     assert front.metric(
         'slipstream_requests_finished_total{class="online",outcome="engine_error"}'
     ) == 1
+
+
+async def test_the_allowance_follows_the_requests_sent_on_arrival(front: Front) -> None:
+    seen, count, blocks, ratio, block_size, priority = await front.next_allowance()
+    settings = front.sidecar.settings
+    free = front.sidecar.dispatcher.est_free_kv_blocks
+    assert (seen, count, blocks) == (0, settings.max_num_seqs, free)
+    assert (ratio, block_size, priority) == (0.25, settings.block_size, 0)
+    body = {"model": "m", "prompt": "hello " * 40, "max_tokens": 32, "stream": True}
+    await front.send(b"S", 3, _arrival(body))
+    seen, count, blocks, *_ = await front.next_allowance()
+    assert (seen, count) == (1, settings.max_num_seqs - 1)
+    assert blocks < front.sidecar.dispatcher.kv_blocks
+    assert front.metric('slipstream_in_flight_requests{class="online"}') == 1
+    assert front.metric("slipstream_online_sent_on_arrival_total") == 1
+    await front.send(b"E", 3, _end(b"o", 32))
+    seen, count, *_ = await front.next_allowance()
+    assert (seen, count) == (1, settings.max_num_seqs)
+    assert front.metric('slipstream_requests_finished_total{class="online",outcome="ok"}') == 1
+
+
+@pytest.mark.parametrize("front", [{"max_num_seqs": 1}], indirect=True)
+async def test_no_allowance_while_a_request_is_held(front: Front) -> None:
+    assert (await front.next_allowance())[1] == 1
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}
+    await front.send(b"A", 1, _arrival(body))
+    assert (await front.receive())[:2] == (b"G", 1)
+    assert (await front.next_allowance())[1] == 0  # its slot is taken
+    await front.send(b"A", 2, _arrival(body))  # held: the engine's one slot is taken
+    await asyncio.sleep(0.05)
+    assert front.metric('slipstream_queued_requests{class="online"}') == 1
+    await front.send(b"E", 1, _end(b"o", 2))
+    assert (await front.receive())[:2] == (b"G", 2)  # the held one, not a newcomer
+
+
+async def test_a_draining_sidecar_gives_no_allowance(front: Front) -> None:
+    assert (await front.next_allowance())[1] > 0
+    front.sidecar.proxy_state.draining = True
+    assert (await front.next_allowance())[1:3] == (0, 0)

@@ -97,7 +97,7 @@ from typing import Any
 
 import aiohttp
 
-from slipstream_cli.gobuild import REFPROXY_SRC, go_build
+from slipstream_cli.gobuild import REFPROXY_SRC, build_front, go_build
 
 MODEL = "llama-2-7b"
 CONCURRENCY = (1, 64, 256)
@@ -182,6 +182,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "round of each block pays it, as before the sixteenth session)",
     )
     parser.add_argument(
+        "--compiled-front",
+        action="store_true",
+        help="also run a sidecar whose HTTP port is served by its compiled front (path "
+        "'sidecar_compiled': --front compiled, slipstream-front built here with the local go "
+        "toolchain; tokenize mode; its CPU includes the front's)",
+    )
+    parser.add_argument(
         "--reference-proxy",
         action="store_true",
         help="also run a compiled reverse proxy (hack/refproxy, Go standard library, built "
@@ -225,6 +232,7 @@ async def _answer_lengths(
 
 
 REFERENCE = "proxy_reference"
+COMPILED = "sidecar_compiled"
 
 
 def _build_refproxy(into: Path) -> Path:
@@ -535,12 +543,18 @@ def _overhead_ms(acc: dict[str, dict[str, float]]) -> dict[str, dict[str, float 
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) ``pid`` has used so far."""
+    """CPU seconds (user + system) ``pid`` and its live children have used so far (a
+    sidecar's compiled front is its child: its CPU is the path's too)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(_cpu_s(int(c)) for c in children)
 
 
 async def _measure(
@@ -694,7 +708,9 @@ async def _measure(
             )
         # Rates in alternating slices (in the blocks' balanced order), averaged: one path measured
         # after the other would follow the host's load of that moment.
-        rps_paths = [n for n in ("direct", "sidecar", "sidecar_baseline", REFERENCE) if n in paths]
+        rps_paths = [
+            n for n in ("direct", "sidecar", COMPILED, "sidecar_baseline", REFERENCE) if n in paths
+        ]
         rates: dict[str, list[float]] = {n: [] for n in rps_paths}
         slices = max(1, args.rps_slices)
         for k in range(slices):
@@ -710,6 +726,8 @@ async def _measure(
             results["baseline_max_rps"] = statistics.fmean(rates["sidecar_baseline"])
         if REFERENCE in rates:
             results["reference_max_rps"] = statistics.fmean(rates[REFERENCE])
+        if COMPILED in rates:
+            results["compiled_max_rps"] = statistics.fmean(rates[COMPILED])
         if REFERENCE in paths:
             results["reference_broken"] = broken[REFERENCE]
             if broken[REFERENCE]:
@@ -737,6 +755,7 @@ def run(args: argparse.Namespace) -> int:
         or bool(args.baseline_arg)
     )
     hops = ["sidecar", "sidecar_estimate"] + (["sidecar_baseline"] if baseline else [])
+    hops += [COMPILED] if args.compiled_front else []
     hops += [REFERENCE] if args.reference_proxy else []
     pinned = _pin_layout(cpus, hops)
     try:
@@ -778,8 +797,13 @@ def run(args: argparse.Namespace) -> int:
         if baseline:
             where = args.baseline_sidecar.resolve() if args.baseline_sidecar else None
             sidecars.append(("sidecar_baseline", "tokenize", where))
+        if args.compiled_front:
+            sidecars.append((COMPILED, "tokenize", None))
+            front_flags = ["--front", "compiled", "--front-binary", str(build_front(tmp))]
         for name, mode, pythonpath in sidecars:
             loop_flag = _baseline_flags(args) if name == "sidecar_baseline" else []
+            if name == COMPILED:
+                loop_flag = front_flags
             hp = _free_port()
             url = f"http://127.0.0.1:{hp}"
             procs.append(
@@ -871,6 +895,19 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.reference_proxy
         else None,
+        "compiled_front": {
+            key: {c: conc[c][COMPILED][key] for c in conc}
+            for key in (
+                "added_ttft_p50_ms",
+                "added_ttft_p99_ms",
+                "added_ttft_p99_ms_per_repeat",
+                "added_e2e_p50_ms",
+                "added_e2e_p99_ms",
+            )
+        }
+        | {"max_rps": results.get("compiled_max_rps")}
+        if args.compiled_front
+        else None,
         "max_rps": results["max_rps"],
         "direct_max_rps": results["direct_max_rps"],
         "estimate_mode": {
@@ -916,6 +953,7 @@ def run(args: argparse.Namespace) -> int:
             "pinned": pinned if args.pin else None,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
             "reference_proxy": args.reference_proxy,
+            "compiled_front": args.compiled_front,
             "block_warmup": args.block_warmup,
             "load_average_1m_at_end": os.getloadavg()[0],
         },
