@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -633,25 +633,39 @@ class Dispatcher:
             return 0, 0
         return room, blocks
 
-    def arrive_submitted(self, req: Incoming, now_s: float) -> Decisions:
-        """An online request the shell sent to the engine on arrival, inside the
-        :meth:`online_allowance` it held then. It arrives and is decided at once, so
-        what its admission sets off (offline work preempted to make room, more work
-        submitted) is in the returned decisions, as from :meth:`decide`. Were the
-        planner to hold it (an allowance gone stale in flight), it is taken in
-        flight all the same, with the online priority: the engine has it."""
-        if req.cls is not RequestClass.ONLINE:
-            raise DispatcherError("only online requests arrive submitted", req.request_id)
-        rid = req.request_id
-        self.arrive(req, now_s)
-        dec = self.decide(now_s)
-        if not any(s.request_id == rid for s in dec.submit):
-            self.online_queue.take(rid, now_s)
-            self._take(self._recs[rid])
-            self._submitted += 1
-            self._dirty = True
-            dec = Decisions((*dec.submit, Submit(rid, self.config.online_priority, 0)), dec.abort)
-        return dec
+    def arrive_submitted(self, reqs: Sequence[Incoming], now_s: float) -> Decisions:
+        """Online requests the shell sent to the engine on arrival, inside the
+        :meth:`online_allowance` it held then. They arrive and are decided at once
+        (one plan per ``lookahead`` of them, not one each), so what their admission
+        sets off (offline work preempted to make room, more work submitted) is in the
+        returned decisions, as from :meth:`decide`. Were the planner to hold one (an
+        allowance gone stale in flight), it is taken in flight all the same, with the
+        online priority: the engine has it."""
+        for req in reqs:
+            if req.cls is not RequestClass.ONLINE:
+                raise DispatcherError("only online requests arrive submitted", req.request_id)
+        for req in reqs:
+            self.arrive(req, now_s)
+        pending = {req.request_id for req in reqs}
+        submits: list[Submit] = []
+        aborts: list[Abort] = []
+        while pending:
+            dec = self.decide(now_s)
+            submits += dec.submit
+            aborts += dec.abort
+            taken = pending.intersection(s.request_id for s in dec.submit)
+            if not taken:
+                break
+            pending -= taken
+        for req in reqs:
+            rid = req.request_id
+            if rid in pending:
+                self.online_queue.take(rid, now_s)
+                self._take(self._recs[rid])
+                self._submitted += 1
+                self._dirty = True
+                submits.append(Submit(rid, self.config.online_priority, 0))
+        return Decisions(tuple(submits), tuple(aborts))
 
     def progress(self, request_id: str, generated_tokens: int, now_s: float) -> None:
         """``generated_tokens`` tokens seen so far on this submission's stream."""

@@ -316,6 +316,7 @@ class Sidecar:
 
     async def drain(self, timeout_s: float) -> tuple[bool, int]:
         self.proxy_state.draining = True
+        self.controller.changed()  # a compiled front's allowance drops to zero now
         for shard_id in list(self.shards):
             # Forgotten in the state dir too: the operator places them elsewhere.
             await self.revoke(shard_id)

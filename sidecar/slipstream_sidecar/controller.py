@@ -231,29 +231,35 @@ class Controller:
         self._schedule_pump()
         return ticket
 
-    def register_sent(self, incoming: Incoming) -> Ticket:
-        """An online request the compiled front already sent to the engine, inside the
-        allowance it held (:meth:`online_allowance`): decided at once
-        (``Dispatcher.arrive_submitted``), so its ticket comes back granted."""
-        if incoming.request_id in self._tickets:
-            raise KeyError(f"request {incoming.request_id} is already registered")
-        ticket = Ticket(
-            incoming.request_id, incoming.cls, incoming.arrival_s, incoming.prompt_tokens
-        )
-        self._tickets[incoming.request_id] = ticket
-        self.held[ticket.label] += 1  # until the decision below takes it in flight
-        self._apply(self.dispatcher.arrive_submitted(incoming, self.now()))
-        if ticket.state == _GRANTED:
-            self.sync_grants += 1
-            self._grants_at_arrival.inc()
-        return ticket
+    def register_sent(self, incomings: list[Incoming]) -> list[Ticket]:
+        """Online requests the compiled front already sent to the engine, inside the
+        allowance it held (:meth:`online_allowance`): decided at once, together
+        (``Dispatcher.arrive_submitted``), so their tickets come back granted."""
+        tickets = []
+        for incoming in incomings:
+            if incoming.request_id in self._tickets:
+                raise KeyError(f"request {incoming.request_id} is already registered")
+            ticket = Ticket(
+                incoming.request_id, incoming.cls, incoming.arrival_s, incoming.prompt_tokens
+            )
+            self._tickets[incoming.request_id] = ticket
+            self.held[ticket.label] += 1  # until the decision below takes it in flight
+            tickets.append(ticket)
+        self._apply(self.dispatcher.arrive_submitted(incomings, self.now()))
+        for ticket in tickets:
+            if ticket.state == _GRANTED:
+                self.sync_grants += 1
+                self._grants_at_arrival.inc()
+        return tickets
 
     def online_allowance(self) -> tuple[int, int]:
         """(requests, KV blocks) online arrivals may take on arrival, with no decision
         each (``Dispatcher.online_allowance``); (0, 0) while one is held."""
         return self.dispatcher.online_allowance()
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
+        """Something that bounds admission changed (a decision, a request leaving, a
+        Drain): tell whoever follows it (``on_change``)."""
         if self.on_change is not None:
             self.on_change()
 
@@ -287,14 +293,14 @@ class Controller:
         if self._leave(ticket):
             self.dispatcher.finished(ticket.request_id, output_tokens, self.now())
             self._schedule_pump()
-            self._changed()
+            self.changed()
 
     def failed(self, ticket: Ticket) -> None:
         """The request leaves: engine error, client gone, or shard revoked."""
         if self._leave(ticket):
             self.dispatcher.failed(ticket.request_id, self.now())
             self._schedule_pump()
-            self._changed()
+            self.changed()
 
     def aborted(self, ticket: Ticket) -> None:
         """The stream of an aborted request is closed; it waits for its next grant."""
@@ -408,7 +414,7 @@ class Controller:
             # stream event or tick (a burst of 256 arrivals would wait 8 ticks).
             self._schedule_pump()
         if dec.submit or dec.abort:
-            self._changed()
+            self.changed()
             log.debug(
                 "dispatch: submit=%d abort=%d held=%s in_flight=%s",
                 len(dec.submit),

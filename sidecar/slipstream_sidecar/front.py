@@ -65,7 +65,7 @@ _ALLOWANCE = struct.Struct("<IIIdIi")
 _ESTIMATE_TOKENS_PER_BYTE = 0.25  # the estimate mode's bytes/4
 # The allowance is recomputed after every batch of frames and every decision; this
 # also catches what changes the engine's load between them (offline tokens, Drain).
-_ALLOWANCE_REFRESH_S = 0.02
+_ALLOWANCE_REFRESH_S = 0.1
 _OUTCOMES = {b"o": "ok", b"e": "engine_error", b"c": "cancelled"}
 _START_TIMEOUT_S = 30.0
 
@@ -120,6 +120,7 @@ class FrontLink(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent_seen = 0  # requests the front sent on arrival, as registered here
+        self._sent_batch: list[tuple[int, _Request]] = []  # read, not yet registered
         self._allowance: tuple[int, int, int, float] | None = None  # the last one sent
         self._refresh_scheduled = False
         self._refresher: asyncio.Task[None] | None = None
@@ -174,15 +175,19 @@ class FrontLink(asyncio.Protocol):
                 self._transport.close()
         finally:
             del buf[:at]
+            self._register_sent()
             self._schedule_refresh()
 
     # -- frames from the front ----------------------------------------------------------------
 
     def _frame(self, kind: bytes, rid: int, payload: bytes) -> None:
+        if kind == b"S":
+            self._sent(rid, payload)
+            return
+        # Anything else may concern (or be ranked behind) the requests sent before it.
+        self._register_sent()
         if kind == b"P":
             self._progress(rid, payload)
-        elif kind == b"S":
-            self._sent(rid, payload)
         elif kind == b"A":
             self._arrive(rid, payload)
         elif kind == b"E":
@@ -210,11 +215,22 @@ class FrontLink(asyncio.Protocol):
             self._admit(rid, req)
 
     def _sent(self, rid: int, payload: bytes) -> None:
-        """A request the front sent to the engine on arrival, inside its allowance."""
-        self.sent_seen += 1
-        self._sent_total.inc()
+        """A request the front sent to the engine on arrival, inside its allowance: read
+        now, registered with the others of its read (one decision for a burst)."""
         adm = self.proxy.inspect_sent(payload[1:], self.controller.now())
-        self._requests[rid] = _Request(adm, self.proxy.register_sent(adm))
+        self._sent_batch.append((rid, _Request(adm)))
+
+    def _register_sent(self) -> None:
+        batch = self._sent_batch
+        if not batch:
+            return
+        self._sent_batch = []
+        tickets = self.proxy.register_sent([req.adm for _, req in batch])
+        for (rid, req), ticket in zip(batch, tickets, strict=True):
+            req.ticket = ticket
+            self._requests[rid] = req
+        self.sent_seen += len(batch)
+        self._sent_total.inc(len(batch))
 
     async def _measure_then_admit(self, rid: int, req: _Request) -> None:
         refused = await self.proxy.measure(req.adm)

@@ -270,9 +270,9 @@ class Proxy:
         adm.max_tokens = self._max_tokens(asked, adm.prompt_tokens)
         return adm
 
-    def register_sent(self, adm: Admission) -> Ticket:
-        """Hand an admission of :meth:`inspect_sent` to the dispatcher, already granted."""
-        return self.controller.register_sent(self._incoming(adm))
+    def register_sent(self, adms: list[Admission]) -> list[Ticket]:
+        """Hand admissions of :meth:`inspect_sent` to the dispatcher, already granted."""
+        return self.controller.register_sent([self._incoming(adm) for adm in adms])
 
     @property
     def tokenizes(self) -> bool:

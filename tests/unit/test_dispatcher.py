@@ -472,7 +472,7 @@ def test_an_online_arrival_sent_under_the_allowance_is_as_if_decided(submitted: 
     d.progress("off1", 5, 5.0)
     assert d.online_allowance()[0] >= 1
     if submitted:
-        dec = d.arrive_submitted(_inc("on1", ON, prompt=100), 6.0)
+        dec = d.arrive_submitted([_inc("on1", ON, prompt=100)], 6.0)
     else:
         d.arrive(_inc("on1", ON, prompt=100), 6.0)
         dec = d.decide(6.0)
@@ -491,7 +491,7 @@ def test_an_arrival_sent_on_a_stale_allowance_is_taken_in_flight_all_the_same() 
     d.arrive(_inc("on0", ON), 0.0)
     d.decide(0.0)
     assert d.online_allowance() == (0, 0)
-    dec = d.arrive_submitted(_inc("on1", ON), 1.0)  # the engine has it: it is in flight
+    dec = d.arrive_submitted([_inc("on1", ON)], 1.0)  # the engine has it: it is in flight
     assert dec.submit == (Submit("on1", 0, 0),)
     st = d.stats()
     assert (st.online_inflight, st.online_queued) == (2, 0)
@@ -503,4 +503,15 @@ def test_an_arrival_sent_on_a_stale_allowance_is_taken_in_flight_all_the_same() 
 def test_only_online_requests_arrive_submitted() -> None:
     d = _disp()
     with pytest.raises(DispatcherError, match="only online"):
-        d.arrive_submitted(_inc("off1", OFF), 0.0)
+        d.arrive_submitted([_inc("off1", OFF)], 0.0)
+
+
+def test_a_burst_sent_on_arrival_is_decided_in_lookahead_windows_not_one_by_one() -> None:
+    d = _disp("naive", seqs=256)
+    burst = [_inc(f"on{i}", ON, t=1.0) for i in range(70)]
+    assert d.online_allowance()[0] >= len(burst)
+    dec = d.arrive_submitted(burst, 1.0)
+    assert [s.request_id for s in dec.submit] == [r.request_id for r in burst]
+    st = d.stats()
+    assert (st.online_inflight, st.online_queued, st.submitted) == (70, 0, 70)
+    assert st.plans == 3  # windows of 32: 32 + 32 + 6
