@@ -25,6 +25,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -39,6 +40,14 @@ const (
 
 var streamBroke = []byte(`data: {"error": {"message": "the inference engine stopped while streaming this answer; ` +
 	`it is incomplete", "type": "EngineStreamError", "param": null, "code": 502}}` + "\n\n")
+
+// relayBuffers keeps the 32 KiB read buffers of finished relays for the next
+// ones: a burst of streams would otherwise allocate one each, and the garbage
+// collector would run for them while the engine computes the burst's prefill.
+var relayBuffers = sync.Pool{New: func() any {
+	b := make([]byte, 32<<10)
+	return &b
+}}
 
 type front struct {
 	engine  string
@@ -265,7 +274,9 @@ func (f *front) relay(w http.ResponseWriter, ctx context.Context, resp *http.Res
 	w.WriteHeader(http.StatusOK)
 	rc := http.NewResponseController(w)
 	sc := newScanner()
-	buf := make([]byte, 32<<10)
+	bufp := relayBuffers.Get().(*[]byte)
+	defer relayBuffers.Put(bufp)
+	buf := *bufp
 	bs := f.control.blockSize()
 	relayFirst := -1.0
 	var last time.Time
