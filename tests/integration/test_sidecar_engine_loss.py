@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers_procs import MODEL, engine_proc, sidecar_proc
+from helpers_procs import MODEL, engine_proc, front_args, sidecar_proc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -16,9 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def test_engine_death_mid_stream_reaches_the_client_as_an_error(
     tmp_path: Path, front: str, request: pytest.FixtureRequest
 ) -> None:
-    extra = ["--front", front]
-    if front == "compiled":
-        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
+    extra = front_args(front, request)
     eng = engine_proc(tmp_path).start()
     sc = sidecar_proc(tmp_path, eng.url, extra=extra).start()
     conn: http.client.HTTPConnection | None = None

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers_procs import MODEL, engine_proc, sidecar_proc
+from helpers_procs import MODEL, engine_proc, front_args, sidecar_proc
 
 pytestmark = pytest.mark.integration
 
@@ -45,9 +45,7 @@ def _metric(text: str, name: str) -> float:
 def test_held_requests_are_keyed_by_similar_prompts_and_history_grows(
     tmp_path: Path, front: str, request: pytest.FixtureRequest
 ) -> None:
-    extra = ["--front", front]
-    if front == "compiled":
-        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
+    extra = front_args(front, request)
     eng = engine_proc(tmp_path, max_num_seqs=2).start()
     sc = sidecar_proc(tmp_path, eng.url, max_num_seqs=2, extra=extra).start()
     try:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_procs import MODEL, Proc, engine_proc, sidecar_proc
+from helpers_procs import MODEL, Proc, engine_proc, front_args, sidecar_proc
 
 pytestmark = pytest.mark.integration
 
@@ -138,9 +138,7 @@ def test_models_health_and_metrics(procs: tuple[Proc, Proc]) -> None:
 def test_ready_follows_the_engine(
     tmp_path: Path, front: str, request: pytest.FixtureRequest
 ) -> None:
-    extra = ["--front", front]
-    if front == "compiled":
-        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
+    extra = front_args(front, request)
     eng = engine_proc(tmp_path, name="engine-ready").start()
     sc = sidecar_proc(tmp_path, eng.url, name="sidecar-ready", extra=extra).start()
     try:

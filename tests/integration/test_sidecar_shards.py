@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers_procs import MODEL, Proc, bearer, control_stub, engine_proc, sidecar_proc
+from helpers_procs import MODEL, Proc, bearer, control_stub, engine_proc, front_args, sidecar_proc
 
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 
@@ -130,9 +130,7 @@ def start_stack(
 # compiled front (front.py); the offline shard runs in the sidecar either way.
 @pytest.fixture(params=["python", "compiled"])
 def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    extra = ["--front", request.param]
-    if request.param == "compiled":
-        extra += ["--front-binary", str(request.getfixturevalue("front_binary"))]
+    extra = front_args(request.param, request)
     s = start_stack(tmp_path, sidecar_seqs=4, extra=extra)
     yield s
     s.sidecar.stop()
