@@ -14,21 +14,31 @@ Every other route (``/health``, ``/ready``, ``/metrics``, ``/v1/models``) the
 front passes to this process's own aiohttp application on a second Unix
 socket, so it answers exactly as without the front.
 
-Why: on a loaded host the Python front door's per-request work around a burst
-(HTTP parsing, the engine connection, writing each token) is most of the
-latency the sidecar adds (``docs/benchmarks/sidecar.md``); here it is left
-with one small frame in and one out per request, plus one per token read.
+The allowance: while no online request is held, the dispatcher would submit
+any online arrival that finds a slot and KV blocks free
+(``Dispatcher.online_allowance``), so the front is told that rule ahead of
+time and sends such arrivals to the engine at once, reporting each (``S``);
+they are registered here as decided at arrival
+(``Dispatcher.arrive_submitted``, one decision for the ones of one read).
+The front uses it only while none of its arrivals awaits a reply here, so a
+newcomer never overtakes a held request. Why: deciding in this process is what
+a burst of arrivals waited for (``docs/benchmarks/sidecar.md``, seventeenth
+session); with the allowance the decision is off the request's path.
 
 Frames (both ways): kind (1 byte), request id (uint32), payload length
 (uint32), little-endian, then the payload. Front to sidecar: ``A`` arrival
-(route byte, body), ``P`` progress (uint32 tokens seen, float64 TTFT or -1,
-float64 gaps), ``E`` end (outcome byte, uint32 tokens, float64 end-to-end,
-time to the engine and first relay write, -1 when none). Sidecar to front:
-``G`` grant (the priority in ASCII digits), ``B`` grant with this body, ``R``
-refusal (uint16 status, body).
+(route byte, body), ``S`` sent on arrival inside the allowance (route byte,
+body), ``P`` progress (uint32 tokens seen, float64 TTFT or -1, float64 gaps;
+at the first token, at each KV-block boundary and at the end), ``E`` end
+(outcome byte, uint32 tokens, float64 end-to-end, time to the engine and
+first relay write, -1 when none). Sidecar to front: ``G`` grant (the priority
+in ASCII digits), ``B`` grant with this body, ``R`` refusal (uint16 status,
+body), ``C`` allowance (uint32 ``S`` frames registered, uint32 requests,
+uint32 KV blocks, float64 tokens per byte, uint32 block size, int32 online
+priority).
 
 The two processes live and die together: when the front exits or the control
-socket closes, :attr:`CompiledFront.closed` resolves and the sidecar stops
+socket closes, :meth:`CompiledFront.wait_closed` returns and the sidecar stops
 (the pod restarts it); when the sidecar stops, it ends the front.
 
 Deliberately left out: more than one front per sidecar, and a front on another
