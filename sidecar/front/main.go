@@ -1,8 +1,9 @@
 // slipstream-front is the sidecar's compiled data path (`slipstream sidecar
 // --front compiled`, docs/sidecar.md). It serves the pod's OpenAI HTTP port:
 // for each generation request it asks the sidecar's Python process, over a
-// Unix socket, whether and with which vLLM priority to send it (the
-// dispatcher decides; nothing is decided here), forwards it to the engine,
+// Unix socket, whether and with which vLLM priority to send it, or sends it at
+// once inside the allowance the sidecar's dispatcher gave it ahead of time
+// (control.go); nothing is decided here. It forwards the request to the engine,
 // relays the answer byte for byte and reports its tokens back. Every other
 // route is passed to the Python process's own HTTP server on a second Unix
 // socket. The sidecar starts this process and stops it; when either side of
