@@ -230,13 +230,8 @@ class Proxy:
             return error_response(400, "request body is not JSON")
         if not isinstance(body, dict):
             return error_response(400, "request body is not a JSON object")
-        # NOTE: clients cannot raise their own priority; the dispatcher sets it.
-        client_priority = body.pop("priority", _ABSENT) is not _ABSENT
-        asked = body.get("max_tokens") or body.get("max_completion_tokens")
-        lengths = self.lengths
-        text = prompt_text(body) if lengths is not None and lengths.uses_text else None
-        adm = Admission(arrival, raw, body, client_priority, asked, text)
-        fast = self._estimate_now(body, asked)
+        adm = self._admission(raw, body, arrival)
+        fast = self._estimate_now(body, adm.asked)
         if fast is not None:
             adm.prompt_tokens, adm.max_tokens = fast
         else:
@@ -256,19 +251,25 @@ class Proxy:
             body = None
         if not isinstance(body, dict):
             body = {}
-        client_priority = body.pop("priority", _ABSENT) is not _ABSENT
-        asked = body.get("max_tokens") or body.get("max_completion_tokens")
-        lengths = self.lengths
-        text = prompt_text(body) if lengths is not None and lengths.uses_text else None
-        adm = Admission(arrival, raw, body, client_priority, asked, text)
+        adm = self._admission(raw, body, arrival)
         chars = prompt_chars(body) if self._tokenize else None
         if chars is None:
             adm.prompt_tokens = max(len(raw) // 4, 1)
         else:
             adm.prompt_tokens = self.ratio.estimate(chars)
             self._estimated(body, chars)
-        adm.max_tokens = self._max_tokens(asked, adm.prompt_tokens)
+        adm.max_tokens = self._max_tokens(adm.asked, adm.prompt_tokens)
         return adm
+
+    def _admission(self, raw: bytes, body: dict[str, Any], arrival: float) -> Admission:
+        """What both front doors read of a body: the client's priority (removed), the
+        tokens asked for, the prompt's text when the length predictor reads it."""
+        # NOTE: clients cannot raise their own priority; the dispatcher sets it.
+        client_priority = body.pop("priority", _ABSENT) is not _ABSENT
+        asked = body.get("max_tokens") or body.get("max_completion_tokens")
+        lengths = self.lengths
+        text = prompt_text(body) if lengths is not None and lengths.uses_text else None
+        return Admission(arrival, raw, body, client_priority, asked, text)
 
     def register_sent(self, adms: list[Admission]) -> list[Ticket]:
         """Hand admissions of :meth:`inspect_sent` to the dispatcher, already granted."""
