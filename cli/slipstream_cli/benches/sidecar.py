@@ -142,6 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on the first, the rest on the last)",
     )
     parser.add_argument(
+        "--hop-nice",
+        type=int,
+        default=0,
+        help="start every hop (each sidecar with its children, the reference proxy) at "
+        "this niceness, so on a small host the engine and the client run first, as they "
+        "would on their own CPUs (default 0: no change)",
+    )
+    parser.add_argument(
         "--baseline-sidecar",
         type=Path,
         default=None,
@@ -240,10 +248,26 @@ def _build_refproxy(into: Path) -> Path:
     return go_build(REFPROXY_SRC, into / "refproxy")
 
 
-def _start_refproxy(binary: Path, engine_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+def _niced(niceness: int) -> list[str]:
+    """The prefix that starts a command at ``niceness`` (its threads and children
+    inherit it): coreutils ``nice``, which execs the command, so the pid is the
+    command's; nothing when there is nothing to change."""
+    return ["nice", "-n", str(niceness)] if niceness else []
+
+
+def _start_refproxy(
+    binary: Path, engine_url: str, port: int, log: Path, niceness: int = 0
+) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [str(binary), "--engine", engine_url, "--listen", f"127.0.0.1:{port}"],
+            [
+                *_niced(niceness),
+                str(binary),
+                "--engine",
+                engine_url,
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -259,7 +283,7 @@ def _free_port() -> int:
 
 
 def _start(
-    args: list[str], url: str, log: Path, pythonpath: Path | None = None
+    args: list[str], url: str, log: Path, pythonpath: Path | None = None, niceness: int = 0
 ) -> subprocess.Popen[bytes]:
     env = None
     if pythonpath is not None:
@@ -269,7 +293,7 @@ def _start(
         )
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "slipstream_cli.main", *args],
+            [*_niced(niceness), sys.executable, "-m", "slipstream_cli.main", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -829,6 +853,7 @@ def run(args: argparse.Namespace) -> int:
                     url,
                     tmp / f"{name}.log",
                     pythonpath,
+                    args.hop_nice,
                 )
             )
             paths[name] = url
@@ -840,7 +865,9 @@ def run(args: argparse.Namespace) -> int:
         if args.reference_proxy:
             rp = _free_port()
             procs.append(
-                _start_refproxy(_build_refproxy(tmp), engine_url, rp, tmp / f"{REFERENCE}.log")
+                _start_refproxy(
+                    _build_refproxy(tmp), engine_url, rp, tmp / f"{REFERENCE}.log", args.hop_nice
+                )
             )
             paths[REFERENCE] = f"http://127.0.0.1:{rp}"
             pids[REFERENCE] = procs[-1].pid
@@ -951,6 +978,7 @@ def run(args: argparse.Namespace) -> int:
             "baseline_args": list(args.baseline_arg),
             "control": args.control,
             "pinned": pinned if args.pin else None,
+            "hop_nice": args.hop_nice,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
             "reference_proxy": args.reference_proxy,
             "compiled_front": args.compiled_front,
