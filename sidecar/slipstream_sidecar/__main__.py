@@ -51,6 +51,9 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
         "granted requests await their first token (default 16; 0: never)"),
     "--front": ("front", str, "python (default) | compiled: what serves the HTTP port"),
     "--front-binary": ("front_binary", Path, "the slipstream-front executable (--front compiled)"),
+    "--yield-to-front": (
+        "yield_to_front", int, "niceness this process adds to itself under --front compiled "
+        "(default 5; 0: none)"),
     "--event-loop": ("event_loop", str, "auto (uvloop when installed) | uvloop | asyncio"),
 }
 
@@ -117,7 +120,7 @@ async def _serve(settings: Any) -> int:
             return 2
     await sidecar.start()
     if settings.front == "compiled":
-        from slipstream_sidecar.front import start_front
+        from slipstream_sidecar.front import start_front, yield_cpu
 
         front = await start_front(
             sidecar.proxy,
@@ -128,6 +131,7 @@ async def _serve(settings: Any) -> int:
             binary=binary,
             engine_connections=settings.engine_connections,
         )
+        yield_cpu(settings.yield_to_front)
         runner, http_port = None, front.port
     else:
         runner, http_port = await serve(sidecar.proxy.app(), settings.host, settings.http_port)

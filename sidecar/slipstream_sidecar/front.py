@@ -394,6 +394,22 @@ class CompiledFront:
         shutil.rmtree(self._workdir, ignore_errors=True)
 
 
+def yield_cpu(niceness: int) -> None:
+    """Lower every thread of this process by ``niceness`` (at most to 19), once the
+    front runs: on Linux a thread's niceness is its own, so each is set, and threads
+    started later inherit it from the thread that starts them. The front keeps its
+    own, so under contention its forwarding and relaying go first."""
+    if niceness <= 0:
+        return
+    tasks = Path("/proc/self/task")
+    tids = [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + niceness))
+    log.info("compiled front: this process runs %d nicer than its front", niceness)
+
+
 async def start_front(
     proxy: Proxy,
     app: web.Application,

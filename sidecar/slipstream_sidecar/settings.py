@@ -136,6 +136,14 @@ class SidecarSettings(BaseSettings):
         description="The slipstream-front executable for front 'compiled' (default: beside "
         "this Python, else on PATH).",
     )
+    yield_to_front: int = Field(
+        default=5,
+        ge=0,
+        le=19,
+        description="With front 'compiled', the niceness this process adds to every one of "
+        "its threads once the front runs, so that when the pod's CPUs are contended the "
+        "front's forwarding and relaying go before this process's bookkeeping (0: equal).",
+    )
     status_interval_s: float = Field(
         default=1.0, gt=0, description="Default WatchStatus period (s)."
     )

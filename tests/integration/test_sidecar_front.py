@@ -30,7 +30,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 TOKEN = "front-test-token"
 
 
-def _stack(tmp: Path, binary: Path, *, seqs: int = 64) -> tuple[Proc, Proc]:
+def _stack(
+    tmp: Path, binary: Path, *, seqs: int = 64, extra: tuple[str, ...] = ()
+) -> tuple[Proc, Proc]:
     (tmp / "token").write_text(TOKEN)
     eng = engine_proc(tmp).start()
     sc = sidecar_proc(
@@ -38,7 +40,7 @@ def _stack(tmp: Path, binary: Path, *, seqs: int = 64) -> tuple[Proc, Proc]:
         eng.url,
         token_file=tmp / "token",
         max_num_seqs=seqs,
-        extra=["--front", "compiled", "--front-binary", str(binary)],
+        extra=["--front", "compiled", "--front-binary", str(binary), *extra],
     ).start()
     return eng, sc
 
@@ -167,6 +169,36 @@ def test_drain_refuses_new_requests_at_the_front(tmp_path: Path, front_binary: P
         assert info.value.code == 503
         assert json.loads(info.value.read())["error"]["message"] == "the sidecar is draining"
         info.value.close()
+    finally:
+        sc.stop()
+        eng.stop()
+
+
+def _niceness(pid: int) -> list[int]:
+    """The niceness of each thread of ``pid`` (``/proc``: the 19th field of stat)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        out.append(int(stat.rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+@pytest.mark.parametrize("extra, added", [((), 5), (("--yield-to-front", "2"), 2),
+                                          (("--yield-to-front", "0"), 0)])
+def test_the_sidecar_yields_the_cpu_to_its_front(
+    tmp_path: Path, front_binary: Path, extra: tuple[str, ...], added: int
+) -> None:
+    eng, sc = _stack(tmp_path, front_binary, extra=extra)
+    try:
+        assert sc.popen is not None
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        front = _niceness(_front_pid(sc.popen.pid))
+        assert set(front) == {base}
+        # Every thread of the sidecar, those its gRPC server started after too.
+        threads = _niceness(sc.popen.pid)
+        assert len(threads) > 2 and set(threads) == {min(19, base + added)}
+        with urllib.request.urlopen(sc.url + "/v1/models", timeout=10) as resp:
+            assert resp.status == 200  # still serving
     finally:
         sc.stop()
         eng.stop()
