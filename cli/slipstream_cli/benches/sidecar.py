@@ -24,7 +24,10 @@ CPU milliseconds per request of the engine and of the path's sidecar;
 ``--pin`` gives the engine, the client and each sidecar a CPU of their own
 when the host has that many (else the engine on the first CPU and the sidecars
 and the client on the last; ``os.sched_setaffinity``; on a shared host this
-separates them from each other, not from other work). ``--baseline-sidecar DIR`` adds one more
+separates them from each other, not from other work). ``--hop-nice N`` starts
+every hop (each sidecar with its children, the reference proxy) N nicer, so the
+engine and the client run first, as on hosts where they have CPUs of their own;
+the direct path has no hop and is unchanged. ``--baseline-sidecar DIR`` adds one more
 path, a sidecar whose package is imported from ``DIR`` first on
 ``PYTHONPATH`` (an older checkout's ``sidecar/``), so before/after comparisons
 come from one run. The order of the paths changes from repeat to repeat
