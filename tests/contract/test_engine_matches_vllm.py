@@ -22,7 +22,7 @@ from shapes import (
     parse_sse,
 )
 
-from slipstream_cli.engine_server import RunningServer, ServeOptions, serve
+from slipstream_testbed.engine_server import RunningServer, ServeOptions, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream_cli.podrunner import PodRunnerError, operator_command, operator_metrics_port
+from slipstream_testbed.podrunner import PodRunnerError, operator_command, operator_metrics_port
 
 pytestmark = pytest.mark.unit
 

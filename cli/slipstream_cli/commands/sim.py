@@ -48,6 +48,8 @@ from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.sim.simulator import (
     POLICIES,
+    EngineFactory,
+    InEngineFactory,
     SimConfig,
     SimResult,
     floor_step_s,
@@ -65,6 +67,7 @@ MODES = ("sidecar", "in-engine")
 Mode = Literal["sidecar", "in-engine"]
 DEFAULT_LONG_PREFILL = 256
 OFFLINE_SETS = ("arxiv", "mmlu", "none")
+ENGINES = ("model", "vllm")
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -131,6 +134,11 @@ class Scenario:
     baseline: SimResult | None = None
     progress: Callable[[str, float, float], None] | None = None
     cache: dict[tuple[Any, ...], SimResult] = field(default_factory=dict)
+    engine_name: str = "model"
+    """What chooses every batch: ``model`` (the engine model) or ``vllm`` (vLLM's scheduler)."""
+    engine_factory: EngineFactory | None = None
+    in_engine_factory: InEngineFactory | None = None
+    """``mode="in-engine"`` on vLLM: vLLM's scheduler under Slipstream's plugin."""
 
     def model(self) -> LinearLatencyModel:
         if self.latency_model is None:
@@ -191,7 +199,14 @@ class Scenario:
                 prog(label, t, span)
 
         model = self.model() if POLICIES[policy].admission == "budget" else None
-        res = simulate(wl, cfg, latency_model=model, progress=cb)
+        res = simulate(
+            wl,
+            cfg,
+            latency_model=model,
+            progress=cb,
+            engine_factory=self.engine_factory,
+            in_engine_factory=self.in_engine_factory if mode == "in-engine" else None,
+        )
         self.cache[key] = res
         return res
 
@@ -382,7 +397,9 @@ def summary_row(run: PolicyRun, scn: Scenario) -> dict[str, Any]:
     on, off = m.online, m.offline
     return {
         "policy": run.policy,
-        "mode": run.mode,
+        "engine": scn.engine_name,
+        # The planner inside vLLM's own scheduler is Slipstream's plugin.
+        "mode": "plugin" if run.mode == "in-engine" and scn.engine_name == "vllm" else run.mode,
         "slo_met": run.slo_met(scn),
         "ttft_p99_s": _num(on.ttft.p99),
         "tbt_p99_s": _num(on.tbt.p99),
@@ -554,6 +571,45 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def add_engine_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        default="model",
+        choices=ENGINES,
+        help="what chooses every batch: model (the engine model; default, faster) or vllm "
+        "(vLLM's own v1 scheduler and KV manager in-process; needs `make vllm-env`); the "
+        "engine model's GPU timing gives every step its duration either way",
+    )
+
+
+def engine_factory_from_args(
+    args: argparse.Namespace, prog: str, command: Sequence[str]
+) -> EngineFactory | None:
+    """None for ``--engine model``; vLLM's scheduler for ``--engine vllm`` (re-executing
+    ``slipstream COMMAND...`` under the real-vLLM interpreter, or a usage error, when vllm
+    does not import here)."""
+    if getattr(args, "engine", "model") != "vllm":
+        return None
+    from slipstream_cli.benches.fidelity_vllm import (
+        require_vllm,
+        slipstream_argv,
+        vllm_engine_factory,
+    )
+
+    require_vllm(argparse.ArgumentParser(prog=prog), slipstream_argv(command))
+    return cast(EngineFactory, vllm_engine_factory())
+
+
+def in_engine_factory_from_args(args: argparse.Namespace) -> InEngineFactory | None:
+    """vLLM's scheduler under Slipstream's plugin for ``--engine vllm`` (call after
+    :func:`engine_factory_from_args`, which made sure vllm imports); None otherwise."""
+    if getattr(args, "engine", "model") != "vllm":
+        return None
+    from slipstream_vllm.simplugin import plugin_in_engine_factory
+
+    return cast(InEngineFactory, plugin_in_engine_factory())
+
+
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     online = load_trace(args.trace)
     if args.rate_scale != 1.0:
@@ -575,19 +631,24 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         idle_budget_s=args.idle_budget,
         backlog=not args.no_backlog,
         label=args.trace or "azure-conv-dev",
+        engine_name=getattr(args, "engine", "model"),
+        engine_factory=engine_factory_from_args(args, "slipstream sim", ["sim"]),
+        in_engine_factory=in_engine_factory_from_args(args),
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenario_arguments(parser)
+    add_engine_argument(parser)
     parser.add_argument("--policy", default="budget", choices=sorted(POLICIES))
     parser.add_argument(
         "--mode",
         default="sidecar",
         choices=MODES,
         help="sidecar (default): what Slipstream ships, the dispatcher in front of vLLM. "
-        "in-engine: the planner picks every iteration's batch inside the engine (what an "
-        "engine plugin would add; budget policies only; never a sidecar figure)",
+        "in-engine: the planner picks every iteration's batch inside the engine (budget "
+        "policies only; never a sidecar figure): with --engine vllm that is Slipstream's "
+        "vLLM plugin inside vLLM's scheduler, with --engine model the engine model's stand-in",
     )
     parser.add_argument("--budget", type=float, help="per-iteration budget, s (budget policies)")
     parser.add_argument("--static-cap", type=int, help="offline in-flight cap (static-cap)")
@@ -611,7 +672,10 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     row = summary_row(pr, scn)
     console.print(
-        rows_table([row], f"slipstream sim: {scn.label}, {args.policy}, mode {args.mode}")
+        rows_table(
+            [row],
+            f"slipstream sim: {scn.label}, {args.policy}, mode {args.mode}, engine {args.engine}",
+        )
     )
     m = pr.result.metrics
     console.print(
@@ -626,6 +690,7 @@ def run(args: argparse.Namespace) -> int:
         "trace": scn.label,
         "policy": args.policy,
         "mode": args.mode,
+        "engine": args.engine,
         "model": args.model,
         "gpu": args.gpu,
         "long_prefill_tokens": args.long_prefill_tokens,

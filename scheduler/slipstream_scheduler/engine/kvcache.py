@@ -9,9 +9,12 @@ Semantics follow vLLM v1's ``BlockPool``:
 
 * ``ref`` maps every cached key to its reference count; a count of 0 means the
   block is free but still holds its hash (a cache hit can revive it).
-* Free blocks form one queue in LRU order: never-used blocks first (a
-  counter), then freed blocks in the order they were freed. Allocation takes
-  from the front and evicts the hash of a cached block it takes.
+* Free blocks form one queue: blocks without a hash first (never used, or a
+  request's partly filled last block: vLLM 0.32 puts a freed block without a
+  hash at the front of its free queue; such blocks are alike, so they are one
+  counter), then freed full blocks in the order they were freed (LRU; vLLM
+  hashes every full block). Allocation takes from the front and evicts the
+  hash of a cached block it takes.
 * A request frees its blocks tail first, so its prefix is evicted last.
 
 Deliberately left out: block ids and tables (nothing reads them), hybrid or
@@ -28,8 +31,8 @@ class KvBlockPool:
     """Free-block accounting and the prefix-cache hash table. Mutable, not thread-safe.
 
     The free queue holds one entry per cached free block (value 1) and one entry
-    per *run* of plain free blocks freed together (value = run length), so a
-    request's uncached blocks cost one entry, not one per block.
+    per *run* of full blocks without a cache key freed together (value = run
+    length); unhashed blocks are the ``_fresh`` count in front of it.
     """
 
     __slots__ = ("_free_q", "_fresh", "_nfree", "num_blocks", "ref")
@@ -96,26 +99,38 @@ class KvBlockPool:
         self.ref[key] = 1
         return True
 
-    def release(self, blocks: Sequence[Hashable | None]) -> None:
-        """Free one request's blocks (``None`` = plain block), tail first."""
+    def release(self, blocks: Sequence[Hashable | None], full: int | None = None) -> None:
+        """Free one request's blocks (``None`` = plain block), tail first.
+
+        As vLLM's ``BlockPool.free_blocks``: a block with a hash joins the back of the free
+        queue (LRU eviction), one without its front (reused first). vLLM hashes every
+        *full* block, so the first ``full`` blocks (default: all) go to the back even when
+        only their own request could hit them; the ones after them (a partly filled last
+        block) are alike, so they join the never-used count at the front.
+        """
         ref, free_q = self.ref, self._free_q
-        self._nfree += len(blocks)
+        n_full = len(blocks) if full is None else min(full, len(blocks))
         run = 0
-        for key in reversed(blocks):
+        for j in range(len(blocks) - 1, -1, -1):
+            key = blocks[j]
             if key is None:
-                run += 1
+                if j >= n_full:
+                    self._fresh += 1
+                else:
+                    run += 1
                 continue
             count = ref[key] - 1
             ref[key] = count
             if count == 0:
                 if run:
                     free_q[object()] = run
+                    self._nfree += run
                     run = 0
                 free_q[key] = 1
-            else:
-                self._nfree -= 1  # still used by another request
+                self._nfree += 1
         if run:
             free_q[object()] = run
+            self._nfree += run
 
     def cached_free(self) -> int:
         """Free blocks that still hold a hash (for tests and stats)."""

@@ -7,16 +7,21 @@ that to its virtual clock, the real-time engine server sleeps for it.
 Scheduling follows ``vllm/v1/core/sched/scheduler.py`` (``schedule``):
 
 1. RUNNING requests in admission order, each taking ``min(tokens left,
-   long_prefill_token_threshold, token budget)``. If its KV blocks cannot be
+   long_prefill_token_threshold, token budget)`` (the threshold is off while only one
+   request is running or waiting, and floored at ``max_num_batched_tokens // (running +
+   waiting)`` with ``long_prefill_token_threshold_adaptive``). If its KV blocks cannot be
    allocated, a victim is preempted by recompute (priority policy: the worst
    ``(priority, arrival)`` running request; FCFS: the last admitted). A victim
    already scheduled this step gives its tokens back. If the victim is the
    request itself, the loop stops.
 2. WAITING requests (by ``(priority, arrival)`` or FCFS with preempted requests
    in front) only if nothing was preempted this step, while the token budget
-   and ``max_num_seqs`` allow and their blocks fit (no preemption for them).
-   A new request's leading full blocks whose hashes are cached count as
-   computed (at most ``prompt - 1`` tokens).
+   and ``max_num_seqs`` allow and their blocks fit (no preemption for them;
+   with ``scheduler_reserve_full_isl``, vLLM's default, the blocks of the whole
+   sequence must fit, not just the first chunk's). A new request's leading full
+   blocks whose hashes are cached count as computed (at most ``prompt - 1``
+   tokens); a block is hashed when it is allocated, so requests admitted later
+   in the same step already hit the blocks scheduled before them.
 3. Every request whose computed tokens reach its token count emits one token.
 
 Hot path (NOTE: this is where the code is bent for speed, not semantics): a
@@ -82,7 +87,17 @@ class EngineConfig(BaseModel):
     long_prefill_token_threshold: int = Field(
         default=0, ge=0, description="per-request chunk cap in tokens; 0 = none (default)"
     )
+    long_prefill_token_threshold_adaptive: bool = Field(
+        default=False,
+        description="vLLM --long-prefill-token-threshold-adaptive: floor the cap at "
+        "max_num_batched_tokens // (running + waiting); default false",
+    )
     enable_chunked_prefill: bool = Field(default=True, description="default true (vLLM v1)")
+    scheduler_reserve_full_isl: bool = Field(
+        default=True,
+        description="vLLM --scheduler-reserve-full-isl: admit a waiting request only if its "
+        "whole sequence fits in the free KV blocks, not just its first chunk; default true",
+    )
     enable_prefix_caching: bool = Field(default=True, description="default true (vLLM v1)")
     num_gpu_blocks: int | None = Field(
         default=None,
@@ -325,6 +340,9 @@ class EngineModel:
         self._q_tokens = self._hit_tokens = self._preemptions = 0
         self._prompt_tokens = self._prefill_computed = self._gen_tokens = 0
         self._steps = self._finished = 0
+        self.step_log: list[dict[str, int]] | None = None
+        """Set to a list to keep every step's tokens scheduled per request (the fidelity
+        bench compares them with vLLM's); None (default) costs nothing."""
 
     # ------------------------------------------------------------------ public API
 
@@ -422,6 +440,7 @@ class EngineModel:
         self._steps += 1
         finished = self._pending_finished
         self._pending_finished = []
+        self._thr = self._step_threshold()
         path = self.config.path
         if path == "reference":
             return self._step_exact(finished)
@@ -429,6 +448,20 @@ class EngineModel:
         if plan is None:
             return self._step_walk(finished)
         return self._step_fast(plan, finished)
+
+    def _step_threshold(self) -> int:
+        """This step's chunk cap, as vLLM's ``schedule()`` derives it: none when only one
+        request is running or waiting (nobody to starve), floored at a fair share of the
+        token budget when the adaptive threshold is on."""
+        thr = self.config.long_prefill_token_threshold
+        if thr <= 0:
+            return 0
+        eligible = len(self._running) + self._n_waiting
+        if eligible <= 1:
+            return 0
+        if self.config.long_prefill_token_threshold_adaptive:
+            thr = max(thr, self.limits.max_num_batched_tokens // eligible)
+        return thr
 
     # ------------------------------------------------------------------ waiting queue
 
@@ -516,7 +549,7 @@ class EngineModel:
     def _release(self, r: _Req, preempting: bool = False) -> None:
         if preempting:
             self._register_full(r, r.computed, synthetic=True)
-        self.pool.release(r.blocks)
+        self.pool.release(r.blocks, r.computed // self._bs if self._cache else 0)
         r.blocks = []
         r.nreg = 0
 
@@ -601,6 +634,13 @@ class EngineModel:
         bs, thr, pool = self._bs, self._thr, self.pool
         max_seqs = self.limits.max_num_seqs
         chunked = self.config.enable_chunked_prefill
+        full_isl = self.config.scheduler_reserve_full_isl
+        cache = self._cache
+        if cache:
+            # vLLM hashes a block when it is allocated, so a request admitted later in this
+            # step hits the blocks the requests scheduled before it fill in this same step.
+            for q, m in out:
+                self._register_full(q, q.computed + m, synthetic=False)
         while budget > 0 and len(self._running) < max_seqs:
             r = self._peek_waiting()
             if r is None:
@@ -627,10 +667,14 @@ class EngineModel:
             need = -(-(hit + n) // bs) - len(hit_keys)
             if need > pool.free - evictable:
                 break
+            if full_isl and -(-num_tokens // bs) - len(hit_keys) > pool.free - evictable:
+                break
             self._pop_waiting()
             self._start(r, hit_keys, need, num_tokens)
             out.append((r, n))
             budget -= n
+            if cache:
+                self._register_full(r, r.computed + n, synthetic=False)
         return budget
 
     # ------------------------------------------------------------------ fast path
@@ -694,6 +738,8 @@ class EngineModel:
             r.next_block_tick = nxt
             cal.setdefault(nxt, []).append(r)
         self._admit_waiting(budget, chunks)
+        if self.step_log is not None:
+            self.step_log.append({**dict.fromkeys(self._dec, 1), **{r.rid: n for r, n in chunks}})
         n_dec = len(self._dec)
         emitted_dec = tuple(self._dec_pairs.values())
         dec_ctx = tuple(self._dec_off.values())
@@ -835,6 +881,8 @@ class EngineModel:
         self._prefilling = []
         if not preempted:
             self._admit_waiting(budget, scheduled)
+        if self.step_log is not None:
+            self.step_log.append({r.rid: n for r, n in scheduled})
         items, emitted, pairs, tokens, kv, done, _ = self._apply_chunks(scheduled)
         for r in done:  # already in admission order
             self._running.remove(r)
@@ -933,6 +981,10 @@ class EngineModel:
                 self._shift_decoder(r)
         if not preempted:
             self._admit_waiting(budget, scheduled)
+        if self.step_log is not None:
+            self.step_log.append(
+                {**{r.rid: 1 for r in dec_sched}, **{r.rid: n for r, n in scheduled}}
+            )
         emitted_dec = [(r.rid, 1) for r in dec_sched]
         dec_kv = 0
         dec_ctx: list[int] = []

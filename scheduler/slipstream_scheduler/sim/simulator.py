@@ -33,7 +33,7 @@ import math
 import random
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,7 +47,14 @@ from slipstream_scheduler.dispatcher import (
     PsmOfflineQueue,
     RequestQueue,
 )
-from slipstream_scheduler.engine.model import EngineConfig, EngineModel, EngineRequest, EngineStats
+from slipstream_scheduler.engine.model import (
+    EngineConfig,
+    EngineModel,
+    EngineRequest,
+    EngineStats,
+    RequestView,
+    StepResult,
+)
 from slipstream_scheduler.latency import LinearLatencyModel, fit
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.protocols import LengthPredictor
@@ -61,6 +68,52 @@ logger = logging.getLogger(__name__)
 
 _MAX_DECIDE_ROUNDS = 64
 """Dispatcher decisions carried out between two engine steps, at most (a safety bound)."""
+
+
+class _Pool(Protocol):
+    @property
+    def num_blocks(self) -> int: ...
+
+
+class SimEngine(Protocol):
+    """What the simulator drives: :class:`EngineModel`'s request and step interface."""
+
+    @property
+    def pool(self) -> _Pool: ...
+
+    def add(self, request: EngineRequest) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self, now_s: float = 0.0) -> StepResult: ...
+
+    def has_work(self) -> bool: ...
+
+    def inspect(self, request_id: str) -> RequestView | None: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+EngineFactory = Callable[[EngineConfig, int], SimEngine]
+"""``(engine config, seed) -> engine``: what chooses every batch (default :class:`EngineModel`;
+``slipstream sim --engine vllm`` passes vLLM's own scheduler, run in-process)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InEngineSpec:
+    """What an in-engine scheduler is configured with (the sidecar's ``Configure``)."""
+
+    latency_model: LinearLatencyModel
+    params: dict[str, Any]
+    budget_s: float | None
+    idle_budget_s: float | None
+    offline_priority: int
+
+
+InEngineFactory = Callable[[EngineConfig, int, InEngineSpec], SimEngine]
+"""``(engine config, seed, spec) -> engine`` for ``mode="in-engine"``: default the engine
+model under the planner (:class:`PlannedEngine`); ``--engine vllm`` passes vLLM's scheduler
+under Slipstream's plugin (``slipstream_vllm.simplugin.PluginEngine``)."""
 
 
 class SimError(Exception):
@@ -254,6 +307,8 @@ class Simulator:
         latency_model: LinearLatencyModel | None = None,
         length_predictor: LengthPredictor | None = None,
         online_queue: RequestQueue | None = None,
+        engine_factory: EngineFactory | None = None,
+        in_engine_factory: InEngineFactory | None = None,
     ) -> None:
         spec = POLICIES.get(config.policy)
         if spec is None:
@@ -269,25 +324,45 @@ class Simulator:
             latency_model = profile_latency_model(config.engine, seed=config.seed)
         admission = spec.admission
         dispatcher_budget = config.budget_s if spec.admission == "budget" else None
-        self.engine: EngineModel
+        self.engine: SimEngine
         if config.mode == "in-engine":
+            if engine_factory is not None and in_engine_factory is None:
+                raise SimError("in-engine mode runs the engine model's planner", config.policy)
             if spec.admission != "budget" or latency_model is None:
                 raise SimError("in-engine mode needs a budget policy", config.policy)
             # The real planner in ITERATION mode picks each iteration's batch inside
             # the engine; the dispatcher only keeps a window of offline work in it.
-            inner = build_planner(
-                "budget", params or None, latency_model=latency_model, mode=PlannerMode.ITERATION
-            )
-            self.engine = PlannedEngine(
-                config.engine,
-                config.seed,
-                planner=inner,
-                budget_s=config.budget_s,
-                idle_budget_s=config.dispatcher.idle_budget_s,
-                offline_priority=config.dispatcher.offline_priority,
-            )
+            if in_engine_factory is not None:
+                self.engine = in_engine_factory(
+                    config.engine,
+                    config.seed,
+                    InEngineSpec(
+                        latency_model,
+                        dict(params),
+                        config.budget_s,
+                        config.dispatcher.idle_budget_s,
+                        config.dispatcher.offline_priority,
+                    ),
+                )
+            else:
+                inner = build_planner(
+                    "budget",
+                    params or None,
+                    latency_model=latency_model,
+                    mode=PlannerMode.ITERATION,
+                )
+                self.engine = PlannedEngine(
+                    config.engine,
+                    config.seed,
+                    planner=inner,
+                    budget_s=config.budget_s,
+                    idle_budget_s=config.dispatcher.idle_budget_s,
+                    offline_priority=config.dispatcher.offline_priority,
+                )
             admission, needs_model, dispatcher_budget = "static-cap", False, None
             params = {"max_offline_in_flight": config.in_engine_offline_window}
+        elif engine_factory is not None:
+            self.engine = engine_factory(config.engine, config.seed)
         else:
             self.engine = EngineModel(config.engine, seed=config.seed)
         planner = build_planner(
@@ -517,6 +592,10 @@ class Simulator:
 
     def _in_engine_counters(self) -> dict[str, float | None]:
         eng = self.engine
+        counters = getattr(eng, "in_engine_counters", None)
+        if callable(counters):
+            out: dict[str, float | None] = counters()
+            return out
         if not isinstance(eng, PlannedEngine):
             return {}
         return {
@@ -578,6 +657,8 @@ def simulate(
     length_predictor: LengthPredictor | None = None,
     online_queue: RequestQueue | None = None,
     progress: Progress | None = None,
+    engine_factory: EngineFactory | None = None,
+    in_engine_factory: InEngineFactory | None = None,
 ) -> SimResult:
     """Replay ``workload`` under ``config`` and measure it (see :class:`Simulator`)."""
     sim = Simulator(
@@ -586,5 +667,7 @@ def simulate(
         latency_model=latency_model,
         length_predictor=length_predictor,
         online_queue=online_queue,
+        engine_factory=engine_factory,
+        in_engine_factory=in_engine_factory,
     )
     return sim.run(progress)

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from slipstream_cli.cluster import ApiError, ClusterError, Rest
+from slipstream_testbed.cluster import ApiError, ClusterError, Rest
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from slipstream_cli.engine_server.metrics import EngineMetrics, FinishedRequestStats
 from slipstream_scheduler.engine.model import (
     EngineModel,
     EngineRequest,
@@ -42,6 +41,7 @@ from slipstream_scheduler.engine.model import (
     StepResult,
 )
 from slipstream_scheduler.textgen import EOS_ID, TokenGenerator, Tokenizer, block_hashes
+from slipstream_testbed.engine_server.metrics import EngineMetrics, FinishedRequestStats
 
 logger = logging.getLogger(__name__)
 

@@ -6,15 +6,16 @@ Field names, defaults and bounds follow vLLM v0.11
 ``TokenizeChatRequest``, ``DetokenizeRequest``, ``StreamOptions``). Like vLLM,
 unknown fields are accepted and ignored, and sampling knobs the engine model
 cannot honour (``temperature``, ``top_p``, ``top_k``, penalties) are accepted
-and have no effect; features it cannot fake convincingly (``n > 1``,
-``echo``, ``logprobs``, ``best_of``, ``use_beam_search``, ``suffix``,
-guided decoding) are rejected with a 400 that names the field, instead of
-being silently wrong.
+and have no effect. ``n > 1`` runs ``n`` engine requests; ``logprobs`` (and
+chat's ``top_logprobs``) are answered in vLLM's shapes with made-up values (the
+engine model has no distribution). Features it cannot fake convincingly
+(``echo``, ``best_of``, ``use_beam_search``, ``suffix``, guided decoding)
+are rejected with a 400 that names the field, instead of being silently wrong.
 
 Validation that needs server state (the served model name, the scheduling
 policy, ``max_model_len``) happens in ``app.py``. Errors raised here are
 pydantic ``ValidationError``; :func:`validation_error` turns one into a
-:class:`~slipstream_cli.engine_server.errors.RequestError` naming the field.
+:class:`~slipstream_testbed.engine_server.errors.RequestError` naming the field.
 
 Deliberately left out: response models. Responses are built as plain dicts
 (and, on the streaming hot path, pre-rendered JSON fragments) in the exact
@@ -28,9 +29,11 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from slipstream_cli.engine_server.errors import RequestError
+from slipstream_testbed.engine_server.errors import RequestError
 
 _INT64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 128  # choices per request
 
 
 class _Body(BaseModel):
@@ -75,9 +78,11 @@ class _GenerationParams(_Body):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported by the engine model")
+    def _at_least_one_choice(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"n must be at least 1, got {v}.")
+        if v > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {v}.")
         return v
 
     @field_validator("best_of")
@@ -119,7 +124,9 @@ class _GenerationParams(_Body):
 class CompletionRequest(_GenerationParams):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Optional as in vLLM (which also takes prompt_embeds); a missing prompt is refused in
+    # the serving layer, with BadRequestError (``single_prompt``), as vLLM 0.32 does.
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool | None = False
     logprobs: int | None = None
@@ -135,9 +142,14 @@ class CompletionRequest(_GenerationParams):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported by the engine model")
+    def _logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError("`logprobs` must be a positive value.")
+        if v is not None and v > MAX_LOGPROBS:
+            raise ValueError(
+                f"Requested sample logprobs of {v}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}"
+            )
         return v
 
     @field_validator("suffix")
@@ -150,8 +162,8 @@ class CompletionRequest(_GenerationParams):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(
-        cls, v: str | list[str] | list[int] | list[list[int]]
-    ) -> str | list[str] | list[int] | list[list[int]]:
+        cls, v: str | list[str] | list[int] | list[list[int]] | None
+    ) -> str | list[str] | list[int] | list[list[int]] | None:
         if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) != 1:
             raise ValueError("only one prompt per request is supported by the engine model")
         if isinstance(v, list) and not v:
@@ -161,6 +173,10 @@ class CompletionRequest(_GenerationParams):
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or as token ids."""
         p = self.prompt
+        if p is None:
+            raise RequestError(
+                "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+            )
         if isinstance(p, str):
             return p
         first = p[0]
@@ -213,12 +229,24 @@ class ChatCompletionRequest(_GenerationParams):
             raise ValueError("echo=true is not supported by the engine model")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported by the engine model")
+    def _top_logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError("`top_logprobs` must be a positive value.")
+        if v is not None and v > MAX_LOGPROBS:
+            raise ValueError(
+                f"Requested sample logprobs of {v}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}"
+            )
         return v
+
+    def check_logprobs(self) -> None:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError(
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+                param="top_logprobs",
+            )
 
     @field_validator("tools")
     @classmethod

@@ -1,6 +1,6 @@
 """Run ``slipstream operator`` with a larger default thread pool (a bench experiment).
 
-``python -m slipstream_cli.fleet.opwrap --threads N operator ...`` installs an
+``python -m slipstream_testbed.fleet.opwrap --threads N operator ...`` installs an
 event-loop policy whose loops get a ``ThreadPoolExecutor(N)`` as default
 executor, then runs the ``slipstream`` CLI with the remaining arguments. The
 operator's handlers run every blocking Kubernetes call through
@@ -14,10 +14,9 @@ Deliberately left out: any other change to the operator.
 from __future__ import annotations
 
 import asyncio
+import runpy
 import sys
 from concurrent.futures import ThreadPoolExecutor
-
-from slipstream_cli.main import main as slipstream_main
 
 
 class _WidePolicy(asyncio.DefaultEventLoopPolicy):
@@ -33,11 +32,16 @@ class _WidePolicy(asyncio.DefaultEventLoopPolicy):
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--threads":
-        print("usage: python -m slipstream_cli.fleet.opwrap --threads N operator ...",
+        print("usage: python -m slipstream_testbed.fleet.opwrap --threads N operator ...",
               file=sys.stderr)
         return 2
     asyncio.set_event_loop_policy(_WidePolicy(int(argv[1])))
-    return slipstream_main(argv[2:])
+    sys.argv = ["slipstream", *argv[2:]]
+    try:
+        runpy.run_module("slipstream_cli.main", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 Steps (:class:`FleetRun`):
 
-1. On a running :class:`~slipstream_cli.cluster.LocalCluster`: apply the CRDs, a
+1. On a running :class:`~slipstream_testbed.cluster.LocalCluster`: apply the CRDs, a
    ServiceAccount for the operator (bound to ``cluster-admin``: this is a bench,
    the chart's Role is narrower) and an API Priority and Fairness FlowSchema that
    matches only that account, so the API server's
    ``apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}`` counts
    exactly the operator's requests.
-2. Start the stand-in (:mod:`slipstream_cli.fleet.server`, admin identity) and
+2. Start the stand-in (:mod:`slipstream_testbed.fleet.server`, admin identity) and
    ``slipstream operator`` (the operator's own kubeconfig) as processes. With
    ``operator_shards`` above 1 the fleet's namespaces are split round-robin over that
    many operators, each started with ``-n`` for its own group (sharding by namespace:
@@ -20,7 +20,7 @@ Steps (:class:`FleetRun`):
    watch each service's ``status.observed.samples`` reach the new count; the
    lag is the time from the bump to the bench seeing it. The default probe
    (``lag_probe="watch"``, :mod:`.statuswatch`) stamps each status change as its
-   watch event arrives; ``"list"`` polls LIST as earlier runs did, which adds up
+   watch event arrives; ``"list"`` polls LIST, which adds up
    to one LIST period (seconds at 500 services) to every lag. The lags are kept
    per bump (:class:`BumpLags`): the first bump changes every service's budget at
    once, and its cost would otherwise hide in one p99 with the steady-state bumps.
@@ -54,9 +54,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream_cli.cluster import LOOPBACK, ApiError, ClusterError, LocalCluster
-from slipstream_cli.fleet.statuswatch import StatusWatch, etcd_statuses, status_written
-from slipstream_cli.fleet.workload import (
+from slipstream_testbed.cluster import LOOPBACK, ApiError, ClusterError, LocalCluster
+from slipstream_testbed.fleet.statuswatch import StatusWatch, etcd_statuses, status_written
+from slipstream_testbed.fleet.workload import (
     FleetPlan,
     batch_lines,
     job_manifests,
@@ -64,7 +64,7 @@ from slipstream_cli.fleet.workload import (
     service_manifests,
     shards_per_pod_needed,
 )
-from slipstream_cli.prometheus import free_port
+from slipstream_testbed.prometheus import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -736,7 +736,7 @@ class FleetRun:
         return proc
 
     def _start_standin(self) -> None:
-        argv = [sys.executable, "-m", "slipstream_cli.fleet.server",
+        argv = [sys.executable, "-m", "slipstream_testbed.fleet.server",
                 "--kubeconfig", str(self.cluster.admin_kubeconfig), "--lines-per-second", "0.001"]
         if not self.status_counters:
             argv.append("--no-status-counters")
@@ -755,7 +755,7 @@ class FleetRun:
         """One operator per namespace group; a single one is cluster-wide if the run is."""
         launcher = [str(Path(sys.executable).parent / "slipstream")]
         if self.operator_threads > 0:
-            launcher = [sys.executable, "-m", "slipstream_cli.fleet.opwrap", "--threads",
+            launcher = [sys.executable, "-m", "slipstream_testbed.fleet.opwrap", "--threads",
                         str(self.operator_threads)]
         argv = [*launcher, "operator", "--kubeconfig", str(kubeconfig), "--loopback-only",
                 "--interval", str(self.interval_s), "--window", "3600",

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,13 +33,14 @@ import prometheus_client
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from slipstream_cli.engine_server.app import ServerConfig, build_app
-from slipstream_cli.engine_server.driver import Driver
-from slipstream_cli.engine_server.metrics import EngineMetrics
+from slipstream_scheduler.engine.gpu import available_profiles
 from slipstream_scheduler.engine.model import EngineConfig, EngineModel
 from slipstream_scheduler.textgen import TextGenConfig, TokenGenerator, Tokenizer
 from slipstream_sidecar.heap import freeze_startup_heap
 from slipstream_sidecar.logging_filters import install_payload_filter
+from slipstream_testbed.engine_server.app import ServerConfig, build_app
+from slipstream_testbed.engine_server.driver import Driver
+from slipstream_testbed.engine_server.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,21 @@ class ServeOptions(BaseModel):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeOptions()
-    parser.add_argument("--model", default=d.model, help="engine-model profile (llama-2-7b, ...)")
-    parser.add_argument("--gpu", default=d.gpu, help="GPU profile (a100, h100)")
+    shipped = available_profiles()
+    models = tuple(sorted({m for m, _ in shipped}))
+    gpus = tuple(sorted({g for _, g in shipped}))
+    parser.add_argument(
+        "--model",
+        default=d.model,
+        choices=models,
+        help=f"engine-model profile: {', '.join(models)} (default {d.model})",
+    )
+    parser.add_argument(
+        "--gpu",
+        default=d.gpu,
+        choices=gpus,
+        help=f"GPU profile: {', '.join(gpus)} (default {d.gpu})",
+    )
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -242,6 +257,13 @@ async def _serve_forever(opts: ServeOptions) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.model, args.gpu) not in available_profiles():
+        pairs = ", ".join(f"{m} on {g}" for m, g in available_profiles())
+        print(
+            f"slipstream engine: no profile for {args.model} on {args.gpu} (shipped: {pairs})",
+            file=sys.stderr,
+        )
+        return 2
     opts = options_from_args(args)
     # vLLM exposes no ``*_created`` series; this is process-global, so only the CLI sets it.
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]

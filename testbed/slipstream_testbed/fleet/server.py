@@ -1,7 +1,7 @@
-"""The stand-in as a process: ``python -m slipstream_cli.fleet.server --kubeconfig K``.
+"""The stand-in as a process: ``python -m slipstream_testbed.fleet.server --kubeconfig K``.
 
-Starts a :class:`~slipstream_cli.fleet.standin.Standin`, a
-:class:`~slipstream_cli.fleet.podwatch.PodWatcher` on the given cluster, and a
+Starts a :class:`~slipstream_testbed.fleet.standin.Standin`, a
+:class:`~slipstream_testbed.fleet.podwatch.PodWatcher` on the given cluster, and a
 small control API on ``127.0.0.1:<control port>`` for the benchmark:
 ``POST /bump`` (one more online request on every fake pod; answers the bump
 number and the wall-clock time it took effect) and ``GET /totals`` (fake pods,
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from aiohttp import web
 from kubernetes import config
 
-from slipstream_cli.fleet.podwatch import PodWatcher
-from slipstream_cli.fleet.standin import Standin, StandinConfig, raise_fd_limit
+from slipstream_testbed.fleet.podwatch import PodWatcher
+from slipstream_testbed.fleet.standin import Standin, StandinConfig, raise_fd_limit
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slipstream_cli.fleet.server",
+    parser = argparse.ArgumentParser(prog="python -m slipstream_testbed.fleet.server",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="count", default=0)

@@ -1,6 +1,6 @@
 """Watch the cluster's Slipstream pods and keep the stand-in's fake pods in step.
 
-The pod runner for :mod:`slipstream_cli.fleet.standin`: a thread lists, then
+The pod runner for :mod:`slipstream_testbed.fleet.standin`: a thread lists, then
 watches, pods labelled ``slipstream.dev/service`` in all namespaces; each
 Running pod with an IP (in the chosen namespaces, or any) becomes a fake
 sidecar on that IP, with the control token read once per service from the
@@ -23,7 +23,7 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from slipstream_cli.fleet.standin import Standin, StandinError
+from slipstream_testbed.fleet.standin import Standin, StandinError
 
 logger = logging.getLogger(__name__)
 

@@ -1240,7 +1240,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m slipstream_cli.cluster", description=__doc__.splitlines()[0]
+        prog="python -m slipstream_testbed.cluster", description=__doc__.splitlines()[0]
     )
     parser.add_argument("-v", "--verbose", action="count", default=1)
     add_arguments(parser)

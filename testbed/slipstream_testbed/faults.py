@@ -8,7 +8,7 @@ Two things live here:
   fraction of its requests done), so that a failing run can be replayed
   exactly from its seed.
 * :class:`ControlPlane` kills (SIGKILL, no grace) and restarts one component
-  of a :class:`~slipstream_cli.cluster.LocalCluster` by the PID file the
+  of a :class:`~slipstream_testbed.cluster.LocalCluster` by the PID file the
   cluster keeps, then waits until the component answers its health check
   again. It only ever signals PIDs the cluster itself recorded and that still
   run the component's binary.
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from slipstream_cli.cluster import (
+from slipstream_testbed.cluster import (
     COMPONENT_ORDER,
     ClusterError,
     Component,

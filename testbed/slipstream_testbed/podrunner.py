@@ -131,6 +131,27 @@ def engine_command(container: Mapping[str, Any], ip: str, *, model: str, gpu: st
     return argv, port
 
 
+def vllm_engine_command(container: Mapping[str, Any], ip: str, *, model: str, python: str,
+                        model_dir: Path) -> tuple[list[str], int, dict[str, str]]:
+    """Real ``vllm serve`` (on CPU, the tiny model in ``model_dir``) for a ``vllm`` container:
+    argv, the port it listens on and the environment it adds. The container's
+    ``--max-num-seqs`` and ``--max-num-batched-tokens`` carry over; its model does not."""
+    from slipstream_testbed.vllm.server import VllmServerOptions, server_env
+
+    flags = split_flags([str(a) for a in container.get("args") or []])
+    port = int(flags.get("--port") or 8000)
+
+    def number(flag: str) -> int | None:
+        value = flags.get(flag)
+        return int(value) if value and value.isdigit() else None
+
+    opts = VllmServerOptions(model_dir=model_dir, host=ip, port=port, served_model_name=model,
+                             max_num_seqs=number("--max-num-seqs"),
+                             max_num_batched_tokens=number("--max-num-batched-tokens"))
+    env = {k: v for k, v in server_env(opts).items() if os.environ.get(k) != v}
+    return [python, "-m", "slipstream_vllm.serve", *opts.argv(port)], port, env
+
+
 def sidecar_environment(container: Mapping[str, Any], ip: str, engine_port: int,
                         engine_flags: Mapping[str, str | None],
                         mounts: Mapping[str, Path]) -> dict[str, str]:
@@ -266,7 +287,11 @@ class PodRunner:
         service_account_kubeconfig: ServiceAccountKubeconfig | None = None,
         restart_backoff_s: float = 5.0,
         base_env: Mapping[str, str] | None = None,
+        engine: str = "model",
     ) -> None:
+        if engine not in ("model", "vllm"):
+            raise ValueError(f"engine must be model or vllm, not {engine!r}")
+        self.engine = engine  # model: the engine model; vllm: real vllm serve (CPU, tiny model)
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -418,8 +443,19 @@ class PodRunner:
         if gpu not in {g for _, g in self._profiles}:
             gpu = "a100"
         seed = int(re.sub(r"\D", "", running.ip.replace(".", "")) or 0) % 100_000
-        engine_argv, engine_port = engine_command(containers["vllm"], running.ip, model=model,
-                                                  gpu=gpu, available=self._profiles, seed=seed)
+        engine_env = dict(self.base_env)
+        if self.engine == "vllm":
+            from slipstream_testbed.vllm import ensure
+            from slipstream_testbed.vllm.server import vllm_python
+
+            engine_argv, engine_port, extra = vllm_engine_command(
+                containers["vllm"], running.ip, model=model, python=vllm_python(),
+                model_dir=ensure())
+            engine_env.update(extra)
+        else:
+            engine_argv, engine_port = engine_command(containers["vllm"], running.ip,
+                                                      model=model, gpu=gpu,
+                                                      available=self._profiles, seed=seed)
         engine_flags = split_flags([str(a) for a in containers["vllm"].get("args") or []])
         sidecar = containers["sidecar"]
         mounts = self._volumes(pod, sidecar)
@@ -430,7 +466,7 @@ class PodRunner:
                        if not k.startswith("SLIPSTREAM_SIDECAR_")}
         sidecar_env.update(env)
         return [
-            Process("engine", engine_argv, dict(self.base_env), folder / "engine.log"),
+            Process("engine", engine_argv, engine_env, folder / "engine.log"),
             Process("sidecar", [*SLIPSTREAM, "sidecar"], sidecar_env, folder / "sidecar.log"),
         ]
 

@@ -1,6 +1,6 @@
 """The bench's own local cluster: same control plane, a pod network nobody else uses.
 
-:class:`~slipstream_cli.cluster.LocalCluster` gives every cluster's pods IPs in
+:class:`~slipstream_testbed.cluster.LocalCluster` gives every cluster's pods IPs in
 127.1.0.0/16, so two clusters on one machine hand out the same pod IPs, and the
 stand-in's 2,000 listeners (ports 8000/9000 on each pod IP) would take the
 addresses another engineer's e2e test binds its real sidecars to. The bench
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from slipstream_cli.cluster import (
+from slipstream_testbed.cluster import (
     POD_NETWORK,
     Component,
     LocalCluster,

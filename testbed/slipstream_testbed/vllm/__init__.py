@@ -1,0 +1,32 @@
+"""Real vLLM in the testbed: a tiny model built from a seed, and ``vllm serve`` on CPU.
+
+See :mod:`.tiny_model` (``ensure()`` builds or reuses the model) and :mod:`.server`.
+Nothing here imports vllm; the server runs in the real-vLLM environment
+(``make vllm-env``) as a separate process.
+"""
+
+from slipstream_testbed.vllm.server import (
+    DEFAULT_SERVED_NAME,
+    VllmServer,
+    VllmServerOptions,
+    VllmStartError,
+    VllmUnavailableError,
+    free_port,
+    running,
+    vllm_python,
+)
+from slipstream_testbed.vllm.tiny_model import TinyModelSpec, ensure, model_dir
+
+__all__ = [
+    "DEFAULT_SERVED_NAME",
+    "TinyModelSpec",
+    "VllmServer",
+    "VllmServerOptions",
+    "VllmStartError",
+    "VllmUnavailableError",
+    "ensure",
+    "free_port",
+    "model_dir",
+    "running",
+    "vllm_python",
+]

@@ -1,0 +1,101 @@
+"""Fixtures of the real-vLLM tier (marker ``vllm``): the tiny model and live ``vllm serve``.
+
+Every test here runs real vLLM code on this CPU: in-process (vLLM's v1 scheduler, which needs
+``import vllm``: run the tier with ``.venv-vllm/bin/pytest``, as ``make test`` does) or as a
+``vllm serve`` process (:mod:`slipstream_testbed.vllm`). Starting a server takes 30-100 s, so the
+servers are shared per session where a test does not change them; a test that kills its server
+takes one of its own from ``vllm_server_factory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slipstream_testbed.vllm import VllmServer, VllmServerOptions, ensure
+
+pytestmark = pytest.mark.vllm
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny Llama built from a seed (cached in ~/.cache/slipstream/models)."""
+    return ensure()
+
+
+ServerFactory = Callable[..., VllmServer]
+
+
+@pytest.fixture(scope="session")
+def _session_servers(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[tuple[tuple[str, Any], ...], VllmServer]]:
+    servers: dict[tuple[tuple[str, Any], ...], VllmServer] = {}
+    yield servers
+    for srv in servers.values():
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(
+    _session_servers: dict[tuple[tuple[str, Any], ...], VllmServer],
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> ServerFactory:
+    """``shared_vllm(**options)``: a live server with these options, started once per session."""
+
+    def get(**kw: Any) -> VllmServer:
+        key = tuple(sorted(kw.items()))
+        srv = _session_servers.get(key)
+        if srv is None or not srv.healthy():
+            log = tmp_path_factory.mktemp("vllm") / "vllm-serve.log"
+            srv = VllmServer(VllmServerOptions(model_dir=tiny_model, log_path=log, **kw))
+            srv.start()
+            _session_servers[key] = srv
+        return srv
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def vllm_server(shared_vllm: ServerFactory) -> VllmServer:
+    """The default live server: priority scheduling, max-model-len 512."""
+    return shared_vllm()
+
+
+ONE_SEQ_FP32: dict[str, Any] = {"max_num_seqs": 1, "extra_args": ("--dtype", "float32")}
+
+
+@pytest.fixture(scope="session")
+def vllm_one_seq(shared_vllm: ServerFactory) -> VllmServer:
+    """A live server that runs one request at a time (the order it serves in is observable)
+    in float32 (greedy decoding then does not depend on what else is in the batch)."""
+    return shared_vllm(**ONE_SEQ_FP32)
+
+
+@pytest.fixture
+def vllm_server_factory(tiny_model: Path, tmp_path: Path) -> Iterator[ServerFactory]:
+    """``factory(**options)``: a server of the test's own (stopped at its end)."""
+    started: list[VllmServer] = []
+
+    def make(**kw: Any) -> VllmServer:
+        srv = VllmServer(
+            VllmServerOptions(model_dir=tiny_model, log_path=tmp_path / f"vllm-{len(started)}.log",
+                              **kw)
+        )
+        started.append(srv)
+        return srv.start()
+
+    yield make
+    for srv in started:
+        srv.stop()

@@ -1,0 +1,450 @@
+"""The sidecar in front of real ``vllm serve`` (CPU, the tiny model): online, offline, crashes.
+
+One live vLLM serves the whole module: ``--max-num-seqs 1`` (so the order vLLM serves in is
+observable: one request at a time) and ``--dtype float32`` (greedy decoding is then the same
+whatever else is in the batch, so a request's uninterrupted answer, asked of vLLM directly, is
+the reference for the same request through the sidecar, preempted or not). Each test starts its
+own sidecar (a real ``slipstream sidecar`` process on loopback) in front of it. The kill -9 test
+restarts that vLLM and runs last.
+
+Token ids, not text, are compared wherever exactness matters: the tiny model's byte-level
+tokenizer does not round-trip arbitrary generated text.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from integration.helpers_procs import Proc, bearer, control_stub, sidecar_proc
+from slipstream_sidecar.proto import sidecar_pb2 as pb
+from slipstream_testbed.vllm import DEFAULT_SERVED_NAME, VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MODEL = DEFAULT_SERVED_NAME
+TOKEN = "vllm-tier-token"
+VOLATILE = ("id", "created")
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_one_seq: VllmServer) -> VllmServer:
+    return vllm_one_seq
+
+
+@dataclass
+class Stack:
+    vllm: VllmServer
+    sidecar: Proc
+    tmp: Path
+
+    def stub(self) -> tuple[Any, Any]:
+        ch, stub = control_stub(self.sidecar.extra_ports["grpc"])
+        return ch, stub
+
+    def status(self) -> Any:
+        ch, stub = self.stub()
+        with ch:
+            return stub.Status(pb.StatusRequest(), metadata=bearer(TOKEN))
+
+
+def start_sidecar(vllm: VllmServer, tmp: Path, *, seqs: int) -> Stack:
+    token = tmp / "token"
+    token.write_text(TOKEN)
+    sc = sidecar_proc(tmp, vllm.url, token_file=token, state_dir=tmp / "state",
+                      max_num_seqs=seqs, extra=("--model", MODEL)).start(timeout_s=120)
+    return Stack(vllm, sc, tmp)
+
+
+@pytest.fixture
+def stack4(vllm: VllmServer, tmp_path: Path) -> Iterator[Stack]:
+    """A sidecar that believes the engine has 4 slots (vLLM runs 1: the rest wait in vLLM)."""
+    s = start_sidecar(vllm, tmp_path, seqs=4)
+    yield s
+    s.sidecar.stop()
+
+
+# -- HTTP helpers ------------------------------------------------------------------------------
+
+
+def post(url: str, body: dict[str, Any] | bytes, timeout: float = 120) -> tuple[int, str, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read()
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, _, raw = post(url, body)
+    assert status == 200, raw
+    doc: dict[str, Any] = json.loads(raw)
+    return doc
+
+
+@dataclass
+class Streamed:
+    chunks: list[dict[str, Any]]
+    done: bool
+    sent_s: float
+    first_token_s: float | None
+    token_ids: list[int]
+
+    @property
+    def token_events(self) -> int:
+        """Events that carried tokens (vLLM sends several tokens in one event when its API
+        server falls behind the engine)."""
+        return sum(1 for c in self.chunks for ch in c.get("choices") or () if ch.get("token_ids"))
+
+    @property
+    def text_events(self) -> int:
+        """Token events whose text is not empty (the sidecar times TBT between these)."""
+        return sum(1 for c in self.chunks for ch in c.get("choices") or ()
+                   if ch.get("token_ids")
+                   and (ch.get("text") or (ch.get("delta") or {}).get("content")))
+
+    @property
+    def usage_tokens(self) -> int | None:
+        for c in reversed(self.chunks):
+            if c.get("usage"):
+                return int(c["usage"]["completion_tokens"])
+        return None
+
+    def shape(self) -> list[Any]:
+        """The chunks with the generated text and token ids taken out, one per kind in order
+        (the number of token events depends on how vLLM's API server kept up)."""
+        out: list[Any] = []
+        for c in strip(self.chunks):
+            for ch in c.get("choices") or ():
+                ch.pop("token_ids", None)
+                ch.pop("text", None)
+                (ch.get("delta") or {}).pop("content", None)
+            if not out or out[-1] != c:
+                out.append(c)
+        return out
+
+    def text(self) -> str:
+        return "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                       for c in self.chunks for ch in c.get("choices") or ())
+
+
+def stream(url: str, body: dict[str, Any]) -> Streamed:
+    """POST a streamed request; time the first chunk carrying a token (token ids counted)."""
+    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
+    path = "/" + url.removeprefix("http://").split("/", 1)[1]
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        sent = time.monotonic()
+        conn.request("POST", path, json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        buf, done, first = b"", False, None
+        chunks: list[dict[str, Any]] = []
+        ids: list[int] = []
+        while piece := resp.read1(65536):
+            now = time.monotonic()
+            buf += piece
+            *events, buf = buf.split(b"\n\n")
+            for ev in events:
+                assert ev.startswith(b"data: "), ev
+                payload = ev.removeprefix(b"data: ")
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                doc = json.loads(payload)
+                chunks.append(doc)
+                for ch in doc.get("choices") or ():
+                    got = ch.get("token_ids") or []
+                    if got and first is None:
+                        first = now
+                    ids += got
+        assert buf == b""
+        return Streamed(chunks, done, sent, first, ids)
+    finally:
+        conn.close()
+
+
+def strip(doc: Any) -> Any:
+    """``doc`` with the fields that differ per request (ids, creation time) blanked."""
+    if isinstance(doc, dict):
+        return {k: ("<v>" if k in VOLATILE else strip(v)) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [strip(v) for v in doc]
+    return doc
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name} {labels} not on {url}/metrics"
+    return total
+
+
+COMPLETION = {"model": MODEL, "prompt": "the batch job of the model", "max_tokens": 12,
+              "temperature": 0, "ignore_eos": True}
+CHAT = {"model": MODEL, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "an online request"}]}
+
+
+# -- online ------------------------------------------------------------------------------------
+
+
+def test_online_bodies_are_vllms_own(vllm: VllmServer, stack4: Stack) -> None:
+    sc = stack4.sidecar.url
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        direct = post_json(vllm.url + path, body)
+        via = post_json(sc + path, body)
+        assert strip(via) == strip(direct), path
+        assert via["usage"]["completion_tokens"] == 12
+        for opts in ({}, {"stream_options": {"include_usage": True}}):
+            d = stream(vllm.url + path, {**body, **opts, "return_token_ids": True})
+            v = stream(sc + path, {**body, **opts, "return_token_ids": True})
+            assert d.done and v.done
+            assert v.shape() == d.shape(), (path, opts)
+            assert v.token_ids == d.token_ids and len(v.token_ids) == 12
+            assert v.text() == d.text()
+    # vLLM's errors reach the client as vLLM sent them, status included.
+    for bad in ({**COMPLETION, "model": "no-such-model"},
+                {**COMPLETION, "prompt": "word " * 600}):
+        d_status, d_type, d_raw = post(vllm.url + "/v1/completions", bad)
+        v_status, v_type, v_raw = post(sc + "/v1/completions", bad)
+        assert d_status >= 400 and v_status == d_status, (d_raw, v_raw)
+        assert v_type == d_type and json.loads(v_raw) == json.loads(d_raw)
+
+
+def test_token_counts_and_latencies_match_what_the_client_saw(stack4: Stack) -> None:
+    sc = stack4.sidecar.url
+    seen: list[Streamed] = []
+    # (the sidecar's TBT samples, the client's gaps between events with text) per request
+    gaps: list[tuple[float, int]] = []
+    before = 0.0
+    for i in range(6):
+        path, body = ("/v1/completions", COMPLETION) if i % 2 else ("/v1/chat/completions", CHAT)
+        opts: dict[str, Any] = {"stream_options": {"include_usage": True}} if i % 3 == 0 else {}
+        seen.append(stream(sc + path, {**body, **opts, "max_tokens": 20 + 7 * i, "seed": i,
+                                       "temperature": 1.0, "return_token_ids": True}))
+        now = metric(sc, "slipstream_tbt_seconds_count", **{"class": "online"})
+        gaps.append((now - before, seen[-1].text_events - 1))
+        before = now
+    assert all(a == b for a, b in gaps), gaps
+    assert all(s.done for s in seen)
+    assert sum(len(s.token_ids) for s in seen) == sum(20 + 7 * i for i in range(6))
+    # What the client can count from the stream: usage when it asked for it (exact), else
+    # one token per event, which is what the sidecar counts too (exact while vLLM sends one
+    # event per token; see docs/sidecar.md).
+    client_tokens = sum(s.usage_tokens if s.usage_tokens is not None else s.token_events
+                        for s in seen)
+    assert [s.usage_tokens for s in seen if s.usage_tokens is not None] == [20, 41]
+    assert metric(sc, "slipstream_output_tokens_total", **{"class": "online"}) == client_tokens
+    assert metric(sc, "slipstream_ttft_seconds_count", **{"class": "online"}) == len(seen)
+    assert metric(sc, "slipstream_tbt_seconds_count", **{"class": "online"}) == sum(
+        s.text_events - 1 for s in seen
+    )
+    # Each request's TTFT at the sidecar lies inside the client's (it arrives later and relays
+    # the first token before the client reads it), so the sums are ordered the same way.
+    client_ttft = sum(s.first_token_s - s.sent_s for s in seen if s.first_token_s is not None)
+    assert 0 < metric(sc, "slipstream_ttft_seconds_sum", **{"class": "online"}) <= client_ttft
+    online = stack4.status().online_counters
+    assert online.output_tokens == client_tokens
+    assert online.ttft_seconds.count == len(seen)
+    assert online.tbt_seconds.count == sum(s.text_events - 1 for s in seen)
+
+
+# -- offline -----------------------------------------------------------------------------------
+
+
+def write_shard(path: Path, bodies: list[dict[str, Any] | bytes]) -> None:
+    lines = []
+    for i, body in enumerate(bodies):
+        if isinstance(body, bytes):
+            lines.append(body)
+            continue
+        url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url,
+                                 "body": body}).encode())
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def assign(stack: Stack, shard_id: str, n: int) -> None:
+    ch, stub = stack.stub()
+    with ch:
+        resp = stub.AssignShard(pb.AssignShardRequest(shard=pb.Shard(
+            shard_id=shard_id, job_namespace="default", job_name="job", model=MODEL,
+            input_uri=f"file://{stack.tmp / 'in.jsonl'}", line_start=0, line_end=n,
+            output_uri=f"file://{stack.tmp / 'out.jsonl'}",
+            error_uri=f"file://{stack.tmp / 'err.jsonl'}", priority=10,
+        )), metadata=bearer(TOKEN))
+    assert resp.accepted
+
+
+def wait_shard(stack: Stack, shard_id: str, timeout_s: float = 300) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in stack.status().shards:
+            if p.shard_id == shard_id and p.state in (pb.SHARD_STATE_SUCCEEDED,
+                                                      pb.SHARD_STATE_FAILED):
+                return p
+        time.sleep(0.2)
+    raise TimeoutError(f"shard {shard_id} did not finish")
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def wait_until(cond: Any, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.02)
+
+
+def offline_body(i: int, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": f"offline line {i} of the shard", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+def test_vllm_serves_in_the_priority_the_sidecar_assigns(vllm: VllmServer, stack4: Stack) -> None:
+    """vLLM runs one request at a time: while long requests sent to it directly run, two
+    offline lines and then one online request wait in vLLM. The online one (priority 0) is
+    served before the offline ones (priority 100) that reached vLLM first."""
+    write_shard(stack4.tmp / "in.jsonl", [offline_body(i, 8) for i in range(2)])
+    sc = stack4.sidecar.url
+    blockers = [threading.Thread(target=post, args=(
+        vllm.url + "/v1/completions", {**COMPLETION, "max_tokens": 480})) for _ in range(4)]
+    for b in blockers:
+        b.start()
+    wait_until(lambda: metric(vllm.url, "vllm:num_requests_waiting") == 3, "blockers queued")
+
+    def blocking() -> bool:
+        return any(b.is_alive() for b in blockers)
+
+    def in_vllm() -> float:
+        return (metric(vllm.url, "vllm:num_requests_waiting")
+                + metric(vllm.url, "vllm:num_requests_running"))
+
+    assign(stack4, "prio", 2)
+    wait_until(lambda: in_vllm() == 2 + sum(b.is_alive() for b in blockers) or not blocking(),
+               "offline lines waiting in vLLM")
+    late: list[int] = []
+
+    def online() -> None:
+        post_json(sc + "/v1/completions", {**COMPLETION, "max_tokens": 8})
+        late.append(len(records(stack4.tmp / "out.jsonl")))
+
+    u = threading.Thread(target=online)
+    u.start()
+    wait_until(lambda: in_vllm() == 3 + sum(b.is_alive() for b in blockers) or not blocking(),
+               "online request waiting in vLLM")
+    assert blocking(), "the blockers ended before all three requests were waiting in vLLM"
+    for b in blockers:
+        b.join(300)
+    u.join(300)
+    assert late == [0], "an offline line was served before the online request"
+    progress = wait_shard(stack4, "prio")
+    assert progress.completed == 2 and progress.preemptions == 0
+
+
+def test_online_burst_preempts_offline_and_continuations_keep_every_token(
+    vllm: VllmServer, stack4: Stack
+) -> None:
+    n, max_tokens = 4, 160
+    bodies: list[dict[str, Any] | bytes] = [offline_body(i, max_tokens) for i in range(n)]
+    write_shard(stack4.tmp / "in.jsonl", bodies)
+    sc = stack4.sidecar.url
+    assign(stack4, "burst", n)
+    wait_until(lambda: metric(sc, "slipstream_output_tokens_total", **{"class": "offline"}) >= 20,
+               "offline tokens flowing")
+    results: list[Streamed] = []
+    burst = [threading.Thread(target=lambda i=i: results.append(stream(
+        sc + "/v1/completions", {**COMPLETION, "max_tokens": 16, "seed": i,
+                                 "return_token_ids": True}))) for i in range(3)]
+    for th in burst:
+        th.start()
+    for th in burst:
+        th.join(300)
+    assert len(results) == 3 and all(r.done for r in results)
+    progress = wait_shard(stack4, "burst")
+    assert progress.state == pb.SHARD_STATE_SUCCEEDED and progress.completed == n
+    assert progress.preemptions > 0, "the online burst must abort offline work"
+    out = {r["custom_id"]: r for r in records(stack4.tmp / "out.jsonl")}
+    assert sorted(out) == [f"req-{i}" for i in range(n)]
+    for i in range(n):
+        ref = post_json(vllm.url + "/v1/completions", offline_body(i, max_tokens))
+        got = out[f"req-{i}"]["response"]["body"]
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert got["usage"][k] == ref["usage"][k], (i, k)
+        assert got["choices"][0]["prompt_token_ids"] == ref["choices"][0]["prompt_token_ids"]
+        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], i
+        assert got["choices"][0]["text"] == ref["choices"][0]["text"], i
+        assert got["choices"][0]["finish_reason"] == "length"
+
+
+def test_shard_errors_name_their_line_and_the_rest_finishes(stack4: Stack) -> None:
+    bodies: list[dict[str, Any] | bytes] = [offline_body(i, 8) for i in range(6)]
+    bodies[1] = b"{not json"
+    bodies[4] = {**offline_body(4, 8), "prompt": "word " * 700}
+    write_shard(stack4.tmp / "in.jsonl", bodies)
+    assign(stack4, "errs", len(bodies))
+    progress = wait_shard(stack4, "errs")
+    assert progress.state == pb.SHARD_STATE_SUCCEEDED
+    assert (progress.completed, progress.failed) == (4, 2)
+    errs = {int(r["id"].rsplit("_L", 1)[1]): r for r in records(stack4.tmp / "err.jsonl")}
+    assert sorted(errs) == [1, 4]
+    for line, rec in errs.items():
+        assert rec["response"] is None and f"line {line}" in rec["error"]["message"]
+    assert errs[4]["custom_id"] == "req-4"
+    ok = [r["custom_id"] for r in records(stack4.tmp / "out.jsonl")]
+    assert sorted(ok) == ["req-0", "req-2", "req-3", "req-5"]
+
+
+def test_kill_9_of_vllm_mid_shard_then_restart(vllm: VllmServer, tmp_path: Path) -> None:
+    """Last in the module: it restarts the module's vLLM (same port)."""
+    n = 12
+    write_shard(tmp_path / "in.jsonl", [offline_body(i, 48) for i in range(n)])
+    s = start_sidecar(vllm, tmp_path, seqs=4)
+    try:
+        assign(s, "crash", n)
+        wait_until(lambda: len(records(tmp_path / "out.jsonl")) >= 3, "3 lines done")
+        vllm.kill()
+        done_before = len(records(tmp_path / "out.jsonl"))
+        assert done_before < n, "the kill must land mid-shard"
+        vllm.start()
+        progress = wait_shard(s, "crash")
+        assert progress.state == pb.SHARD_STATE_SUCCEEDED and progress.completed == n
+    finally:
+        s.sidecar.stop()
+    ids = [r["custom_id"] for r in records(tmp_path / "out.jsonl")]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(n)), "each custom_id exactly once"
+    assert records(tmp_path / "err.jsonl") == []
+    # A line cut by the crash resumed from its exact tokens: the same tokens as one
+    # uninterrupted request.
+    for r in records(tmp_path / "out.jsonl"):
+        got = r["response"]["body"]
+        i = int(r["custom_id"].removeprefix("req-"))
+        ref = post_json(vllm.url + "/v1/completions", offline_body(i, 48))
+        assert got["usage"]["completion_tokens"] == 48
+        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], r["custom_id"]
