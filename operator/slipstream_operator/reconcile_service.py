@@ -32,13 +32,18 @@ OpenAI API on ``httpPort`` (the Service's target) and control gRPC on
 ``grpcPort`` (dialled by the operator on the pod IP). The sidecar's image and
 resources are ``spec.sidecar``'s when set, else the operator's cluster-wide
 defaults (``ServiceObserved.sidecar_image`` / ``sidecar_resources``, from its
-settings, i.e. the chart's ``sidecar.image`` / ``sidecar.resources``). The
-Deployment keeps its default rolling update; the operator's own Deployment is
-the one with ``strategy: Recreate``.
+settings, i.e. the chart's ``sidecar.image`` / ``sidecar.resources``).
+With ``scheduling.enforcement: engine`` vLLM instead listens on 0.0.0.0:8001 and
+runs Slipstream's scheduler plugin (``--scheduler-cls``, ``--no-async-scheduling``),
+the Service targets vLLM's port, and both containers mount an ``emptyDir`` (the
+engine channel: ``SLIPSTREAM_CHANNEL_DIR`` for vLLM, ``--engine-channel`` for the
+sidecar; docs/plugin.md). The Deployment keeps its default rolling update; the
+operator's own Deployment is the one with ``strategy: Recreate``.
 
 Deliberately left out: applying anything (``handlers``), autoscaling (replicas
-are the user's), and Ingress/Gateway objects (route to the Service or an
-InferencePool as with any vLLM pod).
+are the user's), Ingress/Gateway objects (route to the Service), and the
+InferencePool of ``spec.gateway.inferencePool`` (``gateway``: the handler applies it after
+these children, since a missing CRD must cost only a condition).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from slipstream_operator.api import (
     API_VERSION,
     DEFAULT_SIDECAR_IMAGE,
     ConditionStatus,
+    Enforcement,
     InferenceServiceSpec,
     ResourceRequirements,
     format_duration,
@@ -76,6 +82,7 @@ from slipstream_operator.calibration import (
 )
 from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.observe import WindowStats
+from slipstream_operator.rates import TokenMeter
 from slipstream_operator.searchpool import SearchSubject
 from slipstream_operator.sidecar_client import ACTIVE_STATES, ConfigureCall, SidecarStatus
 from slipstream_operator.simsearch import engine_limit_args, engine_limits
@@ -84,7 +91,13 @@ from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 SERVICE_LABEL = "slipstream.dev/service"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "slipstream-operator"}
 ENGINE_PORT = 8001
+PLUGIN_SCHEDULER_CLS = "slipstream_vllm.scheduler.SlipstreamScheduler"
+"""vLLM's ``--scheduler-cls`` in engine mode (docs/plugin.md)."""
+CHANNEL_VOLUME = "engine-channel"
+CHANNEL_MOUNT = "/var/run/slipstream/channel"
+"""Where both containers mount the engine channel's emptyDir in engine mode."""
 TOKEN_KEY = "token"
+OFFLINE_RATE_WINDOW_S = 60.0  # status.offline.tokensPerSecond: output tokens over this window
 TOKEN_MOUNT = "/var/run/slipstream/control"
 CONFIG_MOUNT = "/etc/slipstream"
 
@@ -155,6 +168,7 @@ class ServiceMemory:
     computed_at: str = ""
     calibration: Calibration = field(default_factory=Calibration)
     rendered: RenderedChildren | None = None
+    offline_tokens: TokenMeter = field(default_factory=TokenMeter)  # offline output tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +242,15 @@ def children(
         "data": config_data,
     }
     selector = {SERVICE_LABEL: ref.name}
+    engine_mode = spec.scheduling.enforcement == Enforcement.ENGINE
     engine_args = [
         "--model", spec.model,
         "--scheduling-policy", "priority",
-        "--host", "127.0.0.1",
+        # Engine mode: the Service sends online traffic to vLLM itself.
+        "--host", "0.0.0.0" if engine_mode else "127.0.0.1",
         "--port", str(ENGINE_PORT),
+        *(("--scheduler-cls", PLUGIN_SCHEDULER_CLS, "--no-async-scheduling")
+          if engine_mode else ()),
         *spec.engine.args,
     ]
     gpu = {"nvidia.com/gpu": str(spec.engine.gpus)} if spec.engine.gpus else {}
@@ -256,6 +274,16 @@ def children(
     if model is not None:
         path = f"{CONFIG_MOUNT}/latency.json"
         sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_LATENCY_MODEL_FILE", "value": path})
+    # Engine mode: the channel to vLLM's scheduler plugin, an emptyDir both containers mount.
+    channel_mounts = ([{"name": CHANNEL_VOLUME, "mountPath": CHANNEL_MOUNT}]
+                      if engine_mode else [])
+    engine_extra: dict[str, Any] = {}
+    if engine_mode:
+        engine_extra = {
+            "env": [{"name": "SLIPSTREAM_CHANNEL_DIR", "value": CHANNEL_MOUNT}],
+            "ports": [{"name": "engine", "containerPort": ENGINE_PORT}],
+            "volumeMounts": channel_mounts,
+        }
     own = spec.sidecar.resources
     resources = (own if own.requests or own.limits or sidecar_resources is None
                  else sidecar_resources).wire()
@@ -279,11 +307,13 @@ def children(
                             "image": spec.engine.image,
                             "args": engine_args,
                             "resources": {"limits": gpu} if gpu else {},
+                            **engine_extra,
                         },
                         {
                             "name": "sidecar",
                             "image": spec.sidecar.image or sidecar_image,
-                            "args": ["sidecar"],
+                            "args": ["sidecar", *(("--engine-channel", CHANNEL_MOUNT)
+                                                  if engine_mode else ())],
                             "env": sidecar_env,
                             "ports": [
                                 {"name": "http", "containerPort": spec.sidecar.http_port},
@@ -298,12 +328,14 @@ def children(
                                 {"name": "control-token", "mountPath": TOKEN_MOUNT,
                                  "readOnly": True},
                                 {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                                *channel_mounts,
                             ],
                         },
                     ],
                     "volumes": [
                         {"name": "control-token", "secret": {"secretName": n["secret"]}},
                         {"name": "config", "configMap": {"name": n["configmap"]}},
+                        *([{"name": CHANNEL_VOLUME, "emptyDir": {}}] if engine_mode else []),
                     ],
                 },
             },
@@ -315,7 +347,9 @@ def children(
         "metadata": _meta(ref, n["service"]),
         "spec": {
             "selector": selector,
-            "ports": [{"name": "http", "port": spec.sidecar.http_port, "targetPort": "http"}],
+            # Online traffic: the sidecar's port, or vLLM's own in engine mode.
+            "ports": [{"name": "http", "port": spec.sidecar.http_port,
+                       "targetPort": "engine" if engine_mode else "http"}],
         },
     }
     return (secret, configmap, deployment, service)
@@ -527,12 +561,25 @@ def reconcile_service(
     # -- status -----------------------------------------------------------------------------
     offline_tps = 0.0
     active = 0
+    counters: dict[tuple[str, str], int] = {}
     for pod in ready:
         assert pod.sidecar is not None
         for shard in pod.sidecar.shards:
+            counters[(pod.name, shard.shard_id)] = shard.output_tokens
             if shard.state in ACTIVE_STATES:
                 active += 1
                 offline_tps += shard.tokens_per_second
+    # A key leaves the meter when its pod answered without it or the pod is gone; a pod
+    # that did not answer keeps its keys, so its counters are not counted twice.
+    answered = {pod.name for pod in ready}
+    present = {pod.name for pod in pods}
+    gone = frozenset(k for k in memory.offline_tokens.seen
+                     if k[0] in answered or k[0] not in present)
+    offline_tokens = memory.offline_tokens.advance(counters, now_s, OFFLINE_RATE_WINDOW_S,
+                                                   forget=gone)
+    offline_rate = offline_tokens.rate()
+    if offline_rate is not None:
+        offline_tps = offline_rate
     status: dict[str, Any] = {
         "observedGeneration": gen,
         "conditions": conditions,
@@ -572,6 +619,7 @@ def reconcile_service(
         computed_at=computed_at,
         calibration=cal,
         rendered=rendered,
+        offline_tokens=offline_tokens,
     )
     return ServiceOutcome(
         children=rendered.objects,

@@ -128,7 +128,7 @@ class OperatorSettings(BaseSettings):
         "sidecar sends (budget or generation in force, readiness, draining, online counters) "
         "wakes the service's tick instead of waiting for the next interval. False: "
         "poll Status at every tick. Default: false (at 1,000 nodes on a 2-core host the streams "
-        "measured worse than polling: docs/scale.md, seventh session).",
+        "measured worse than polling: docs/scale.md).",
     )
     status_watch_wake: bool = Field(
         default=True,

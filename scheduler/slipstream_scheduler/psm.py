@@ -253,6 +253,16 @@ class PsmQueue:
                 del parent.children[n.key]
             n = parent
 
+    def take(self, request_id: str) -> None:
+        """Drop a request that was admitted from outside ``pop`` (an engine's scheduler walks
+        its own queue) and continue the DFS from it, as ``pop`` would; O(depth)."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            raise UnknownRequestError(request_id)
+        self._cursor = list(entry.path)
+        self._pops += 1
+        self.remove(request_id)
+
     def pop_pick(self, now_s: float) -> PsmPick:
         """Take the next request (DFS unless the fairness rule picks the oldest)."""
         pick = self._select(now_s, _Overlay(), self._cursor, self._pops)

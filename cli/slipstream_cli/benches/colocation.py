@@ -40,7 +40,10 @@ from slipstream_cli.commands.sim import (
     PolicyRun,
     RichProgress,
     Scenario,
+    add_engine_argument,
     add_scenario_arguments,
+    engine_factory_from_args,
+    in_engine_factory_from_args,
     load_offline,
     load_trace,
     rows_table,
@@ -77,6 +80,7 @@ def load_setting(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(parser)
+    add_engine_argument(parser)
     parser.add_argument(
         "--extra-busy",
         type=float,
@@ -107,15 +111,25 @@ def _online(
 
 
 def find_rate_scale(
-    full: tuple[SimRequest, ...], engine: EngineConfig, start: float, dur: float, target: float
+    full: tuple[SimRequest, ...],
+    engine: EngineConfig,
+    start: float,
+    dur: float,
+    target: float,
+    *,
+    on: dict[str, Any] | None = None,
 ) -> tuple[float, float]:
-    """Rate factor whose online-only run is busy ``target`` of the time (bisection in log space)."""
+    """Rate factor whose online-only run is busy ``target`` of the time (bisection in log space).
+
+    ``on``: the engine that runs it (:class:`Scenario`'s ``engine_name``/``engine_factory``).
+    """
+    on = on or {}
     lo, hi = math.log(0.002), math.log(4.0)
     best = (1.0, math.nan)
     for _ in range(10):
         mid = 0.5 * (lo + hi)
         f = math.exp(mid)
-        scn = Scenario(_online(full, f, start, dur), (), dur, engine)
+        scn = Scenario(_online(full, f, start, dur), (), dur, engine, **on)
         busy = scn.run("online-only").metrics.busy_fraction
         best = (f, busy)
         if abs(busy - target) < 0.01:
@@ -131,17 +145,26 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 140))
     t_start = time.perf_counter()
     full, offline, engine = load_setting(args)
+    on: dict[str, Any] = {
+        "engine_name": args.engine,
+        "engine_factory": engine_factory_from_args(
+            args, "slipstream bench colocation", ["bench", "colocation"]
+        ),
+        "in_engine_factory": in_engine_factory_from_args(args),
+    }
     slos = tuple(parse_slo(s) for s in (args.slo or DEFAULT_SLOS))
     dur = float(args.duration_s)
     loads: list[tuple[float | None, float, float]] = []  # (target busy, factor, busy)
     targets = [args.target_busy, *(args.extra_busy or [])]
     for i, target in enumerate(targets):
         if i == 0 and args.rate_scale is not None:
-            scn0 = Scenario(_online(full, args.rate_scale, args.start_s, dur), (), dur, engine)
+            scn0 = Scenario(
+                _online(full, args.rate_scale, args.start_s, dur), (), dur, engine, **on
+            )
             busy = scn0.run("online-only").metrics.busy_fraction
             loads.append((None, args.rate_scale, busy))
         else:
-            f, busy = find_rate_scale(full, engine, args.start_s, dur, target)
+            f, busy = find_rate_scale(full, engine, args.start_s, dur, target, on=on)
             loads.append((target, f, busy))
         console.print(
             f"load {i}: target busy {target:.2f} -> rate scale {loads[-1][1]:.4f}, "
@@ -161,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             idle_budget_s=args.idle_budget,
             search_idle=not args.no_idle_search,
             label=args.trace or "azure-conv-dev",
+            **on,
         )
         rows: list[dict[str, Any]] = []
         searches: dict[str, Any] = {}
@@ -222,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         "long_prefill_tokens": args.long_prefill_tokens,
         "idle_budget_s": args.idle_budget,
         "idle_search": not args.no_idle_search,
+        "engine": args.engine,
         "in_engine": args.in_engine,
         "row_modes": {
             "sidecar": "what the sidecar achieves (dispatcher in front of vLLM's scheduler)",
@@ -266,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
                             (
                                 x["offline_tokens_per_s"]
                                 for x in r["rows"]
-                                if x["mode"] == "in-engine"
+                                if x["mode"] in ("in-engine", "plugin")
                             ),
                             0.0,
                         )
@@ -306,7 +331,7 @@ def _keep_plots(
 
 def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by = {r["policy"]: r for r in rows if r.get("mode", "sidecar") == "sidecar"}
-    ie = next((r for r in rows if r.get("mode") == "in-engine"), None)
+    ie = next((r for r in rows if r.get("mode") in ("in-engine", "plugin")), None)
     vals: dict[str, Any] = {}
     lines: list[str] = []
     b, n, c, o = by.get("budget"), by.get("naive"), by.get("static-cap"), by.get("offline-only")

@@ -1,0 +1,834 @@
+"""Slipstream inside vLLM: a ``--scheduler-cls`` that runs the core's planner every iteration.
+
+``SlipstreamScheduler`` subclasses vLLM's v1 ``Scheduler``. Everything that is not a scheduling
+*choice* stays vLLM's: the KV manager and prefix cache, block allocation, the scheduler output,
+outputs, stop handling, aborts, stats. Each ``schedule()``:
+
+1. builds a :class:`~slipstream_scheduler.types.Snapshot` of vLLM's state: running requests,
+   the online waiting queue in the configured ordering (Gittins over predicted output-length
+   distributions by default in Slipstream's charts), the offline waiting queue in PSM order over
+   token-id blocks, each queued request's prefix-cache hit, the free KV blocks, and the budget
+   in force (the idle budget when no online request is in the engine);
+2. asks the planner (``TwoPhasePlanner`` in ``PlannerMode.ITERATION``, the very code the
+   simulator's in-engine mode runs) for the iteration: online decodes and chunks first, then
+   offline decodes and budget-sized offline chunks while the predicted step fits the budget;
+   offline requests preempted for an online request's KV or slot;
+3. steers vLLM's own walk to that plan: the plan's preemptions are made with vLLM's
+   ``_preempt_request`` (recompute: the request keeps every token it produced and resumes);
+   running offline requests the plan leaves out are hidden from the walk for this iteration
+   (they keep their KV); the waiting queue the walk sees holds exactly the plan's admissions,
+   online first, in plan order; the token budget is the plan's token total; and vLLM's
+   ``schedule()`` then allocates blocks and builds the output as always.
+
+Classes. A request is offline only if ``vllm_xargs`` carries the pod's token under
+``slipstream_offline`` (the sidecar puts it there; see
+:mod:`slipstream_scheduler.enginecontrol`). Everything else is online, whatever it claims; a
+forged tag is counted and ignored. Priorities are clamped to the class: offline requests run
+at :data:`OFFLINE_PRIORITY` or below, online requests never below it, so a client-supplied
+``priority`` never lifts a request above its class (vLLM's own preemption, which picks the
+largest ``(priority, arrival)``, therefore always takes offline work first).
+
+The predictor. The scheduler sees token ids, not text, so the online length predictor embeds
+the prompt's token ids: the core's ``HashingEmbedder`` over the decimal ids (signed hashing of
+id unigrams and bigrams, first :data:`EMBED_TOKENS` ids), which makes prompts that share a
+template or system prompt neighbours. It is fed by every request that finishes in the engine.
+
+Control. The sidecar writes ``control.json`` in the channel directory (the env var
+``SLIPSTREAM_CHANNEL_DIR`` or ``additional_config["slipstream_channel_dir"]``); it is polled
+every :data:`CONTROL_POLL_S` and applied only when its generation is newer. The plugin writes
+``status.json`` (an ``EngineReport``) every :data:`STATUS_EVERY_S`. Without a channel, or
+before the first control document, the plugin runs the ``naive`` policy: classes and order
+still hold, offline work is not budgeted.
+
+Approximations (NOTE: where this bends the plan):
+
+* when the plan admits an online request, running offline prefill chunks are held back for
+  that iteration (vLLM walks running requests before waiting ones, so an offline chunk would
+  otherwise take the online request's tokens); counted as ``offline_deferred_chunks``;
+* a plan that schedules nothing while there is work (KV exhausted, or an idle budget below the
+  cheapest offline step) falls back to vLLM's own walk for that iteration, as the simulator's
+  in-engine mode does (``fallback_steps``);
+* chunk sizes follow from the token total and the walk's order, so vLLM's per-request
+  ``long_prefill_token_threshold`` rules (off when one request is eligible) still apply.
+
+Supported vLLM: the pinned versions in ``docs/plugin.md`` (the scheduler interface is not
+public). Deliberately left out: speculative decoding, KV connectors, pipeline parallelism and
+async scheduling (the plugin refuses async scheduling at start).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from slipstream_scheduler.admission import build_planner
+from slipstream_scheduler.enginecontrol import (
+    CONTROL_FILE,
+    OFFLINE_TOKEN_ARG,
+    OFFLINE_TOKEN_FILE,
+    STATUS_FILE,
+    TBT_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    ClassCounts,
+    ClassLatency,
+    ControlFormatError,
+    CumulativeHistogram,
+    EngineControl,
+    EngineReport,
+    decode_control,
+)
+from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.lengths import (
+    GlobalDistributionPredictor,
+    HashingEmbedder,
+    SemanticHistoryPredictor,
+)
+from slipstream_scheduler.ordering import Ordering, RequestView, make_ordering
+from slipstream_scheduler.planner import PlannerMode, TwoPhasePlanner
+from slipstream_scheduler.psm import PsmParams, PsmQueue
+from slipstream_scheduler.types import (
+    EngineLimits,
+    QueuedRequest,
+    RequestClass,
+    RunningRequest,
+    Snapshot,
+    StepPlan,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OFFLINE_PRIORITY", "SlipstreamScheduler"]
+
+OFFLINE_PRIORITY = 1 << 20
+"""Offline requests run at this vLLM priority or below (larger is later); online above it."""
+CONTROL_POLL_S = 0.2
+STATUS_EVERY_S = 0.5
+EMBED_TOKENS = 512
+LATENCY_WINDOW = 2048
+"""Samples kept per class and metric for the report's mean and p99."""
+
+_ONLINE = RequestClass.ONLINE
+_OFFLINE = RequestClass.OFFLINE
+
+
+def _vllm_version() -> str:
+    try:
+        from vllm import __version__
+
+        return str(__version__)
+    except ImportError:  # pragma: no cover - vllm always has it
+        return ""
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass(slots=True)
+class _Meta:
+    """What the plugin keeps per request beside vLLM's ``Request``."""
+
+    cls: RequestClass
+    vector: Any = None
+    key: float = 0.0
+    keyed_at: int = -1
+    lengths: Any = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    seen_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Window:
+    """Recent samples of one latency metric (mean and p99 for the report)."""
+
+    values: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+
+    def add(self, v: float) -> None:
+        self.values.append(v)
+
+    def mean(self) -> float | None:
+        return float(np.mean(self.values)) if self.values else None
+
+    def p99(self) -> float | None:
+        return float(np.quantile(np.asarray(self.values), 0.99)) if self.values else None
+
+
+class _Cumulative:
+    """A cumulative histogram over fixed bounds (the last bucket is +inf)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = (*bounds, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.count = 0
+
+    def add(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def snapshot(self) -> CumulativeHistogram:
+        return CumulativeHistogram(
+            upper_bounds=self.bounds,
+            cumulative_counts=tuple(float(c) for c in itertools.accumulate(self.counts)),
+            sum=self.sum,
+            count=float(self.count),
+        )
+
+
+class _ClassStats:
+    def __init__(self) -> None:
+        self.ttft = _Window()
+        self.tbt = _Window()
+        self.tokens = 0
+        self.ttft_hist = _Cumulative(TTFT_BUCKETS_S)
+        self.tbt_hist = _Cumulative(TBT_BUCKETS_S)
+        self.admitted = 0
+        self.finished_ok = 0
+
+    def counts(self) -> ClassCounts:
+        return ClassCounts(
+            ttft=self.ttft_hist.snapshot(),
+            tbt=self.tbt_hist.snapshot(),
+            admitted=float(self.admitted),
+            finished_ok=float(self.finished_ok),
+            output_tokens=float(self.tokens),
+        )
+
+    def report(self) -> ClassLatency:
+        return ClassLatency(
+            ttft_mean_s=self.ttft.mean(),
+            ttft_p99_s=self.ttft.p99(),
+            tbt_mean_s=self.tbt.mean(),
+            tbt_p99_s=self.tbt.p99(),
+            samples=len(self.ttft.values),
+        )
+
+
+class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's scheduler with Slipstream's planner choosing each iteration (module note)."""
+
+    # vLLM's attributes this class rearranges around each walk (typed for mypy).
+    running: list[Request]
+    waiting: Any
+    max_num_scheduled_tokens: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self.scheduler_config, "async_scheduling", False):
+            raise ValueError(
+                "SlipstreamScheduler does not support async scheduling; "
+                "start vLLM with --no-async-scheduling"
+            )
+        extra = self.vllm_config.additional_config
+        chan = extra.get("slipstream_channel_dir") if isinstance(extra, dict) else None
+        chan = chan or os.environ.get("SLIPSTREAM_CHANNEL_DIR")
+        self.channel_dir: Path | None = Path(chan) if chan else None
+        self.limits = EngineLimits(
+            max_num_seqs=self.max_num_running_reqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            block_size=self.block_size,
+            long_prefill_token_threshold=self.scheduler_config.long_prefill_token_threshold,
+        )
+        self._meta: dict[str, _Meta] = {}
+        self._embedder = HashingEmbedder()
+        self._predictor = SemanticHistoryPredictor(self._embedder.dim)
+        self._global = GlobalDistributionPredictor()
+        self._psm = PsmQueue(PsmParams(block_size=self.block_size))
+        self._token: str | None = None
+        self._token_stat: tuple[int, int] | None = None
+        self._control_stat: tuple[int, int, int] | None = None
+        self._next_poll = 0.0
+        self._next_status = 0.0
+        self.control: EngineControl | None = None
+        self.planner: TwoPhasePlanner = build_planner("naive", mode=PlannerMode.ITERATION)
+        self.ordering: Ordering = make_ordering("fcfs")
+        self.offline_order = "psm"
+        self.budget_s: float | None = None
+        self.idle_budget_s: float | None = None
+        self._budget_in_force: float | None = None
+        # Counters and windows for the report.
+        self.steps = 0
+        self.fallback_steps = 0
+        self.offline_deferred_chunks = 0
+        self.offline_preemptions = 0
+        self.online_preemptions = 0
+        self.forged_offline_tags = 0
+        self.max_offline_over_budget_s: float | None = None
+        self._predicted = _Window()
+        self._measured = _Window()
+        self._stats = {_ONLINE: _ClassStats(), _OFFLINE: _ClassStats()}
+        self._last_plan: StepPlan | None = None
+        self._sched_done_s: float | None = None
+        self._last_predicted: float | None = None
+        self._poll_control(force=True)
+
+    # ------------------------------------------------------------------ control
+
+    def _read_token(self) -> None:
+        if self.channel_dir is None:
+            return
+        path = self.channel_dir / OFFLINE_TOKEN_FILE
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            self._token, self._token_stat = None, None
+            return
+        key = (st.st_mtime_ns, st.st_ino)
+        if key == self._token_stat:
+            return
+        token = path.read_text().strip()
+        self._token = token or None
+        self._token_stat = key
+
+    def _poll_control(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_poll:
+            return
+        self._next_poll = now + CONTROL_POLL_S
+        if self.channel_dir is None:
+            return
+        self._read_token()
+        path = self.channel_dir / CONTROL_FILE
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if key == self._control_stat:
+            return
+        self._control_stat = key
+        try:
+            doc = decode_control(path.read_text())
+        except (OSError, ControlFormatError) as exc:
+            logger.error(
+                "slipstream: %s: %s; keeping generation %s",
+                path,
+                exc,
+                self.control.generation if self.control else None,
+            )
+            return
+        self.apply(doc)
+
+    def set_offline_token(self, token: str) -> None:
+        """Use ``token`` as the pod's secret (in-process use; a pod reads ``offline.token``)."""
+        self._token = token
+        self._token_stat = (-1, -1)
+
+    def apply(self, doc: EngineControl) -> bool:
+        """Apply a control document if it is newer than the one in force; True if applied."""
+        if self.control is not None and doc.generation <= self.control.generation:
+            return False
+        try:
+            model = (
+                LinearLatencyModel.from_dict(doc.latency_model)
+                if doc.latency_model is not None
+                else None
+            )
+            planner = build_planner(
+                doc.policy, doc.policy_params, latency_model=model, mode=PlannerMode.ITERATION
+            )
+            ordering = make_ordering(doc.ordering, doc.ordering_params or None)
+            psm = PsmParams.model_validate({"block_size": self.block_size, **doc.psm_params})
+        except Exception as exc:  # a bad document must never take the engine down
+            logger.error("slipstream: control generation %s refused: %s", doc.generation, exc)
+            return False
+        self.planner, self.ordering = planner, ordering
+        self.budget_s, self.idle_budget_s = doc.budget_s, doc.idle_budget_s
+        if psm != self._psm.params or doc.offline_order != self.offline_order:
+            self._rebuild_psm(psm)
+        self.offline_order = doc.offline_order
+        self.control = doc
+        for meta in self._meta.values():
+            meta.keyed_at = -1  # re-key under the new ordering
+        logger.info(
+            "slipstream: control generation %s applied (policy %s, ordering %s, budget %s)",
+            doc.generation,
+            doc.policy,
+            doc.ordering,
+            doc.budget_s,
+        )
+        return True
+
+    def _rebuild_psm(self, params: PsmParams) -> None:
+        old = self._psm
+        self._psm = PsmQueue(params)
+        for req in self._waiting_requests():
+            meta = self._meta.get(req.request_id)
+            if meta is not None and meta.cls is _OFFLINE and req.request_id in old:
+                self._psm.push(req.request_id, req.prompt_token_ids or [], time.monotonic())
+
+    # ------------------------------------------------------------------ requests
+
+    def _classify(self, request: Request) -> RequestClass:
+        args = request.sampling_params.extra_args if request.sampling_params else None
+        if not args or OFFLINE_TOKEN_ARG not in args:
+            return _ONLINE
+        tag = args.pop(OFFLINE_TOKEN_ARG)
+        if self._token is None:
+            self._read_token()
+        if isinstance(tag, str) and self._token and hmac.compare_digest(tag, self._token):
+            return _OFFLINE
+        self.forged_offline_tags += 1
+        logger.warning(
+            "slipstream: request %s carried an offline tag without the pod's token; "
+            "served as online",
+            request.request_id,
+        )
+        return _ONLINE
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests:
+            cls = self._classify(request)
+            if cls is _OFFLINE:
+                request.priority = max(int(request.priority), 0) + OFFLINE_PRIORITY
+            else:
+                request.priority = min(int(request.priority), OFFLINE_PRIORITY - 1)
+            meta = _Meta(cls)
+            ids = request.prompt_token_ids or []
+            if cls is _ONLINE:
+                meta.vector = self._embedder.embed_one(" ".join(map(str, ids[:EMBED_TOKENS])))
+            self._meta[request.request_id] = meta
+            self._stats[cls].admitted += 1
+            super().add_request(request)
+            if cls is _OFFLINE and self.offline_order == "psm":
+                self._psm.push(request.request_id, ids, time.monotonic())
+            return
+        super().add_request(request)
+
+    def _class_of(self, request: Request) -> RequestClass:
+        meta = self._meta.get(request.request_id)
+        return meta.cls if meta is not None else _ONLINE
+
+    def _waiting_requests(self) -> list[Request]:
+        return [*self.kv_holding_waiting, *self.waiting]
+
+    # ------------------------------------------------------------------ ordering
+
+    def _online_key(self, req: Request, meta: _Meta) -> float:
+        generated = req.num_output_tokens
+        if meta.lengths is None:
+            meta.lengths = self._predictor.predict(meta.vector, req.num_prompt_tokens)
+        view = RequestView.create(
+            req.request_id,
+            req.arrival_time,
+            req.num_prompt_tokens,
+            meta.lengths,
+            fallback=self._global.predict(None, req.num_prompt_tokens),
+            generated_tokens=generated,
+        )
+        if meta.keyed_at < 0 or (
+            generated != meta.keyed_at
+            and self.ordering.refresh_needed(
+                RequestView(
+                    view.request_id,
+                    view.arrival_s,
+                    view.input_tokens,
+                    view.lengths,
+                    generated,
+                    view.fallback,
+                    meta.keyed_at,
+                )
+            )
+        ):
+            meta.key = self.ordering.key(view)
+            meta.keyed_at = generated
+        return meta.key
+
+    def _ordered_queues(self, waiting: list[Request]) -> tuple[list[Request], list[Request]]:
+        online: list[tuple[float, float, Request]] = []
+        offline: list[Request] = []
+        for req in waiting:
+            meta = self._meta.get(req.request_id)
+            if meta is None or meta.cls is _ONLINE:
+                if meta is None:
+                    meta = self._meta[req.request_id] = _Meta(_ONLINE)
+                online.append((self._online_key(req, meta), req.arrival_time, req))
+            else:
+                offline.append(req)
+        online.sort(key=lambda t: (t[0], t[1]))
+        if self.offline_order == "psm" and offline:
+            by_id = {r.request_id: r for r in offline}
+            for r in offline:  # a preempted offline request comes back into the trie
+                if r.request_id not in self._psm:
+                    self._psm.push(r.request_id, r.prompt_token_ids or [], time.monotonic())
+            window = self.planner.rules.queue_window
+            order = self._psm.peek_order(min(window, len(self._psm)), time.monotonic())
+            picked = [by_id[rid] for rid in order if rid in by_id]
+            in_order = set(order)
+            rest = sorted(
+                (r for r in offline if r.request_id not in in_order),
+                key=lambda r: (r.priority, r.arrival_time),
+            )
+            offline = picked + rest
+        else:
+            offline.sort(key=lambda r: (r.priority, r.arrival_time))
+        return [t[2] for t in online], offline
+
+    # ------------------------------------------------------------------ snapshot
+
+    def _cached_tokens(self, req: Request) -> int:
+        if req.num_computed_tokens > 0 or not self.cache_config.enable_prefix_caching:
+            return int(req.num_computed_tokens)
+        try:
+            found = self.kv_cache_manager.coordinator.find_longest_cache_hit(
+                req.block_hashes, req.num_tokens - 1
+            )
+            hit: int = found[1]
+        except Exception:  # NOTE: a layout this lookup does not cover: assume no hit
+            return 0
+        return int(hit)
+
+    def _running_view(self, r: Request, cls: RequestClass) -> RunningRequest:
+        pending = r.num_tokens - r.num_computed_tokens
+        if r.num_output_tokens >= 1 and pending == 1:  # decoding
+            return RunningRequest(
+                r.request_id,
+                cls,
+                r.num_prompt_tokens,
+                r.num_prompt_tokens,
+                r.num_output_tokens - 1,
+                r.max_tokens,
+                r.arrival_time,
+                r.priority,
+            )
+        return RunningRequest(  # prefilling, or recomputing after a preemption
+            r.request_id,
+            cls,
+            r.num_tokens,
+            r.num_computed_tokens,
+            0,
+            r.max_tokens,
+            r.arrival_time,
+            r.priority,
+        )
+
+    def _queued_view(self, r: Request, cls: RequestClass) -> QueuedRequest:
+        return QueuedRequest(
+            r.request_id,
+            cls,
+            r.num_tokens,
+            max(r.max_tokens - r.num_output_tokens, 1),
+            r.arrival_time,
+            cached_tokens=self._cached_tokens(r),
+            already_generated=r.num_output_tokens,
+        )
+
+    def _snapshot(self, online_q: list[Request], offline_q: list[Request]) -> Snapshot:
+        running = tuple(self._running_view(r, self._class_of(r)) for r in self.running)
+        window = self.planner.rules.queue_window
+        online = tuple(self._queued_view(r, _ONLINE) for r in online_q[:window])
+        offline = tuple(self._queued_view(r, _OFFLINE) for r in offline_q[:window])
+        budget = self.budget_s
+        if not online and all(q.cls is _OFFLINE for q in running) and self.idle_budget_s:
+            budget = None if math.isinf(self.idle_budget_s) else self.idle_budget_s
+        self._budget_in_force = budget
+        return Snapshot(
+            time.time(),
+            running,
+            online,
+            offline,
+            self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            self.limits,
+            budget,
+        )
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self._poll_control()
+        if self.kv_holding_waiting:  # connector KV loads: not steered, vLLM's walk
+            self.fallback_steps += 1
+            return self._finish_schedule(super().schedule(throttle_prefills), None)
+        waiting = list(self.waiting)
+        online_q, offline_q = self._ordered_queues(waiting)
+        snap = self._snapshot(online_q, offline_q)
+        plan = self.planner.plan(snap)
+        self.steps += 1
+        if not plan.scheduled and not plan.admitted and not plan.preempted:
+            if self.running or waiting:
+                self.fallback_steps += 1
+            return self._finish_schedule(super().schedule(throttle_prefills), None)
+        return self._finish_schedule(self._steer(plan, snap, waiting, throttle_prefills), plan)
+
+    def _steer(
+        self, plan: StepPlan, snap: Snapshot, waiting: list[Request], throttle: bool
+    ) -> SchedulerOutput:
+        now = time.monotonic()
+        by_id = {r.request_id: r for r in self.running}
+        for rid in plan.preempted:
+            req = by_id.pop(rid, None)
+            if req is None:
+                continue
+            self.running.remove(req)
+            self._preempt_request(req, now)
+            self.offline_preemptions += 1
+        waiting_by_id = {r.request_id: r for r in self.waiting}
+        admitted = [
+            waiting_by_id[a.request_id] for a in plan.admitted if a.request_id in waiting_by_id
+        ]
+        online_admit = any(self._class_of(r) is _ONLINE for r in admitted)
+        planned = {a.request_id: a.tokens for a in plan.scheduled}
+        cap = sum(planned.values()) + sum(a.tokens for a in plan.admitted)
+        online_run: list[Request] = []
+        off_decode: list[Request] = []
+        off_prefill: list[Request] = []
+        hidden: list[Request] = []
+        for req in self.running:
+            if self._class_of(req) is _ONLINE:
+                online_run.append(req)
+                continue
+            n = planned.get(req.request_id)
+            if n is None:
+                hidden.append(req)
+            elif req.num_tokens - req.num_computed_tokens <= 1:
+                off_decode.append(req)
+            elif online_admit:
+                hidden.append(req)
+                cap -= n
+                self.offline_deferred_chunks += 1
+            else:
+                off_prefill.append(req)
+        self.running = online_run + off_decode + off_prefill
+        queue = FCFSRequestQueue()
+        for req in admitted:
+            queue.add_request(req)
+        admitted_ids = {a.request_id for a in plan.admitted}
+        rest = [r for r in waiting if r.request_id not in admitted_ids]
+        saved_waiting, saved_cap = self.waiting, self.max_num_scheduled_tokens
+        self.waiting = queue
+        self.max_num_scheduled_tokens = max(min(cap, saved_cap), 1)
+        try:
+            out = super().schedule(throttle)
+        finally:
+            left = list(self.waiting)  # admissions not taken, and the walk's own preemptions
+            self.waiting = saved_waiting
+            self.max_num_scheduled_tokens = saved_cap
+        self.running.extend(hidden)
+        for req in out.num_scheduled_tokens:
+            self._psm_taken(req)
+        self._rebuild_waiting(left, rest)
+        return out
+
+    def _psm_taken(self, request_id: str) -> None:
+        if request_id in self._psm:
+            self._psm.take(request_id)
+
+    def _rebuild_waiting(self, left: list[Request], rest: list[Request]) -> None:
+        q = create_request_queue(self.policy)
+        seen: set[str] = set()
+        for req in [*left, *rest, *self.waiting]:
+            if req.request_id in seen or req.status == RequestStatus.RUNNING:
+                continue
+            if req.is_finished():
+                continue
+            seen.add(req.request_id)
+            q.add_request(req)
+        self.waiting = q
+
+    def _finish_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> SchedulerOutput:
+        for rid in out.num_scheduled_tokens:
+            self._psm_taken(rid)
+        for rid in out.preempted_req_ids or ():
+            if plan is not None and rid in plan.preempted:
+                continue
+            meta = self._meta.get(rid)
+            if meta is not None and meta.cls is _OFFLINE:
+                self.offline_preemptions += 1
+            else:
+                self.online_preemptions += 1
+        self._last_plan = plan
+        model = self.planner.model
+        self._last_predicted = None
+        if plan is not None and model is not None and plan.predicted_step_s > 0:
+            self._last_predicted = plan.predicted_step_s
+            budget = self._budget_in_force
+            if budget is not None and self._ran_offline(out):
+                over = plan.predicted_step_s - budget
+                cur = self.max_offline_over_budget_s
+                self.max_offline_over_budget_s = over if cur is None else max(cur, over)
+        self._sched_done_s = time.monotonic()
+        return out
+
+    def _ran_offline(self, out: SchedulerOutput) -> bool:
+        for rid in out.num_scheduled_tokens:
+            meta = self._meta.get(rid)
+            if meta is not None and meta.cls is _OFFLINE:
+                return True
+        return False
+
+    # ------------------------------------------------------------------ outputs
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        if self._sched_done_s is not None:
+            self._measured.add(time.monotonic() - self._sched_done_s)
+            if self._last_predicted is not None:
+                self._predicted.add(self._last_predicted)
+        # Finished requests leave self.requests inside vLLM's update: look them up first.
+        reqs = {
+            rid: req
+            for rid in scheduler_output.num_scheduled_tokens
+            if (req := self.requests.get(rid)) is not None
+        }
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now = time.time()
+        for req in reqs.values():
+            meta = self._meta.get(req.request_id)
+            if meta is not None:
+                self._note_tokens(req, meta, now)
+        finished = False
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    finished = True
+                    ok = getattr(o.finish_reason, "name", "") in ("STOP", "LENGTH")
+                    self._finished(o.request_id, reqs, ok=ok)
+        if len(self._meta) > 2 * len(self.requests) + 256:
+            self._meta = {k: v for k, v in self._meta.items() if k in self.requests}
+        # A finish may leave the engine idle (no further step): report it at once.
+        self._maybe_write_status(force=finished)
+        result: dict[int, EngineCoreOutputs] = outputs
+        return result
+
+    def _note_tokens(self, req: Request, meta: _Meta, now: float) -> None:
+        n = req.num_output_tokens
+        if n <= meta.seen_tokens:
+            return
+        stats = self._stats[meta.cls]
+        stats.tokens += n - meta.seen_tokens
+        if meta.first_token_s is None:
+            meta.first_token_s = now
+            ttft = max(now - req.arrival_time, 0.0)
+            stats.ttft.add(ttft)
+            stats.ttft_hist.add(ttft)
+        elif meta.last_token_s is not None:
+            tbt = (now - meta.last_token_s) / (n - meta.seen_tokens)
+            stats.tbt.add(tbt)
+            stats.tbt_hist.add(tbt)
+        meta.last_token_s = now
+        meta.seen_tokens = n
+
+    def _finished(self, request_id: str, reqs: dict[str, Request], *, ok: bool) -> None:
+        meta = self._meta.pop(request_id, None)
+        if request_id in self._psm:
+            self._psm.remove(request_id)
+        if meta is None or meta.seen_tokens <= 0:
+            return
+        if ok:
+            self._stats[meta.cls].finished_ok += 1
+        req = reqs.get(request_id)
+        inp = req.num_prompt_tokens if req is not None else 0
+        if meta.vector is not None:
+            self._predictor.observe(meta.vector, inp, meta.seen_tokens)
+        self._global.observe(None, inp, meta.seen_tokens)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> Any:
+        ids = (
+            [request_ids]
+            if isinstance(request_ids, str)
+            else (list(request_ids) if request_ids is not None else list(self.requests))
+        )
+        out = super().finish_requests(ids, finished_status)
+        for rid in ids:
+            if rid in self._psm:
+                self._psm.remove(rid)
+            self._meta.pop(rid, None)
+        return out
+
+    # ------------------------------------------------------------------ report
+
+    def report(self) -> EngineReport:
+        online_w = offline_w = online_r = offline_r = 0
+        for r in self._waiting_requests():
+            if self._class_of(r) is _OFFLINE:
+                offline_w += 1
+            else:
+                online_w += 1
+        for r in self.running:
+            if self._class_of(r) is _OFFLINE:
+                offline_r += 1
+            else:
+                online_r += 1
+        c = self.control
+        return EngineReport(
+            generation=c.generation if c is not None else -1,
+            policy=self.planner.name,
+            ordering=c.ordering if c is not None else "fcfs",
+            budget_s=self._budget_in_force,
+            written_at=time.time(),
+            pid=os.getpid(),
+            vllm_version=_vllm_version(),
+            online_waiting=online_w,
+            offline_waiting=offline_w,
+            online_running=online_r,
+            offline_running=offline_r,
+            steps=self.steps,
+            fallback_steps=self.fallback_steps,
+            offline_deferred_chunks=self.offline_deferred_chunks,
+            predicted_step_s=self._predicted.mean(),
+            measured_step_s=self._measured.mean(),
+            max_offline_over_budget_s=self.max_offline_over_budget_s,
+            offline_preemptions=self.offline_preemptions,
+            online_preemptions=self.online_preemptions,
+            forged_offline_tags=self.forged_offline_tags,
+            online=self._stats[_ONLINE].report(),
+            offline=self._stats[_OFFLINE].report(),
+            online_tokens=self._stats[_ONLINE].tokens,
+            offline_tokens=self._stats[_OFFLINE].tokens,
+            online_counts=self._stats[_ONLINE].counts(),
+            offline_counts=self._stats[_OFFLINE].counts(),
+        )
+
+    def _maybe_write_status(self, *, force: bool = False) -> None:
+        if self.channel_dir is None:
+            return
+        now = time.monotonic()
+        if not force and now < self._next_status:
+            return
+        self._next_status = now + STATUS_EVERY_S
+        try:
+            _atomic_write(self.channel_dir / STATUS_FILE, self.report().model_dump_json())
+        except OSError as exc:
+            logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
+
+    def shutdown(self) -> None:
+        self._maybe_write_status(force=True)
+        super().shutdown()
+
+
+def write_control(channel_dir: Path, doc: EngineControl) -> None:
+    """Write ``control.json`` atomically (for tools and tests; the sidecar has its own writer)."""
+    _atomic_write(channel_dir / CONTROL_FILE, doc.encode())
+
+
+def read_report(channel_dir: Path) -> EngineReport | None:
+    try:
+        return EngineReport.model_validate(json.loads((channel_dir / STATUS_FILE).read_text()))
+    except (FileNotFoundError, ValueError):
+        return None

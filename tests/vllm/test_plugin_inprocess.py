@@ -1,0 +1,281 @@
+"""Slipstream's scheduler plugin inside vLLM's real v1 Scheduler, stepped in-process on CPU.
+
+``VllmEngine(scheduler_cls=...)`` builds vLLM's scheduler from the plugin class exactly as
+``--scheduler-cls`` does, with vLLM's KV manager and prefix cache; each step's batch is what
+vLLM's ``schedule()`` returned under the plugin. The checks read that batch, never the plan.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.enginecontrol import (
+    OFFLINE_TOKEN_ARG,
+    OFFLINE_TOKEN_FILE,
+    EngineControl,
+)
+from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.sim.simulator import profile_latency_model
+from slipstream_scheduler.types import BatchItem, Phase
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PLUGIN = "slipstream_vllm.scheduler.SlipstreamScheduler"
+CFG = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=400, noise_cv=0.0)
+
+
+@pytest.fixture(scope="module")
+def model() -> LinearLatencyModel:
+    return profile_latency_model(CFG, samples=400)
+
+
+@pytest.fixture
+def channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    d = tmp_path / "channel"
+    d.mkdir()
+    (d / OFFLINE_TOKEN_FILE).write_text(secrets.token_hex(16))
+    monkeypatch.setenv("SLIPSTREAM_CHANNEL_DIR", str(d))
+    yield d
+
+
+def _token(channel: Path) -> str:
+    return (channel / OFFLINE_TOKEN_FILE).read_text()
+
+
+def _control(channel: Path, **kw: Any) -> EngineControl:
+    from slipstream_vllm.scheduler import write_control
+
+    doc = EngineControl(**kw)
+    write_control(channel, doc)
+    return doc
+
+
+def _engine(cfg: EngineConfig = CFG) -> Any:
+    from slipstream_vllm.inprocess import VllmEngine
+
+    return VllmEngine(cfg, scheduler_cls=PLUGIN)
+
+
+def _add(
+    eng: Any,
+    rid: str,
+    prompt: int,
+    out: int,
+    *,
+    keys: tuple[Any, ...] = (),
+    offline_token: str | None = None,
+    priority: int = 0,
+) -> None:
+    ids = eng.synth.prompt(rid, prompt, keys)
+    extra = {OFFLINE_TOKEN_ARG: offline_token} if offline_token is not None else None
+    eng.add_tokens(rid, ids, out, priority=priority, extra_args=extra)
+
+
+def _run(eng: Any, max_steps: int = 20_000) -> list[Any]:
+    steps = []
+    while eng.has_work():
+        steps.append(eng.step())
+        assert len(steps) < max_steps
+    return steps
+
+
+def _budget(model: LinearLatencyModel) -> float:
+    # Four online decodes at a 600-token context plus a 96-token prefill chunk.
+    batch = [BatchItem(Phase.DECODE, 1, 600)] * 4 + [BatchItem(Phase.PREFILL, 96, 0)]
+    return model.predict(batch)
+
+
+def test_offline_work_runs_only_within_the_budget(channel: Path, model: LinearLatencyModel) -> None:
+    budget = _budget(model)
+    _control(channel, generation=1, policy="budget", budget_s=budget, latency_model=model.to_dict())
+    eng = _engine()
+    eng.records = []
+    token = _token(channel)
+    for i in range(4):
+        _add(eng, f"on{i}", 300, 80)
+    for i in range(12):
+        _add(eng, f"off{i}", 400, 40, offline_token=token)
+    steps = _run(eng)
+    offline_steps = 0
+    for res, rec in zip(steps, eng.records, strict=True):
+        if any(rid.startswith("off") for rid in rec.scheduled):
+            offline_steps += 1
+            assert model.predict(res.batch) <= budget * (1 + 1e-9), rec.scheduled
+    assert offline_steps > 0
+    sched = eng.scheduler
+    assert sched.max_offline_over_budget_s is not None
+    assert sched.max_offline_over_budget_s <= 1e-9
+    assert eng.stats().generation_tokens == 4 * 80 + 12 * 40
+    report = sched.report()
+    assert report.generation == 1 and report.policy == "budget"
+    assert report.offline_tokens == 12 * 40 and report.online_tokens == 4 * 80
+    # Cumulative histograms, as the sidecar's Status carries them in engine mode.
+    counts = report.online_counts
+    assert counts.ttft.count == 4 and counts.ttft.cumulative_counts[-1] == 4
+    assert counts.tbt.count == 4 * 79 and counts.finished_ok == 4 and counts.admitted == 4
+    assert report.offline_counts.output_tokens == 12 * 40
+
+
+def _first_token_steps(eng: Any) -> dict[str, int]:
+    first: dict[str, int] = {}
+    step = 0
+    while eng.has_work():
+        res = eng.step()
+        for rid, _ in res.emitted:
+            first.setdefault(rid, step)
+        step += 1
+        assert step < 20_000
+    return first
+
+
+def test_online_never_waits_behind_offline(channel: Path, model: LinearLatencyModel) -> None:
+    _control(
+        channel,
+        generation=1,
+        policy="budget",
+        budget_s=_budget(model) * 3,
+        latency_model=model.to_dict(),
+    )
+    token = _token(channel)
+
+    def run(with_offline: bool) -> dict[str, int]:
+        eng = _engine()
+        if with_offline:
+            for i in range(16):
+                _add(eng, f"off{i}", 700, 200, offline_token=token)
+            for _ in range(6):  # the offline backlog is running before online work arrives
+                eng.step()
+        for i in range(6):
+            _add(eng, f"on{i}", 200 + 50 * i, 20)
+        first = _first_token_steps(eng)
+        return {rid: s for rid, s in first.items() if rid.startswith("on")}
+
+    alone = run(False)
+    mixed = run(True)
+    assert set(alone) == set(mixed) == {f"on{i}" for i in range(6)}
+    # The same step count from arrival to first token, with the offline backlog running.
+    assert mixed == alone
+
+
+def test_preempted_offline_request_resumes_with_every_token(channel: Path) -> None:
+    from slipstream_vllm.inprocess import output_token
+
+    _control(channel, generation=1, policy="naive")
+    token = _token(channel)
+    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_gpu_blocks=40, noise_cv=0.0)
+    eng = _engine(cfg)
+    for i in range(3):
+        _add(eng, f"off{i}", 120, 150, offline_token=token)
+    for _ in range(40):
+        eng.step()
+    for i in range(3):  # 3 x 140 tokens: 27 of the 40 blocks, so online work fits alone
+        _add(eng, f"on{i}", 100, 40)
+    _run(eng)
+    sched = eng.scheduler
+    assert sched.offline_preemptions > 0
+    assert sched.online_preemptions == 0
+    for i in range(3):
+        rid = f"off{i}"
+        seq = eng.synth.sequences[rid]
+        produced = seq[120:]
+        assert produced == [output_token(rid, j) for j in range(150)]
+
+
+def test_psm_and_gittins_orders_are_observed(channel: Path) -> None:
+    # Offline: two prompt families arrive interleaved; with one slot, PSM drains a family
+    # before the other.
+    token = _token(channel)
+    _control(channel, generation=1, policy="naive", ordering="gittins")
+    cfg = EngineConfig(
+        max_num_seqs=1, max_num_batched_tokens=2048, num_gpu_blocks=400, noise_cv=0.0
+    )
+    eng = _engine(cfg)
+    fam = {"A": tuple(("famA", j) for j in range(8)), "B": tuple(("famB", j) for j in range(8))}
+    for i in range(4):
+        for f in "AB":
+            _add(eng, f"off{f}{i}", 160, 4, keys=fam[f], offline_token=token)
+    order = [rid for rid, _ in (_first_token_order(eng))]
+    first_family = order[0][3]
+    assert [r[3] for r in order[:4]] == [first_family] * 4, order
+
+    # Online: the predictor learns that one template answers briefly and the other at length;
+    # queued behind a long request, the briefly answered template is served first.
+    eng = _engine(cfg)
+    tmpl = {
+        "short": tuple(("tmplS", j) for j in range(10)),
+        "long": tuple(("tmplL", j) for j in range(10)),
+    }
+    for i in range(10):
+        _add(eng, f"warmS{i}", 170, 8, keys=tmpl["short"])
+        _add(eng, f"warmL{i}", 170, 160, keys=tmpl["long"])
+    _run(eng)
+    _add(eng, "blocker", 100, 50)
+    eng.step()
+    for i in range(3):
+        _add(eng, f"qL{i}", 170, 160, keys=tmpl["long"])
+        _add(eng, f"qS{i}", 170, 8, keys=tmpl["short"])
+    order = [rid for rid, _ in _first_token_order(eng) if rid.startswith("q")]
+    assert order[:3] == ["qS0", "qS1", "qS2"], order
+
+
+def _first_token_order(eng: Any) -> list[tuple[str, int]]:
+    seen: dict[str, int] = {}
+    step = 0
+    while eng.has_work():
+        for rid, _ in eng.step().emitted:
+            seen.setdefault(rid, step)
+        step += 1
+        assert step < 20_000
+    return sorted(seen.items(), key=lambda kv: kv[1])
+
+
+def test_a_forged_offline_tag_or_priority_is_ignored(channel: Path) -> None:
+    token = _token(channel)
+    _control(channel, generation=1, policy="naive")
+    cfg = EngineConfig(
+        max_num_seqs=1, max_num_batched_tokens=2048, num_gpu_blocks=400, noise_cv=0.0
+    )
+    eng = _engine(cfg)
+    # Real offline work with the best priority a client could ask for...
+    _add(eng, "off0", 100, 30, offline_token=token, priority=-(10**9))
+    _add(eng, "off1", 100, 30, offline_token=token, priority=-(10**9))
+    # ...a hostile client claiming to be offline, and an online request asking to go last.
+    _add(eng, "forged", 100, 30, offline_token="not-the-token")
+    _add(eng, "meek", 100, 30, priority=10**9)
+    order = [rid for rid, _ in _first_token_order(eng)]
+    # One slot: whichever offline request got it first runs to the end, then both online
+    # requests go ahead of the remaining offline one.
+    assert order[1:3] == ["forged", "meek"] or order[:2] == ["forged", "meek"], order
+    sched = eng.scheduler
+    assert sched.forged_offline_tags == 1
+    assert order.index("forged") < max(order.index("off0"), order.index("off1"))
+
+
+def test_an_older_generation_is_ignored_and_survives_a_restart(
+    channel: Path, model: LinearLatencyModel
+) -> None:
+    _control(channel, generation=5, policy="budget", budget_s=0.05, latency_model=model.to_dict())
+    eng = _engine()
+    sched = eng.scheduler
+    assert sched.control.generation == 5 and sched.budget_s == 0.05
+    import time
+
+    time.sleep(0.25)  # past the poll interval
+    _control(channel, generation=3, policy="naive")
+    _add(eng, "on0", 50, 3)
+    _run(eng)
+    assert sched.control.generation == 5 and sched.planner.name == "budget"
+    time.sleep(0.25)
+    _control(channel, generation=6, policy="budget", budget_s=0.07, latency_model=model.to_dict())
+    _add(eng, "on1", 50, 3)
+    _run(eng)
+    assert sched.control.generation == 6 and sched.budget_s == 0.07
+    # A new engine process (a restart) finds generation 6 in force at once.
+    again = _engine().scheduler
+    assert again.control.generation == 6 and again.budget_s == 0.07
