@@ -234,7 +234,8 @@ class EngineSpec(ApiModel):
     args: list[str] = Field(
         default_factory=list,
         description="Extra vLLM arguments. The operator adds --scheduling-policy priority, "
-        "--host 127.0.0.1 and --port 8001 itself. Default: none.",
+        "--host 127.0.0.1 (0.0.0.0 with enforcement engine) and --port 8001 itself, and "
+        "with enforcement engine --scheduler-cls and --no-async-scheduling. Default: none.",
         max_length=64,
     )
     gpus: int = Field(
@@ -255,6 +256,11 @@ class Ordering(StrEnum):
     GITTINS = "gittins"
 
 
+class Enforcement(StrEnum):
+    SIDECAR = "sidecar"
+    ENGINE = "engine"
+
+
 class SchedulingSpec(ApiModel):
     """How each pod's sidecar orders and co-locates work."""
 
@@ -264,6 +270,14 @@ class SchedulingSpec(ApiModel):
     )
     co_location: bool = Field(
         default=True, description="Run offline work on this service's pods. Default: true."
+    )
+    enforcement: Enforcement = Field(
+        default=Enforcement.SIDECAR,
+        description="Where the latency budget is enforced. sidecar: online traffic enters "
+        "the sidecar, which admits every request into a stock vLLM. engine: vLLM runs "
+        "Slipstream's scheduler plugin (--scheduler-cls; engine.image must include it, see "
+        "docs/plugin.md), online traffic goes straight to vLLM's port and the sidecar keeps "
+        "the control API and the offline shards. Default: sidecar.",
     )
 
 
@@ -305,6 +319,84 @@ class SidecarSpec(ApiModel):
     )
 
 
+class PortNumber(ApiModel):
+    """A port by number (the Gateway API Inference Extension's ``Port``)."""
+
+    number: int = Field(description="Port number, 1 to 65535.", ge=1, le=65535)
+
+
+class EndpointPickerRef(ApiModel):
+    """The endpoint picker (EPP) the InferencePool names; copied into the pool as it is."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("self.kind != 'Service' || has(self.port)",
+             "port is required when kind is Service", ".port"),
+        )
+    )
+
+    group: str = Field(
+        default="",
+        description="API group of the picker object; empty is the core group. Default: empty.",
+        max_length=253,
+        pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+    )
+    kind: str = Field(
+        default="Service",
+        description="Kind of the picker object. Default: Service.",
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$",
+    )
+    name: str = Field(
+        description="Name of the picker object (same namespace), e.g. the EPP's Service.",
+        min_length=1,
+        max_length=253,
+    )
+    port: PortNumber | None = Field(
+        default=None,
+        description="The picker Service's port (its service port, e.g. 9002); required when "
+        "kind is Service.",
+    )
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the picker does not answer: FailOpen or "
+        "FailClose. Default: FailClose.",
+    )
+
+
+class InferencePoolSpec(ApiModel):
+    """An InferencePool (inference.networking.k8s.io/v1) for this service's pods."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("!self.enabled || has(self.endpointPickerRef)",
+             "endpointPickerRef is required when enabled", ".endpointPickerRef"),
+        )
+    )
+
+    enabled: bool = Field(
+        default=False,
+        description="Create and own an InferencePool of the same name whose selector matches "
+        "exactly this service's pods and whose target port is the one online traffic enters. "
+        "Needs the InferencePool CRD (a condition InferencePool says when it is missing) and, "
+        "with the chart, gateway.inferencePool.enabled. Default: false.",
+    )
+    endpoint_picker_ref: EndpointPickerRef | None = Field(
+        default=None,
+        description="The endpoint picker that routes to the pool; required when enabled.",
+    )
+
+
+class GatewaySpec(ApiModel):
+    """How an inference gateway (Gateway API Inference Extension, llm-d) reaches the pods."""
+
+    inference_pool: InferencePoolSpec = Field(
+        default_factory=lambda: InferencePoolSpec.model_validate({}),
+        description="The InferencePool for this service. Default: none.",
+    )
+
+
 class InferenceServiceSpec(ApiModel):
     """Desired state of an online LLM service whose pods may also run offline work."""
 
@@ -332,6 +424,10 @@ class InferenceServiceSpec(ApiModel):
     )
     sidecar: SidecarSpec = Field(
         default_factory=lambda: SidecarSpec.model_validate({}), description="Sidecar container."
+    )
+    gateway: GatewaySpec = Field(
+        default_factory=lambda: GatewaySpec.model_validate({}),
+        description="Inference-gateway integration (an InferencePool). Default: none.",
     )
 
 
@@ -389,7 +485,8 @@ class InferenceServiceStatus(ApiModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, SLOMet and BudgetReady.",
+        description="Ready, SLOMet, BudgetReady and, with spec.gateway.inferencePool, "
+        "InferencePool.",
         max_length=8,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
@@ -613,6 +710,13 @@ def validate_semantics(spec: InferenceServiceSpec | OfflineJobSpec) -> list[str]
                 problems.append(f"spec.slo.{name}.p99: p99 must be at least the mean")
         if spec.sidecar.http_port == spec.sidecar.grpc_port:
             problems.append("spec.sidecar.grpcPort: sidecar httpPort and grpcPort must differ")
+        pool = spec.gateway.inference_pool
+        if pool.enabled and pool.endpoint_picker_ref is None:
+            problems.append("spec.gateway.inferencePool.endpointPickerRef: required when enabled")
+        ref = pool.endpoint_picker_ref
+        if ref is not None and ref.kind == "Service" and ref.port is None:
+            problems.append("spec.gateway.inferencePool.endpointPickerRef.port: required when "
+                            "kind is Service")
     else:
         if spec.input.uri == spec.output.uri:
             problems.append("spec.output.uri: input and output URIs must differ")

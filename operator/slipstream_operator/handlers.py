@@ -76,6 +76,7 @@ from slipstream_operator.budgets import BudgetSearch
 from slipstream_operator.conditions import set_condition
 from slipstream_operator.drain import GrpcDrainControl, drain_service
 from slipstream_operator.errors import InputError, OperatorError, OutputError, SidecarError
+from slipstream_operator.gateway import InferencePools
 from slipstream_operator.observe import (
     PodHistory,
     WindowStats,
@@ -331,6 +332,7 @@ class Handlers:
         self.http = http
         self.state = OperatorState()
         self.applied = kube.AppliedChildren(settings.apply_resync_s)
+        self.pools = InferencePools(api, settings.apply_resync_s, self._kube)  # gateway.py
         self.budget_searches = BudgetSearches(settings.budget_search)
         self._kube_pool = ThreadPoolExecutor(settings.kube_threads, thread_name_prefix="kube")
         kube.widen_connection_pool(api, settings.kube_threads)
@@ -602,6 +604,8 @@ class Handlers:
                 uid, namespace, name, [(PodAddress(pod, by_ip[pod], spec.sidecar.grpc_port,
                                                    token), call)
                                        for pod, call in outcome.pushes]))
+        # spec.gateway.inferencePool: the pool and its condition (gateway.py).
+        await self.pools.sync(ref, spec, outcome.status["conditions"], now=now, now_s=now_s)
         self.status_writes.record("InferenceService",
                                   _patch_status(patch, outcome.status, previous))
         for type_, reason, message in outcome.events:
@@ -1031,6 +1035,7 @@ def build_registry(handlers: Handlers) -> kopf.OperatorRegistry:
         # the token, and its pods' cached sidecar replies.
         handlers.state.services.pop(uid, None)
         handlers.forget_parsed(uid)
+        handlers.pools.forget(uid)
         pods = set(handlers.state.histories.pop(uid, None) or ())
         handlers.applied.forget(namespace, set(names(ObjectRef(name, namespace, uid, 0)).values()))
         handlers.state.tokens.pop((namespace, name), None)

@@ -6,15 +6,29 @@ ends in ``_total`` for counters. Labels are low-cardinality: ``class``
 metrics stay on the engine; these are what only the sidecar can see, because
 it tells the two classes apart.
 
+The endpoint picker's view (:class:`EngineView`): a Gateway API Inference
+Extension picker (llm-d's EPP) scrapes the pool's target port, which is the
+sidecar's, for the ``vllm:`` series it scores pods by. ``/metrics`` therefore
+also carries those series (:data:`EPP_FAMILIES`), copied from the engine's own
+``/metrics`` with vLLM's names, help, types and labels, with one change:
+``vllm:num_requests_waiting`` adds the online requests the sidecar holds (the
+engine cannot see them). Offline work is not added: the picker compares pods
+for online traffic, and the sidecar yields offline work to online work.
+
 Deliberately left out: per-request, per-shard or per-model labels (unbounded
 cardinality) and anything derived over time windows (that is PromQL's job).
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import utils as _prom_utils
 
 CLASSES = ("online", "offline")
 
@@ -129,7 +143,8 @@ class SidecarMetrics:
         )
         self.finished = Counter(
             "slipstream_requests_finished_total",
-            "Requests that left the sidecar, by outcome (ok, engine_error, cancelled, rejected).",
+            "Requests that left the sidecar, by outcome (ok, client_error, engine_error, "
+            "cancelled, rejected).",
             ["class", "outcome"], registry=r,
         )
         self.preemptions = Counter(
@@ -219,3 +234,128 @@ class SidecarMetrics:
             finished_ok=_counter(self.finished, **{"class": cls, "outcome": "ok"}),
             output_tokens=_counter(self.output_tokens, **{"class": cls}),
         )
+
+
+# ------------------------------------------------------------------ the endpoint picker's view
+
+WAITING = "vllm:num_requests_waiting"
+LORA_INFO = "vllm:lora_requests_info"
+EPP_FAMILIES = (
+    WAITING,
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+    LORA_INFO,
+)
+"""The vLLM families an endpoint picker reads, in the order ``/metrics`` writes them."""
+
+_NO_LORA = (
+    f"# HELP {LORA_INFO} Running stats on lora requests.\n"
+    f"# TYPE {LORA_INFO} gauge\n"
+)
+
+
+def _number(value: float) -> str:
+    """A value as the text format writes it (prometheus_client's own formatting)."""
+    return str(_prom_utils.floatToGoString(value))  # type: ignore[no-untyped-call]
+
+
+def _family_of(line: str) -> str:
+    """The metric name a line of the text format is about (its sample or comment)."""
+    if line.startswith("#"):
+        parts = line.split(" ", 3)
+        return parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
+    end = len(line)
+    for stop in ("{", " "):
+        at = line.find(stop)
+        if 0 <= at < end:
+            end = at
+    return line[:end]
+
+
+def _add_to_sample(line: str, extra: float) -> str:
+    """A sample line with ``extra`` added to its value (labels and timestamp kept)."""
+    close = line.rfind("}")
+    split_at = close + 1 if close >= 0 else line.find(" ")
+    if split_at <= 0:
+        return line
+    head, parts = line[:split_at], line[split_at:].split()
+    try:
+        value = float(parts[0]) if parts else math.nan
+    except ValueError:
+        return line
+    if math.isnan(value):
+        return line
+    parts[0] = _number(value + extra)
+    return f"{head} {' '.join(parts)}"
+
+
+def epp_series(engine_text: str, held_online: int, *, now: float | None = None) -> str:
+    """The :data:`EPP_FAMILIES` lines of the engine's ``/metrics`` text, with
+    ``vllm:num_requests_waiting`` raised by ``held_online`` in each engine's series.
+
+    An engine without LoRA (vLLM serves ``vllm:lora_requests_info`` only with
+    ``--enable-lora``) gets the series vLLM would serve for no adapters at all:
+    ``max_lora="0"``, no running or waiting adapters, the value the time now, as
+    vLLM's ``set_to_current_time``. A family the engine does not serve is left out.
+    """
+    wanted = set(EPP_FAMILIES)
+    kept: dict[str, list[str]] = {name: [] for name in EPP_FAMILIES}
+    for line in engine_text.splitlines():
+        name = _family_of(line)
+        if name not in wanted:
+            continue
+        if name == WAITING and not line.startswith("#") and held_online:
+            kept[name].append(_add_to_sample(line, float(held_online)))
+        else:
+            kept[name].append(line)
+    if not kept[LORA_INFO]:
+        stamp = time.time() if now is None else now
+        kept[LORA_INFO] = [
+            *_NO_LORA.splitlines(),
+            f'{LORA_INFO}{{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}} '
+            f"{_number(stamp)}",
+        ]
+    out = [line for name in EPP_FAMILIES for line in kept[name]
+           if any(not x.startswith("#") for x in kept[name])]
+    return "\n".join(out) + "\n" if out else ""
+
+
+class EngineView:
+    """The engine's ``/metrics`` as the endpoint picker must see the pod (:func:`epp_series`).
+
+    ``fetch`` reads the engine's ``/metrics`` (None when it did not answer). Scrapes that
+    arrive together share one fetch, and one fetched text serves for ``max_age_s`` (a picker
+    scrapes every pod every 50 ms or so); the held count is always the one now. When the
+    engine does not answer, none of these series are served (the pod is not ready then).
+    """
+
+    def __init__(self, fetch: Callable[[], Awaitable[bytes | None]],
+                 max_age_s: float = 0.025) -> None:
+        self._fetch = fetch
+        self.max_age_s = max_age_s
+        self._text = ""
+        self._at = -math.inf
+        self._inflight: asyncio.Future[str] | None = None
+
+    async def engine_text(self) -> str:
+        if time.monotonic() - self._at < self.max_age_s:
+            return self._text
+        if self._inflight is None:
+            self._inflight = asyncio.ensure_future(self._read())
+        inflight = self._inflight
+        try:
+            return await asyncio.shield(inflight)
+        finally:
+            if inflight.done() and self._inflight is inflight:
+                self._inflight = None
+
+    async def _read(self) -> str:
+        body = await self._fetch()
+        self._text = body.decode("utf-8", "replace") if body is not None else ""
+        self._at = time.monotonic()
+        return self._text
+
+    async def render(self, held_online: int) -> bytes:
+        text = await self.engine_text()
+        return epp_series(text, held_online).encode() if text else b""

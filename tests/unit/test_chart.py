@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from slipstream_cli.cluster import default_bin_dir
+from slipstream_testbed.cluster import default_bin_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "slipstream"
@@ -235,15 +235,23 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
                   "operator.extraEnv[0].value=300",
                   "operator.extraEnv[1].name=SLIPSTREAM_OPERATOR_BUDGET_SEARCH__WORKER",
                   "operator.extraEnv[1].value=thread"),
+    "gateway": ("gateway.inferencePool.enabled=true",),
+    "gateway-namespaced": ("gateway.inferencePool.enabled=true",
+                           "operator.watchNamespaces=release"),
 }
 # The namespaces each operator Deployment is given, per value set (default: all).
 SHARD_NAMESPACES: dict[str, list[list[str] | None]] = {
     "namespaced": [["slipstream"]],
+    "gateway-namespaced": [["slipstream"]],
     "sharded": [["team-a-*", "batch"], ["!team-a-*,!batch"]],
 }
 # What a namespaced kopf lists and watches to match its names and globs (sharded only).
 NEEDED_SHARDED: frozenset[tuple[str, str, str]] = frozenset(
     {("", "namespaces", "list"), ("", "namespaces", "watch")})
+# What slipstream_operator.gateway calls, with gateway.inferencePool.enabled only.
+NEEDED_GATEWAY: frozenset[tuple[str, str, str]] = frozenset(
+    ("inference.networking.k8s.io", "inferencepools", verb)
+    for verb in ("get", "create", "patch", "delete"))
 # The image the operator gives sidecars that name none, per value set: sidecar.image, else the
 # operator's own image (repository and tag).
 SIDECAR_IMAGES = {
@@ -289,6 +297,8 @@ def test_rbac_is_exactly_what_the_operator_calls(
     wanted = NEEDED_NAMESPACED | (frozenset() if namespaced else NEEDED_CLUSTER_ONLY)
     if name == "sharded":
         wanted |= NEEDED_SHARDED
+    if name.startswith("gateway"):
+        wanted |= NEEDED_GATEWAY
     assert granted == wanted, {"extra": granted - wanted, "missing": wanted - granted}
     assert not any("*" in part for rule in granted for part in rule)
     binding = by_kind(objs, role_kind + "Binding")[0]
