@@ -51,6 +51,7 @@ const allowanceLen = 28
 const (
 	outcomeOK          = 'o'
 	outcomeEngineError = 'e'
+	outcomeClientError = 'x' // the engine refused the request (4xx)
 	outcomeCancelled   = 'c'
 )
 

@@ -10,17 +10,20 @@ import (
 	"time"
 )
 
-const completionEvent = `data: {"id":"c","choices":[{"index":0,"text":" word","finish_reason":null}],"usage":null}`
+const completionEvent = `data: {"id":"c","choices":[{"index":0,"text":" word","finish_reason":null,"stop_reason":null}],"usage":null}`
 
 func TestScannerCountsTokenEventsAcrossSplitReads(t *testing.T) {
 	stream := completionEvent + "\n\n" + completionEvent + "\n\n" +
-		`data: {"id":"c","choices":[{"index":0,"text":"","finish_reason":"length"}],"usage":null}` + "\n\n" +
+		`data: {"id":"c","choices":[{"index":0,"text":"","finish_reason":"length","stop_reason":null}],"usage":null}` + "\n\n" +
 		"data: [DONE]\n\n"
 	for cut := 1; cut < len(stream); cut++ {
 		s := newScanner()
-		found := s.feed([]byte(stream[:cut])) + s.feed([]byte(stream[cut:]))
-		if found != 2 || s.tokens() != 2 {
-			t.Fatalf("cut at %d: found %d events, tokens %d; want 2", cut, found, s.tokens())
+		a, _ := s.feed([]byte(stream[:cut]))
+		b, _ := s.feed([]byte(stream[cut:]))
+		found := a + b
+		// The last event's empty text is a token too (vLLM holds back a partial character).
+		if found != 3 || s.tokens() != 3 {
+			t.Fatalf("cut at %d: found %d events, tokens %d; want 3", cut, found, s.tokens())
 		}
 	}
 }
@@ -38,7 +41,7 @@ func TestScannerSkipsTheChatRoleChunk(t *testing.T) {
 	s := newScanner()
 	role := `data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`
 	text := `data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}`
-	if got := s.feed([]byte(role + "\n\n" + text + "\n\n")); got != 1 {
+	if got, _ := s.feed([]byte(role + "\n\n" + text + "\n\n")); got != 1 {
 		t.Fatalf("counted %d token events; want 1", got)
 	}
 }

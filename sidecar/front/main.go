@@ -28,6 +28,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -130,7 +131,7 @@ func (f *front) generate(w http.ResponseWriter, r *http.Request, route byte, pat
 		return // the client went away while sending
 	}
 	if len(body) > maxBody {
-		writeError(w, http.StatusRequestEntityTooLarge, "request body is larger than 64 MiB", "BadRequestError")
+		writeError(w, http.StatusRequestEntityTooLarge, "request body is larger than 64 MiB", "Request Entity Too Large")
 		return
 	}
 	id := f.ids.Add(1)
@@ -238,7 +239,8 @@ func (f *front) forward(w http.ResponseWriter, r *http.Request, path string, dat
 		if ctx.Err() != nil {
 			return outcomeCancelled, 0, -1
 		}
-		writeError(w, http.StatusServiceUnavailable, "the inference engine is unavailable: "+err.Error(), "ServiceUnavailableError")
+		log.Printf("slipstream-front: engine unreachable: %v", err)
+		writeError(w, http.StatusServiceUnavailable, "the inference engine is not reachable ("+cause(err)+")", "ServiceUnavailableError")
 		return outcomeEngineError, 0, -1
 	}
 	defer resp.Body.Close()
@@ -249,7 +251,8 @@ func (f *front) forward(w http.ResponseWriter, r *http.Request, path string, dat
 			if ctx.Err() != nil {
 				return outcomeCancelled, 0, -1
 			}
-			writeError(w, http.StatusServiceUnavailable, "the inference engine stopped while answering: "+rerr.Error(), "ServiceUnavailableError")
+			log.Printf("slipstream-front: engine answer broke: %v", rerr)
+			writeError(w, http.StatusServiceUnavailable, "the inference engine is not reachable (it closed the connection)", "ServiceUnavailableError")
 			return outcomeEngineError, 0, -1
 		}
 		if ctype == "" {
@@ -258,6 +261,9 @@ func (f *front) forward(w http.ResponseWriter, r *http.Request, path string, dat
 		w.Header().Set("Content-Type", ctype)
 		w.WriteHeader(resp.StatusCode)
 		w.Write(answer)
+		if resp.StatusCode >= 400 && resp.StatusCode < 500 {
+			return outcomeClientError, 0, -1
+		}
 		if resp.StatusCode != http.StatusOK {
 			return outcomeEngineError, 0, -1
 		}
@@ -296,11 +302,13 @@ func (f *front) relay(w http.ResponseWriter, ctx context.Context, resp *http.Res
 		n, err := resp.Body.Read(buf)
 		if n > 0 {
 			t := time.Now()
-			found := sc.feed(buf[:n])
-			for k := 0; k < found; k++ {
-				if sc.counted-found+k == 0 {
-					ttft = seconds(t.Sub(start))
-				} else {
+			found, texts := sc.feed(buf[:n])
+			if found > 0 && sc.counted == found {
+				ttft = seconds(t.Sub(start))
+			}
+			// Gaps between events that carry text, as the client sees them.
+			for k := 0; k < texts; k++ {
+				if sc.contents-texts+k > 0 {
 					gaps = append(gaps, seconds(t.Sub(last)))
 				}
 				last = t
@@ -335,6 +343,20 @@ func (f *front) relay(w http.ResponseWriter, ctx context.Context, resp *http.Res
 		rc.Flush()
 		return outcomeEngineError, sc.tokens(), relayFirst
 	}
+}
+
+// cause is a client-safe reason a connection to the engine failed (the details go to the log).
+func cause(err error) string {
+	var ne net.Error
+	switch {
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "connection refused"
+	case errors.Is(err, syscall.ECONNRESET):
+		return "connection reset"
+	case errors.As(err, &ne) && ne.Timeout():
+		return "timed out"
+	}
+	return "connection failed"
 }
 
 func writeError(w http.ResponseWriter, status int, message, kind string) {

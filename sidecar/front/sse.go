@@ -1,9 +1,13 @@
 package main
 
-// Counting tokens in vLLM's server-sent events, by the rule of the sidecar's
-// sse.py: with usage in the stream its completion_tokens is exact; without it
-// every event carrying non-empty text (completions) or content (chat) is one
-// token. Only an event with "usage":{ is parsed as JSON.
+// Counting tokens in an engine's server-sent events, by the rule of the
+// sidecar's sse.py: with usage in the stream its completion_tokens is exact;
+// without it every event with a choice is one token (vLLM sends one per token,
+// also when it holds the token's text back), except chat's role chunk and a
+// finishing event that carries nothing (an empty delta, or empty text without
+// stop_reason: OpenAI's and llm-d-inference-sim's last event). Events with
+// text are "content"; TBT is timed between them. Only an event with
+// "usage":{ is parsed as JSON. tests/fixtures/sse drives both counters.
 
 import (
 	"bytes"
@@ -15,17 +19,20 @@ var (
 	sseData      = []byte("data: ")
 	sseDone      = []byte("[DONE]")
 	sseUsage     = []byte(`"usage":{`)
-	emptyChoices = []byte(`"choices":[]`)
-	emptyText    = []byte(`"text":""`)
-	emptyContent = []byte(`"content":""`)
-	noContent    = []byte(`"content":null`)
-	textMember   = []byte(`"text":`)
+	choices      = [][2][]byte{{[]byte(`"choices":[`), []byte(`"choices":[]`)}, {[]byte(`"choices": [`), []byte(`"choices": []`)}}
+	deltaKey     = []byte(`"delta":`)
+	roleKey      = []byte(`"role":`)
+	emptyDelta   = [][]byte{[]byte(`"delta":{}`), []byte(`"delta": {}`)}
+	emptyText    = [][]byte{[]byte(`"text":""`), []byte(`"text": ""`)}
+	emptyContent = [][]byte{[]byte(`"content":""`), []byte(`"content": ""`)}
+	stopReason   = []byte(`"stop_reason"`)
 )
 
 type scanner struct {
-	tail    []byte
-	counted int // token events seen
-	exact   int // completion_tokens from usage; -1 until seen
+	tail     []byte
+	counted  int // token events seen
+	contents int // events with text seen (TBT is timed between them)
+	exact    int // completion_tokens from usage; -1 until seen
 }
 
 func newScanner() *scanner { return &scanner{exact: -1} }
@@ -39,34 +46,51 @@ func (s *scanner) tokens() int {
 }
 
 // feed takes the next bytes of the stream and returns how many token events
-// they completed.
-func (s *scanner) feed(data []byte) int {
+// and how many content events they completed.
+func (s *scanner) feed(data []byte) (int, int) {
 	buf := data
 	if len(s.tail) > 0 {
 		buf = append(s.tail, data...)
 	}
-	found := 0
+	found, content := 0, 0
 	for {
 		i := bytes.Index(buf, sseSep)
 		if i < 0 {
 			break
 		}
-		if i > 0 && s.classify(buf[:i]) {
-			found++
+		if i > 0 {
+			tok, text := s.classify(buf[:i])
+			if tok {
+				found++
+			}
+			if text {
+				content++
+			}
 		}
 		buf = buf[i+len(sseSep):]
 	}
 	s.tail = append(s.tail[:0], buf...)
 	s.counted += found
-	return found
+	s.contents += content
+	return found, content
 }
 
-// classify reads one event; it reports whether the event carries a token.
-func (s *scanner) classify(raw []byte) bool {
+func containsAny(payload []byte, needles [][]byte) bool {
+	for _, n := range needles {
+		if bytes.Contains(payload, n) {
+			return true
+		}
+	}
+	return false
+}
+
+// classify reads one event; it reports whether the event counts as a token and
+// whether it carries text.
+func (s *scanner) classify(raw []byte) (bool, bool) {
 	payload := bytes.TrimPrefix(raw, sseData)
 	payload = bytes.TrimSpace(payload)
 	if bytes.Equal(payload, sseDone) {
-		return false
+		return false, false
 	}
 	if bytes.Contains(payload, sseUsage) {
 		var doc struct {
@@ -78,10 +102,25 @@ func (s *scanner) classify(raw []byte) bool {
 			s.exact = *doc.Usage.CompletionTokens
 		}
 	}
-	return !(bytes.Contains(payload, emptyChoices) ||
-		bytes.Contains(payload, emptyText) ||
-		bytes.Contains(payload, emptyContent) ||
-		(bytes.Contains(payload, noContent) && !bytes.Contains(payload, textMember)))
+	hasChoice := false
+	for _, c := range choices {
+		if bytes.Contains(payload, c[0]) && !bytes.Contains(payload, c[1]) {
+			hasChoice = true
+		}
+	}
+	if !hasChoice {
+		return false, false
+	}
+	if bytes.Contains(payload, deltaKey) { // chat
+		if bytes.Contains(payload, roleKey) || containsAny(payload, emptyDelta) {
+			return false, false
+		}
+		return true, !containsAny(payload, emptyContent)
+	}
+	if containsAny(payload, emptyText) {
+		return bytes.Contains(payload, stopReason), false
+	}
+	return true, true
 }
 
 // usageTokens is completion_tokens of a whole (non-streamed) answer, 0 without usage.

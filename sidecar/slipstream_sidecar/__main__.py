@@ -40,11 +40,12 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--long-prefill-token-threshold": (
         "long_prefill_token_threshold", int, "the engine's per-request prefill chunk cap"),
     "--kv-blocks": ("kv_blocks", int, "KV blocks the engine has"),
-    "--ordering": ("ordering", str, "initial online ordering (gittins, fcfs)"),
+    "--ordering": ("ordering", str, "initial online ordering: {choices} (default gittins)"),
     "--budget-s": ("budget_s", float, "initial per-iteration latency budget, seconds"),
     "--latency-model": ("latency_model_file", Path, "latency model JSON (slipstream profile)"),
     "--offline-priority": ("offline_priority", int, "vLLM priority of offline requests"),
-    "--online-prompt-tokens": ("online_prompt_tokens", str, "tokenize | estimate"),
+    "--online-prompt-tokens": (
+        "online_prompt_tokens", str, "tokenize (default: the engine's /tokenize) | estimate"),
     "--length-predictor": ("length_predictor", str, "text (default) | semantic | input"),
     "--sync-prefill-limit": (
         "sync_prefill_limit", int, "grant online arrivals at once while at most this many "
@@ -55,12 +56,35 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
         "yield_to_front", int, "niceness this process adds to itself under --front compiled "
         "(default 5; 0: none)"),
     "--event-loop": ("event_loop", str, "auto (uvloop when installed) | uvloop | asyncio"),
+    "--engine-channel": (
+        "engine_channel", Path, "engine mode: directory shared with vLLM's scheduler plugin"),
+}
+
+
+# flag -> the values it accepts (anything else is a usage error, exit 2)
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "--online-prompt-tokens": ("tokenize", "estimate"),
+    "--length-predictor": ("text", "semantic", "input"),
+    "--front": ("python", "compiled"),
+    "--event-loop": ("auto", "uvloop", "asyncio"),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from slipstream_scheduler.ordering import ORDERINGS
+
+    choices = {**_CHOICES, "--ordering": tuple(ORDERINGS)}
     for flag, (dest, typ, help_text) in _FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
+        allowed = choices.get(flag)
+        parser.add_argument(
+            flag,
+            dest=dest,
+            type=typ,
+            default=None,
+            choices=allowed,
+            metavar=None if allowed is None else "{" + ",".join(allowed) + "}",
+            help=help_text.format(choices=", ".join(allowed or ())),
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,12 +163,16 @@ async def _serve(settings: Any) -> int:
     freeze_startup_heap()
     loop = asyncio.get_running_loop()
     loop_name = type(loop).__module__.split(".")[0]
-    log.warning(
+    log.info(
         "sidecar serving: http %s:%d grpc %s:%d engine %s loop %s",
         settings.host, http_port, settings.host, grpc_port, settings.engine, loop_name,
     )
+    # "ready" only when /ready says so; else "serving" (/ready turns 200 once the engine is).
+    ready = sidecar.proxy_state.engine_ready
     print(
-        f"sidecar ready http={http_port} grpc={grpc_port} loop={loop_name} front={settings.front}",
+        f"sidecar {'ready' if ready else 'serving'} http={http_port} grpc={grpc_port} "
+        f"loop={loop_name} front={settings.front} engine={settings.engine}"
+        + ("" if ready else " (engine not ready: /ready answers 503 until it is)"),
         flush=True,
     )
     stop = asyncio.Event()

@@ -15,11 +15,13 @@ import logging
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from slipstream_scheduler.enginecontrol import CumulativeHistogram
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
-from slipstream_sidecar.metrics import ClassCounters, SidecarMetrics
+from slipstream_sidecar.enginechannel import EngineChannel, EngineReportCollector, control_document
+from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, make_embedder
 from slipstream_sidecar.proxy import Proxy, ProxyState
 from slipstream_sidecar.settings import SidecarSettings
@@ -105,13 +107,18 @@ class Sidecar:
             settings.budget_s, settings.ordering, model, idle_budget_s=settings.idle_budget_s
         )
         self._restore_config()
+        self.channel: EngineChannel | None = None
+        if settings.engine_channel is not None:
+            self.channel = EngineChannel(settings.engine_channel)
+            self.metrics.registry.register(EngineReportCollector(self.channel))
+            self._write_engine_control(restart=True)
         self.lengths = PromptLengths(
             make_embedder(settings.length_predictor),
             history=settings.length_history,
             embed_chars=settings.length_embed_chars,
             metrics=self.metrics,
         )
-        self.dispatcher = build_dispatcher(settings, self.brain, self.lengths)
+        self.dispatcher = build_dispatcher(settings, self._dispatched(self.brain), self.lengths)
         self.controller = Controller(
             self.dispatcher,
             self.metrics,
@@ -141,6 +148,8 @@ class Sidecar:
     async def start(self) -> None:
         await self.engine.start()
         self.controller.start()
+        # One check before serving, so /ready and the ready line agree from the start.
+        self._engine_health(await self.engine.health())
         self._ready_task = asyncio.get_running_loop().create_task(self._watch_engine())
         for doc in (self.state_dir.load("shards") or {}).values():
             spec = ShardSpec(**doc)
@@ -158,14 +167,17 @@ class Sidecar:
 
     async def _watch_engine(self) -> None:
         while True:
-            ok = await self.engine.health()
-            if ok != self.proxy_state.engine_ready:
-                log.info("engine %s", "ready" if ok else "not ready")
-            self.proxy_state.engine_ready = ok
-            self.watch.set(ok)
-            self.metrics.engine_ready.set(1 if ok else 0)
-            self._refresh_shard_gauge()
+            ok = self.proxy_state.engine_ready
             await asyncio.sleep(self.settings.ready_poll_s if ok else 0.2)
+            self._engine_health(await self.engine.health())
+
+    def _engine_health(self, ok: bool) -> None:
+        if ok != self.proxy_state.engine_ready:
+            log.info("engine %s", "ready" if ok else "not ready")
+        self.proxy_state.engine_ready = ok
+        self.watch.set(ok)
+        self.metrics.engine_ready.set(1 if ok else 0)
+        self._refresh_shard_gauge()
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -202,7 +214,48 @@ class Sidecar:
         self.state_dir.save(
             "config", asdict(replace(update, idle_budget_s=self._configured_idle))
         )
+        self._write_engine_control()
         return self.generation, True
+
+    def _dispatched(self, cfg: BrainConfig) -> BrainConfig:
+        """What the sidecar's own dispatcher runs. In engine mode the plugin budgets every
+        iteration and keeps offline work that does not fit waiting in the engine, so the
+        dispatcher submits offline work without a budget (``naive``), up to the engine's
+        limits; the configuration itself goes to the plugin."""
+        if self.channel is None:
+            return cfg
+        return BrainConfig(None, cfg.ordering, None)
+
+    def _write_engine_control(self, *, restart: bool = False) -> None:
+        """Engine mode: hand the configuration in force to vLLM's scheduler plugin.
+
+        At start (``restart``) a control document of a newer generation already on disk is
+        kept: this process may have restarted without its state directory.
+        """
+        if self.channel is None:
+            return
+        doc = control_document(
+            generation=self.generation,
+            budget_s=self.brain.budget_s,
+            idle_budget_s=self.brain.idle_budget_s,
+            ordering=self.brain.ordering,
+            latency_model=(
+                self.brain.latency_model.to_dict() if self.brain.latency_model else None
+            ),
+            slo={k: v for k, v in asdict(self.slo).items() if v is not None},
+        )
+        if restart:
+            on_disk = self.channel.read_control()
+            if on_disk is not None and on_disk.generation > doc.generation:
+                log.warning(
+                    "engine channel holds generation %d, newer than %d here; kept",
+                    on_disk.generation, doc.generation,
+                )
+                return
+        try:
+            self.channel.write(doc)
+        except OSError as exc:
+            log.error("engine channel: cannot write %s: %s", self.channel.control_path, exc)
 
     def _apply_update(self, update: ConfigUpdate, *, live: bool) -> None:
         model = self.brain.latency_model
@@ -221,7 +274,7 @@ class Sidecar:
             update.budget_s, update.ordering or self.brain.ordering, model, idle_budget_s=idle
         )
         if live:
-            apply(self.dispatcher, self.brain, new)
+            apply(self.dispatcher, self._dispatched(self.brain), self._dispatched(new))
             self.controller.latency_model = model
             self.controller._schedule_pump()
         self.brain = new
@@ -256,6 +309,7 @@ class Sidecar:
             block_size=self.settings.block_size,
             staging_dir=self.settings.state_dir,
             storage_roots=self.settings.storage_roots,
+            engine_xargs=self.channel.offline_xargs() if self.channel else None,
         )
         self.shards[spec.shard_id] = runner
         if persist:
@@ -301,7 +355,7 @@ class Sidecar:
                                c.admitted_total["online"], c.preempted_total["online"]),
             offline=ClassStatus(c.held["offline"], c.in_flight["offline"],
                                 c.admitted_total["offline"], c.preempted_total["offline"]),
-            budget_s=self.dispatcher.budget_s,
+            budget_s=self.brain.budget_s if self.channel else self.dispatcher.budget_s,
             spare_capacity=spare,
             engine_ready=self.proxy_state.engine_ready,
             draining=self.proxy_state.draining,
@@ -309,10 +363,31 @@ class Sidecar:
             predicted_step_s=predicted,
             observed_step_s=c.observed_step_s,
             ordering=self.brain.ordering,
-            idle_budget_s=self.dispatcher.config.idle_budget_s,
+            idle_budget_s=(self.brain.idle_budget_s if self.channel
+                           else self.dispatcher.config.idle_budget_s),
             latency_model=self.brain.latency_model,
-            online_counters=self.metrics.counters("online"),
+            online_counters=self._online_counters(),
         )
+
+    def _online_counters(self) -> ClassCounters:
+        """The online latency the operator reads: in engine mode no online byte crosses the
+        sidecar, so it is the plugin's, measured inside vLLM (its last report)."""
+        if self.channel is not None:
+            rep = self.channel.report(fresh_only=False)
+            if rep is not None and rep.online_counts.ttft.count > 0:
+                c = rep.online_counts
+
+                def hist(h: CumulativeHistogram) -> HistogramSnapshot:
+                    return HistogramSnapshot(
+                        tuple(zip(h.upper_bounds, h.cumulative_counts, strict=True)),
+                        h.sum,
+                        h.count,
+                    )
+
+                return ClassCounters(
+                    hist(c.ttft), hist(c.tbt), c.admitted, c.finished_ok, c.output_tokens
+                )
+        return self.metrics.counters("online")
 
     async def drain(self, timeout_s: float) -> tuple[bool, int]:
         self.proxy_state.draining = True

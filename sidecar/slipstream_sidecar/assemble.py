@@ -7,6 +7,9 @@ module accumulates the ``data:`` chunks of every segment (the original
 submission and its continuations) and builds that body: text concatenated,
 ``usage.completion_tokens`` summed, ``usage.prompt_tokens`` the original
 prompt's, id/created/model from the first segment, finish reason from the last.
+Segments are asked for their token ids (``return_token_ids``), which are kept
+too: a completion resumes from the exact tokens (``ShardRunner``), and the
+body carries them when the line asked for them.
 
 The shapes follow vLLM's ``CompletionResponse`` and ``ChatCompletionResponse``
 (v0.11 field order included, as the engine model renders them), so the body
@@ -39,6 +42,15 @@ class Assembly:
     stop_reason: Any = None
     segments: int = 0
     last_segment_tokens: int = 0  # tokens of the segment that ended last
+    prompt_ids: tuple[int, ...] = ()  # the original prompt's (from /tokenize)
+    token_ids: list[int] = field(default_factory=list)  # output token ids, every segment
+    held_back: bool = False  # the last token so far came without text (a partial character)
+    cut: bool = False  # a segment ended inside a character: its text lacks those bytes
+
+    @property
+    def ids_complete(self) -> bool:
+        """Every output token so far came with its id (the engine honours return_token_ids)."""
+        return len(self.token_ids) == self.tokens
 
     @property
     def text(self) -> str:
@@ -57,6 +69,8 @@ class Assembly:
 
     def end_segment(self) -> None:
         """The current segment ended (finished or aborted): bank its tokens."""
+        if self.held_back and self.finish_reason is None:
+            self.cut = True
         self.completion_tokens += self.segment_tokens
         self.last_segment_tokens = self.segment_tokens
         self.segment_tokens = 0
@@ -75,6 +89,11 @@ class Assembly:
             if piece:
                 self.text_parts.append(piece)
                 got_text = True
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                self.token_ids.extend(ids)
+                if ids:
+                    self.held_back = not piece
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
                 self.stop_reason = choice.get("stop_reason")
@@ -88,8 +107,11 @@ class Assembly:
         elif got_text:
             self.segment_tokens += 1
 
-    def body(self) -> dict[str, Any]:
-        """The non-streaming response an uninterrupted request would have returned."""
+    def body(self, *, return_token_ids: bool = False) -> dict[str, Any]:
+        """The non-streaming response an uninterrupted request would have returned
+        (with ``token_ids`` and ``prompt_token_ids`` when the request asked for them)."""
+        out_ids = list(self.token_ids) if return_token_ids else None
+        prompt_ids = list(self.prompt_ids) if return_token_ids else None
         prompt = self.prompt_tokens or 0
         usage = {
             "prompt_tokens": prompt,
@@ -119,14 +141,14 @@ class Assembly:
                         "logprobs": None,
                         "finish_reason": self.finish_reason,
                         "stop_reason": self.stop_reason,
-                        "token_ids": None,
+                        "token_ids": out_ids,
                     }
                 ],
                 "service_tier": None,
                 "system_fingerprint": None,
                 "usage": usage,
                 "prompt_logprobs": None,
-                "prompt_token_ids": None,
+                "prompt_token_ids": prompt_ids,
                 "kv_transfer_params": None,
             }
         return {
@@ -141,9 +163,9 @@ class Assembly:
                     "logprobs": None,
                     "finish_reason": self.finish_reason,
                     "stop_reason": self.stop_reason,
-                    "token_ids": None,
+                    "token_ids": out_ids,
                     "prompt_logprobs": None,
-                    "prompt_token_ids": None,
+                    "prompt_token_ids": prompt_ids,
                 }
             ],
             "service_tier": None,

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from slipstream_sidecar.errors import EngineError, EngineUnavailableError
+from slipstream_sidecar.errors import EngineError, unreachable
 from slipstream_sidecar.link import Collector, EngineLink, Exchange, StreamSink
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,40 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 class Tokenized:
     """The engine's ``/tokenize`` answer."""
 
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # of the (first) prompt
     max_model_len: int | None
+    others: int = 0  # tokens of a batch's other prompts (``"prompt": ["a", "b"]``)
 
     @property
     def count(self) -> int:
-        return len(self.tokens)
+        return len(self.tokens) + self.others
+
+
+Prompt = str | tuple[int, ...]
+
+
+def completion_prompts(prompt: object) -> list[Prompt] | None:
+    """The prompts of a completion request's ``prompt`` in every form the OpenAI API and
+    vLLM accept: text, token ids, a batch of texts or of token-id lists. None: neither."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(_is_id(t) for t in prompt):
+        return [tuple(prompt)]
+    out: list[Prompt] = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, list) and p and all(_is_id(t) for t in p):
+            out.append(tuple(p))
+        else:
+            return None
+    return out
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def prompt_chars(request: dict[str, Any]) -> int | None:
@@ -148,7 +176,7 @@ class EngineClient:
         try:
             return await self.session.post(self.url(path), data=body, headers=JSON_HEADERS)
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            raise EngineUnavailableError(f"POST {path}: {exc!r}") from exc
+            raise unreachable(f"POST {path}", exc) from exc
 
     async def stream(self, path: str, body: bytes, sink: StreamSink) -> Exchange:
         """POST a request whose answer is handed to ``sink`` piece by piece as it is read.
@@ -182,11 +210,20 @@ class EngineClient:
 
     async def get(self, path: str) -> tuple[int, bytes, str]:
         """GET ``path``: (status, body, content type)."""
+        return await self.request("GET", path)
+
+    async def request(
+        self, method: str, path: str, body: bytes | None = None
+    ) -> tuple[int, bytes, str]:
+        """``method path`` with an optional JSON ``body``: (status, body, content type)."""
+        headers = JSON_HEADERS if body is not None else None
         try:
-            async with self.session.get(self.url(path)) as resp:
+            async with self.session.request(
+                method, self.url(path), data=body, headers=headers
+            ) as resp:
                 return resp.status, await resp.read(), resp.content_type
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            raise EngineUnavailableError(f"GET {path}: {exc!r}") from exc
+            raise unreachable(f"{method} {path}", exc) from exc
 
     async def first_model(self) -> str:
         status, body, _ = await self.get("/v1/models")
@@ -216,11 +253,30 @@ class EngineClient:
             if payload.get("continue_final_message"):
                 payload["add_generation_prompt"] = False
         else:
-            payload = {"prompt": request.get("prompt", "")}
-            if "model" in request:
-                payload["model"] = request["model"]
-            if "add_special_tokens" in request:
-                payload["add_special_tokens"] = request["add_special_tokens"]
+            prompts = completion_prompts(request.get("prompt", ""))
+            if prompts is None:
+                raise EngineError("the prompt is not text or token ids", status=400)
+            found: list[Tokenized] = []
+            for prompt in prompts:
+                if isinstance(prompt, tuple):  # token ids: the engine takes them as they are
+                    found.append(Tokenized(tokens=prompt, max_model_len=None))
+                    continue
+                one = {**request, "prompt": prompt}
+                found.append(await self._tokenize_text(one))
+            mml = next((t.max_model_len for t in found if t.max_model_len), None)
+            rest = sum(t.count for t in found[1:])
+            return Tokenized(tokens=found[0].tokens, max_model_len=mml, others=rest)
+        return await self._post_tokenize(payload)
+
+    async def _tokenize_text(self, request: dict[str, Any]) -> Tokenized:
+        payload: dict[str, Any] = {"prompt": request["prompt"]}
+        if "model" in request:
+            payload["model"] = request["model"]
+        if "add_special_tokens" in request:
+            payload["add_special_tokens"] = request["add_special_tokens"]
+        return await self._post_tokenize(payload)
+
+    async def _post_tokenize(self, payload: dict[str, Any]) -> Tokenized:
         resp = await self.post("/tokenize", json.dumps(payload).encode())
         async with resp:
             body = await resp.read()

@@ -33,10 +33,42 @@ class EngineError(SidecarError):
 
 
 class EngineUnavailableError(EngineError):
-    """The engine could not be reached at all."""
+    """The engine could not be reached at all.
 
-    def __init__(self, message: str) -> None:
+    ``str(exc)`` is for the sidecar's log (what failed, the exception's repr);
+    :attr:`public` is what a client is told: the fact and a short cause, nothing of
+    the sidecar's internals.
+    """
+
+    def __init__(self, message: str, *, cause: str = "") -> None:
         super().__init__(message, status=503)
+        self.cause = cause
+
+    @property
+    def public(self) -> str:
+        tail = f" ({self.cause})" if self.cause else ""
+        return f"the inference engine is not reachable{tail}"
+
+
+def unreachable(what: str, exc: BaseException) -> EngineUnavailableError:
+    """The error for ``what`` (``"POST /tokenize"``) failing to reach the engine with ``exc``."""
+    return EngineUnavailableError(f"{what}: {exc!r}", cause=describe(exc))
+
+
+def describe(exc: BaseException | None) -> str:
+    """A short, client-safe cause of a connection failure: ``connection refused``."""
+    os_error = getattr(exc, "os_error", None)  # aiohttp's ClientConnectorError wraps one
+    if isinstance(os_error, OSError):
+        exc = os_error
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if exc is None:
+        return "connection closed"
+    return "connection failed"
 
 
 class BatchLineError(SidecarError):

@@ -22,8 +22,9 @@ they are registered here as decided at arrival
 (``Dispatcher.arrive_submitted``, one decision for the ones of one read).
 The front uses it only while none of its arrivals awaits a reply here, so a
 newcomer never overtakes a held request. Why: deciding in this process is what
-a burst of arrivals waited for (``docs/benchmarks/sidecar.md``, seventeenth
-session); with the allowance the decision is off the request's path.
+a burst of arrivals waits for (``docs/benchmarks/sidecar.md``, "The sidecar's
+own time on the path"); with the allowance the decision is off the request's
+path.
 
 Frames (both ways): kind (1 byte), request id (uint32), payload length
 (uint32), little-endian, then the payload. Front to sidecar: ``A`` arrival
@@ -76,7 +77,7 @@ _ESTIMATE_TOKENS_PER_BYTE = 0.25  # the estimate mode's bytes/4
 # The allowance is recomputed after every batch of frames and every decision; this
 # also catches what changes the engine's load between them (offline tokens, Drain).
 _ALLOWANCE_REFRESH_S = 0.1
-_OUTCOMES = {b"o": "ok", b"e": "engine_error", b"c": "cancelled"}
+_OUTCOMES = {b"o": "ok", b"e": "engine_error", b"x": "client_error", b"c": "cancelled"}
 _START_TIMEOUT_S = 30.0
 
 
@@ -213,6 +214,7 @@ class FrontLink(asyncio.Protocol):
             return
         adm = self.proxy.inspect(payload[1:], arrival)
         if isinstance(adm, web.Response):
+            self.proxy.metrics.finished.labels("online", "client_error").inc()
             self._refuse(rid, adm)
             return
         req = _Request(adm)

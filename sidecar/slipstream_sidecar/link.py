@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from slipstream_sidecar.errors import EngineUnavailableError
+from slipstream_sidecar.errors import EngineUnavailableError, describe, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,16 @@ class Collector:
 
     def broken(self, reason: str) -> None:
         if not self.answer.done():
-            self.answer.set_exception(EngineUnavailableError(reason))
+            self.answer.set_exception(EngineUnavailableError(reason, cause=broken_cause(reason)))
+
+
+def broken_cause(reason: str) -> str:
+    """The client-safe cause of a broken answer (``StreamSink.broken``'s reason)."""
+    if reason.startswith("the engine closed the connection"):
+        return "it closed the connection"
+    if reason.startswith("unreadable answer"):
+        return "unreadable answer"
+    return describe(None) if not reason else "connection failed"
 
 
 class _Connection(asyncio.Protocol):
@@ -378,7 +387,7 @@ class EngineLink:
                     lambda: _Connection(self), self._host, self._port, ssl=self._ssl
                 )
         except (OSError, TimeoutError) as exc:
-            raise EngineUnavailableError(f"POST {path}: {exc!r}") from exc
+            raise unreachable(f"POST {path}", exc) from exc
         self._all.add(conn)
         return conn
 

@@ -59,12 +59,12 @@ from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.textgen import block_hashes
 from slipstream_scheduler.types import RequestClass
 from slipstream_sidecar.controller import Controller, Grant, Ticket
-from slipstream_sidecar.engine import EngineClient, TokenRatio, prompt_chars
+from slipstream_sidecar.engine import EngineClient, TokenRatio, completion_prompts, prompt_chars
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
 from slipstream_sidecar.logging_filters import install_payload_filter
-from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_sidecar.metrics import EngineView, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, Vector, prompt_text
-from slipstream_sidecar.relay import CANCELLED, ENGINE_ERROR, OK, Relay
+from slipstream_sidecar.relay import CANCELLED, CLIENT_ERROR, ENGINE_ERROR, OK, Relay
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,25 @@ _CALIBRATE_EVERY = 32
 _ABSENT = object()
 
 
-def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
-    """An error in vLLM's ErrorResponse shape (used only for the sidecar's own errors)."""
+def error_response(status: int, message: str, err_type: str = "Bad Request") -> web.Response:
+    """An error in vLLM's ErrorResponse shape (used only for the sidecar's own errors).
+
+    A body the sidecar cannot read is one vLLM refuses in its request validation, whose
+    ``type`` is the status phrase (``"Bad Request"``), so that is the default here.
+    """
     doc = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
     return web.json_response(doc, status=status)
+
+
+def unavailable(exc: EngineUnavailableError) -> web.Response:
+    """503 for an engine that cannot be reached: a clean message (the details are logged)."""
+    log.warning("engine unreachable: %s", exc)
+    return error_response(503, exc.public, "ServiceUnavailableError")
+
+
+def outcome_of(status: int) -> str:
+    """The outcome label of a request the engine answered with ``status`` (not 200)."""
+    return CLIENT_ERROR if 400 <= status < 500 else ENGINE_ERROR
 
 
 @dataclass(slots=True)
@@ -94,6 +109,7 @@ class Admission:
     client_priority: bool  # the client sent a ``priority`` (removed from ``body``)
     asked: object  # max_tokens or max_completion_tokens as sent
     text: str | None  # the prompt's text, when the length predictor reads it
+    sequences: int = 1  # sequences the engine runs for it: n choices of each prompt
     exact: bool = False  # the length is to be measured (/tokenize), not estimated
     prompt_tokens: int = 0
     max_tokens: int = 0
@@ -141,12 +157,18 @@ class Proxy:
         self.estimated = 0  # online requests admitted on an estimated prompt length
         self._exact_pending = 0  # requests waiting for /tokenize before they arrive
         self._background: set[asyncio.Task[None]] = set()
+        self.engine_view = EngineView(self._engine_metrics)  # the picker's vllm: series
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        # Served by the engine as by vLLM; passed through as they are.
+        app.router.add_get("/v1/models/{model_id:.+}", self._forward)
+        app.router.add_get("/version", self._forward)
+        app.router.add_post("/tokenize", self._forward)
+        app.router.add_post("/detokenize", self._forward)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
@@ -168,16 +190,33 @@ class Proxy:
         self.controller.refresh_gauges()
         if self.lengths is not None:
             self.lengths.refresh_gauges()
-        resp = web.Response(body=self.metrics.render())
+        held = self.controller.held["online"] + self._exact_pending
+        resp = web.Response(body=self.metrics.render() + await self.engine_view.render(held))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
+
+    async def _engine_metrics(self) -> bytes | None:
+        try:
+            status, body, _ = await asyncio.wait_for(self.engine.get("/metrics"), 2.0)
+        except (EngineUnavailableError, TimeoutError):
+            return None
+        return body if status == 200 else None
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
             status, body, ctype = await self.engine.get("/v1/models")
         except EngineUnavailableError as exc:
-            return error_response(503, str(exc), "ServiceUnavailableError")
+            return unavailable(exc)
         return _passthrough(status, body, ctype)
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        """A route the engine serves and the sidecar does not read: its answer as it is."""
+        body = await request.read() if request.method == "POST" else None
+        try:
+            status, data, ctype = await self.engine.request(request.method, request.raw_path, body)
+        except EngineUnavailableError as exc:
+            return unavailable(exc)
+        return _passthrough(status, data, ctype)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -193,6 +232,7 @@ class Proxy:
             return error_response(503, "the sidecar is draining", "ServiceUnavailableError")
         adm = self.inspect(await request.read(), arrival)
         if isinstance(adm, web.Response):
+            self.metrics.finished.labels("online", CLIENT_ERROR).inc()
             return adm
         if adm.exact:
             refused = await self.measure(adm)
@@ -210,8 +250,8 @@ class Proxy:
                 resp, outcome = await self._unary(path, data, ticket)
             return resp
         except EngineUnavailableError as exc:
-            outcome = "engine_error"
-            return error_response(503, str(exc), "ServiceUnavailableError")
+            outcome = ENGINE_ERROR
+            return unavailable(exc)
         finally:
             self.settle(adm, ticket, outcome, self.controller.now() - arrival)
 
@@ -258,7 +298,7 @@ class Proxy:
         else:
             adm.prompt_tokens = self.ratio.estimate(chars)
             self._estimated(body, chars)
-        adm.max_tokens = self._max_tokens(adm.asked, adm.prompt_tokens)
+        adm.max_tokens = self._max_tokens(adm.asked, adm.prompt_tokens, adm.sequences)
         return adm
 
     def _admission(self, raw: bytes, body: dict[str, Any], arrival: float) -> Admission:
@@ -269,7 +309,7 @@ class Proxy:
         asked = body.get("max_tokens") or body.get("max_completion_tokens")
         lengths = self.lengths
         text = prompt_text(body) if lengths is not None and lengths.uses_text else None
-        return Admission(arrival, raw, body, client_priority, asked, text)
+        return Admission(arrival, raw, body, client_priority, asked, text, sequences(body))
 
     def register_sent(self, adms: list[Admission]) -> list[Ticket]:
         """Hand admissions of :meth:`inspect_sent` to the dispatcher, already granted."""
@@ -290,18 +330,22 @@ class Proxy:
         embedding when it may be held); an error response when the engine refuses it."""
         try:
             adm.prompt_tokens, adm.hashes = await self._measure(adm.body, adm.raw)
-            adm.max_tokens = self._max_tokens(adm.asked, adm.prompt_tokens)
+            adm.max_tokens = self._max_tokens(adm.asked, adm.prompt_tokens, adm.sequences)
             if adm.text is not None and not self.controller.online_fits_now(
                 adm.prompt_tokens + adm.max_tokens
             ):
                 # It may be held: its place in the order needs its predicted lengths.
                 adm.vector = await self._embed(adm.text, adm.prompt_tokens)
         except EngineUnavailableError as exc:
-            return error_response(503, str(exc), "ServiceUnavailableError")
+            self.metrics.finished.labels("online", ENGINE_ERROR).inc()
+            return unavailable(exc)
         except EngineError as exc:
-            # The engine refuses what it cannot tokenize; it would refuse the request too.
-            self.metrics.finished.labels("online", "rejected").inc()
-            return _passthrough(exc.status, exc.body, "application/json")
+            # /tokenize refused it (a model name, a prompt form it does not take): that
+            # answer is not the request's. Sized by its bytes, the request goes on, and
+            # what the engine says of the request itself is what the client gets.
+            log.debug("/tokenize refused a prompt (%s); sized by its bytes", exc)
+            adm.prompt_tokens, adm.hashes = max(len(adm.raw) // 4, 1), ()
+            adm.max_tokens = self._max_tokens(adm.asked, adm.prompt_tokens, adm.sequences)
         finally:
             self._exact_pending -= 1
         return None
@@ -350,11 +394,14 @@ class Proxy:
             log.warning("prompt embedding failed (%s); keyed by input length", type(exc).__name__)
             return None
 
-    def _max_tokens(self, asked: object, prompt_tokens: int) -> int:
+    def _max_tokens(self, asked: object, prompt_tokens: int, seqs: int = 1) -> int:
+        """Output tokens the request may take: per sequence (``max_tokens``, else what the
+        context leaves), times its sequences (``n`` choices of each prompt)."""
         if isinstance(asked, int) and asked >= 1:
-            return asked
+            return asked * seqs
         mml = self.state.max_model_len
-        return mml - prompt_tokens if mml and mml > prompt_tokens else _DEFAULT_MAX_TOKENS
+        per = mml - prompt_tokens // seqs if mml and mml > prompt_tokens // seqs else 0
+        return (per or _DEFAULT_MAX_TOKENS) * seqs
 
     def _estimate_now(self, body: dict[str, Any], asked: object) -> tuple[int, int] | None:
         """(estimated prompt tokens, max tokens) when the exact count cannot matter, else None.
@@ -372,7 +419,7 @@ class Proxy:
         if not (isinstance(asked, int) and asked >= 1) and not self.state.max_model_len:
             return None
         prompt_tokens = self.ratio.estimate(chars)
-        max_tokens = self._max_tokens(asked, prompt_tokens)
+        max_tokens = self._max_tokens(asked, prompt_tokens, sequences(body))
         if not self.controller.online_fits_now(prompt_tokens + max_tokens):
             return None
         self._estimated(body, chars)
@@ -413,7 +460,7 @@ class Proxy:
     ) -> tuple[web.StreamResponse, str]:
         status, content_type, body = await self.engine.fetch(path, data)
         if status != 200:
-            return _passthrough(status, body, content_type), ENGINE_ERROR
+            return _passthrough(status, body, content_type), outcome_of(status)
         tokens = 0
         try:
             usage = json.loads(body).get("usage") or {}
@@ -436,7 +483,7 @@ class Proxy:
             if status != 200:
                 await relay.done
                 complete = True
-                return _passthrough(status, relay.take_pending(), content_type), ENGINE_ERROR
+                return _passthrough(status, relay.take_pending(), content_type), outcome_of(status)
             resp = web.StreamResponse(status=200)
             resp.headers["Content-Type"] = content_type or "text/event-stream; charset=utf-8"
             if request.version >= HttpVersion11:
@@ -487,6 +534,15 @@ _STREAM_BROKE = (
 )
 
 
+def sequences(body: dict[str, Any]) -> int:
+    """Sequences the engine runs for a request: its ``n`` choices of each of its prompts
+    (a completion's ``prompt`` may be a batch). At least 1."""
+    n = body.get("n")
+    choices = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    prompts = completion_prompts(body["prompt"]) if "prompt" in body else None
+    return choices * (len(prompts) if prompts else 1)
+
+
 def with_priority(raw: bytes, priority: int) -> bytes:
     """``raw`` (a non-empty JSON object without a ``priority`` member) with ``priority`` as
     its first member: the client's bytes otherwise unchanged, without re-encoding the
@@ -514,9 +570,7 @@ async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
     install_payload_filter()  # aiohttp would log the bytes of a malformed request (a prompt)
     # A client that hangs up cancels its handler: a held request leaves the queue at once,
     # an in-flight one's engine request is aborted without waiting for its next token.
-    runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, handler_cancellation=True
-    )
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from slipstream_sidecar.controller import Controller, Ticket
 from slipstream_sidecar.errors import EngineUnavailableError
-from slipstream_sidecar.link import Exchange
+from slipstream_sidecar.link import Exchange, broken_cause
 from slipstream_sidecar.sse import EventScanner
 
 HIGH_WATER = 256 * 1024
@@ -33,6 +33,7 @@ DRAIN_POLL_S = 0.005
 
 OK = "ok"
 ENGINE_ERROR = "engine_error"
+CLIENT_ERROR = "client_error"  # the engine refused the request (4xx): the client's error
 CANCELLED = "cancelled"
 
 
@@ -55,6 +56,7 @@ class Relay:
         "_reported",
         "_scanner",
         "_tbt",
+        "_texts",
         "_transport",
         "_ttft",
         "controller",
@@ -84,6 +86,7 @@ class Relay:
         self.exact: int | None = None  # completion_tokens from the stream's usage
         self.reason = ""  # why the engine's answer broke off
         self._reported = 0
+        self._texts = 0  # events with text seen (TBT is timed between them)
         self._last = ticket.arrival_s
         self._scanner = EventScanner()
         self._pending: list[bytes] = []
@@ -139,7 +142,7 @@ class Relay:
     def broken(self, reason: str) -> None:
         self.reason = reason
         if not self.started.done():
-            self.started.set_exception(EngineUnavailableError(reason))
+            self.started.set_exception(EngineUnavailableError(reason, cause=broken_cause(reason)))
             self.started.exception()  # retrieved: the handler may be gone
         self._resolve_first()
         self._finish(ENGINE_ERROR)
@@ -163,12 +166,14 @@ class Relay:
             if ev.tokens:
                 if self.counted == 0:
                     self._ttft.observe(t - self.ticket.arrival_s)
-                else:
+                self.counted += 1
+            if ev.content:  # gaps between events that carry text, as the client sees them
+                if self._texts:
                     gap = t - self._last
                     self._tbt.observe(gap)
                     self.controller.observe_gap(gap)
                 self._last = t
-                self.counted += 1
+                self._texts += 1
         seen = self.tokens
         if seen != self._reported:
             self._reported = seen

@@ -159,6 +159,13 @@ class SidecarSettings(BaseSettings):
         "only URIs under <root>/<ns>/. Env SLIPSTREAM_SIDECAR_STORAGE_ROOTS as a JSON list. "
         "Empty: no scoping (single tenant); the operator's Deployment sets it.",
     )
+    engine_channel: Path | None = Field(
+        default=None,
+        description="Engine mode: the directory shared with vLLM's Slipstream scheduler "
+        "plugin (control.json, status.json, offline.token; docs/plugin.md). Every Configure is "
+        "written there, offline requests carry the pod's token, and the plugin's report is "
+        "served in /metrics. None: sidecar mode (the sidecar enforces the budget itself).",
+    )
     offline_max_retries: int = Field(
         default=3, ge=0, description="Engine failures tolerated per offline line before an error."
     )

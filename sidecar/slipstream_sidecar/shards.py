@@ -15,8 +15,10 @@ One offline request, as carried out here:
 3. it streams from the engine with ``continuous_usage_stats`` (exact token
    counts) and accumulates the text (``assemble.py``);
 4. if the dispatcher aborts it (preemption) the stream is closed, the
-   dispatcher is told, and the next submit resumes it as a continuation: the
-   prompt plus the text so far (for chat: a final assistant message with
+   dispatcher is told, and the next submit resumes it as a continuation: for a
+   completion, the prompt's token ids plus the output's (exact: text does not
+   always tokenize back to the tokens that wrote it), else the prompt plus the
+   text so far (for chat: a final assistant message with
    ``continue_final_message``), ``max_tokens`` reduced by the tokens so far;
 5. if the engine goes away mid-stream, what was received is kept, the request
    leaves the dispatcher, and it is registered again as a continuation once
@@ -36,7 +38,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,8 +174,11 @@ class ShardRunner:
         staging_dir: Path | None,
         storage_roots: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        engine_xargs: Mapping[str, str] | None = None,
     ) -> None:
         self.spec = spec
+        # Engine mode: the ``vllm_xargs`` that mark a request offline to vLLM's plugin.
+        self._xargs = dict(engine_xargs or {})
         self.controller = controller
         self.engine = engine
         self.metrics = metrics
@@ -410,7 +415,7 @@ class ShardRunner:
             max_tokens = 1024
         hashes = block_hashes(tokens, self._bs)
         rid = f"off-{self.spec.shard_id}-{req.line_no}"
-        asm = Assembly(chat=req.is_chat)
+        asm = Assembly(chat=req.is_chat, prompt_ids=tokens)
         arrival = self.controller.now()
         retries = 0
         p = self.progress
@@ -445,11 +450,36 @@ class ShardRunner:
                     req.custom_id,
                 )
             await asyncio.sleep(min(0.1 * 2**retries, 5.0))
-        record = success_record(self.spec.shard_id, req, asm.response_id or rid, asm.body())
+        if asm.cut and not req.is_chat and asm.ids_complete:
+            await self._detokenize(asm)
+        answer = asm.body(return_token_ids=bool(req.body.get("return_token_ids")))
+        record = success_record(self.spec.shard_id, req, asm.response_id or rid, answer)
         if await self._append(self._out, req.line_no, record):
             p.completed += 1
             self.metrics.batch_lines.labels("completed").inc()
             self.metrics.finished.labels("offline", "ok").inc()
+
+    async def _detokenize(self, asm: Assembly) -> None:
+        """Text of a resumed completion from its token ids, when a segment ended inside a
+        character: vLLM held that character's first bytes back, so the texts lack them."""
+        while True:
+            try:
+                resp = await self.engine.post(
+                    "/detokenize", json.dumps({"tokens": asm.token_ids}).encode()
+                )
+                async with resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        return  # the segments' text stands
+                text = json.loads(raw).get("prompt")
+                if isinstance(text, str):
+                    asm.text_parts = [text]
+                return
+            except EngineUnavailableError:
+                self.watch.set(False)
+                await self.watch.wait()
+            except (ValueError, AttributeError, aiohttp.ClientError):
+                return
 
     async def _drive(
         self, ticket: Ticket, req: BatchRequest, asm: Assembly, max_tokens: int, base: int
@@ -478,6 +508,10 @@ class ShardRunner:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body["priority"] = priority
+        body["return_token_ids"] = True
+        if self._xargs:
+            extra = body.get("vllm_xargs")
+            body["vllm_xargs"] = {**(extra if isinstance(extra, dict) else {}), **self._xargs}
         done = asm.tokens
         body["max_tokens"] = max_tokens - done
         body.pop("max_completion_tokens", None)
@@ -487,6 +521,9 @@ class ShardRunner:
                 body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
                 body["continue_final_message"] = True
                 body["add_generation_prompt"] = False
+            elif asm.ids_complete and asm.prompt_ids:
+                body["prompt"] = [*asm.prompt_ids, *asm.token_ids]
+                body.pop("add_special_tokens", None)
             else:
                 body["prompt"] = body["prompt"] + text
             if isinstance(body.get("min_tokens"), int):

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from slipstream_cli.engine_server import RunningServer, ServeOptions, serve
+from slipstream_testbed.engine_server import RunningServer, ServeOptions, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -330,7 +330,7 @@ async def test_priority_needs_the_priority_policy(http: aiohttp.ClientSession) -
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "model": "nope"}, 404, "model"),
         ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from helpers_procs import MODEL, Proc, bearer, control_stub, engine_proc, sidecar_proc
 
-from slipstream_cli.cluster import pid_alive
 from slipstream_sidecar.proto import sidecar_pb2 as pb
+from slipstream_testbed.cluster import pid_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from slipstream_cli.gobuild import FRONT_SRC
+from slipstream_testbed.gobuild import FRONT_SRC
 
 # A cold Go build cache compiles net/http first: about 25 s on an idle 2-core host.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -296,3 +296,18 @@ def test_hop_nice_prefix_lowers_the_started_process() -> None:
         text=True,
     )
     assert int(out.stdout) == os.nice(0) + 7
+
+
+def test_own_ms_takes_each_own_span_from_the_overhead_histograms() -> None:
+    from slipstream_cli.benches.sidecar import _overhead_ms, own_ms
+
+    acc = {
+        "to_engine": {"0.0001": 60.0, "0.0005": 99.0, "0.002": 100.0, "+Inf": 100.0,
+                      "sum": 0.01, "count": 100.0},
+        "relay": {"0.0001": 100.0, "+Inf": 100.0, "sum": 0.002, "count": 100.0},
+    }
+    over = _overhead_ms(acc)
+    assert own_ms(over, 50) == {"to_engine": 0.1, "relay": 0.1}
+    assert own_ms(over, 99) == {"to_engine": 0.5, "relay": 0.1}
+    assert own_ms({}, 99) is None and own_ms(None, 50) is None
+    assert own_ms({"to_engine": over["to_engine"]}, 99) == {"to_engine": 0.5, "relay": None}

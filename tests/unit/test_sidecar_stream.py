@@ -28,8 +28,17 @@ def test_scanner_splits_events_across_arbitrary_chunk_boundaries() -> None:
     for cut in range(1, len(stream)):
         sc = EventScanner()
         events = sc.feed(stream[:cut]) + sc.feed(stream[cut:])
-        assert [e.tokens for e in events] == [True, True, False, False]
+        assert [e.tokens for e in events] == [True, True, True, False]
         assert events[-1].done
+
+
+def test_a_token_whose_text_vllm_holds_back_is_counted() -> None:
+    # vLLM sends an event with empty text for a token that ends inside a UTF-8 character.
+    sc = EventScanner()
+    held = _chunk("") + _chunk("\u00e9 x")
+    assert [e.tokens for e in sc.feed(held)] == [True, True]
+    error = b'data: {"error":{"message":"incomplete","code":502}}\n\n'
+    assert [e.tokens for e in sc.feed(error)] == [False]
 
 
 def test_usage_is_parsed_only_when_present() -> None:
@@ -81,3 +90,20 @@ def test_assembly_counts_events_without_usage() -> None:
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["content"] == " a b"
     assert body["usage"]["completion_tokens"] == 2
+
+
+def test_assembly_keeps_token_ids_and_marks_a_character_cut_at_an_abort() -> None:
+    asm = Assembly(chat=False, prompt_ids=(0, 5, 6))
+    asm.begin_segment()
+    first = {"choices": [{"index": 0, "text": " a", "finish_reason": None, "token_ids": [7]}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    held = {"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [200]}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    asm.feed(json.dumps(first).encode())
+    asm.feed(json.dumps(held).encode())
+    asm.end_segment()  # aborted with a character's first bytes held back
+    assert asm.cut and asm.ids_complete and asm.token_ids == [7, 200]
+    body = asm.body(return_token_ids=True)
+    assert body["choices"][0]["token_ids"] == [7, 200]
+    assert body["choices"][0]["prompt_token_ids"] == [0, 5, 6]
+    assert asm.body()["choices"][0]["token_ids"] is None

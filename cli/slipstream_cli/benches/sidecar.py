@@ -100,7 +100,7 @@ from typing import Any
 
 import aiohttp
 
-from slipstream_cli.gobuild import REFPROXY_SRC, build_front, go_build
+from slipstream_testbed.gobuild import REFPROXY_SRC, build_front, go_build
 
 MODEL = "llama-2-7b"
 CONCURRENCY = (1, 64, 256)
@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rounds per stream just before each timed block, so no block pays for reopening "
         "the connections the client and the proxies dropped while other paths ran; the first "
         "is timed apart ('first_round': the burst after a lull) (default 1; 0: the first "
-        "round of each block pays it, as before the sixteenth session)",
+        "round of each block pays it)",
     )
     parser.add_argument(
         "--compiled-front",
@@ -566,6 +566,24 @@ def _overhead_ms(acc: dict[str, dict[str, float]]) -> dict[str, dict[str, float 
             le = next((b for b, c in bounds if n and c >= q * n), None)
             row[f"p{round(q * 100)}_le_ms"] = None if le is None else 1e3 * le
         out[stage] = row
+    return out
+
+
+OWN_STAGES = ("to_engine", "relay")
+"""The spans that make up the sidecar's own time on the path (see ``_overhead_ms``)."""
+
+
+def own_ms(
+    overhead: dict[str, dict[str, float | None]] | None, q: int
+) -> dict[str, float | None] | None:
+    """``own_ms_p50`` / ``own_ms_p99`` of one path: per own-time span, the upper bound (ms) of
+    the histogram bucket holding the ``q``-th percentile; None without spans."""
+    if not overhead:
+        return None
+    out: dict[str, float | None] = {}
+    for stage in OWN_STAGES:
+        row = overhead.get(stage)
+        out[stage] = None if row is None else row.get(f"p{q}_le_ms")
     return out
 
 
@@ -955,6 +973,9 @@ def run(args: argparse.Namespace) -> int:
             c: conc[c]["sidecar"]["added_ttft_p99_ms_per_repeat"] for c in conc
         },
         "sidecar_overhead_ms": {c: conc[c]["paths"]["sidecar"].get("overhead") for c in conc},
+        # The sidecar's own time on the path, per concurrency (the resolvable measure).
+        "own_ms_p50": {c: own_ms(conc[c]["paths"]["sidecar"].get("overhead"), 50) for c in conc},
+        "own_ms_p99": {c: own_ms(conc[c]["paths"]["sidecar"].get("overhead"), 99) for c in conc},
         # Every sidecar path's in-sidecar time (the baseline's too, when it exports it).
         "overhead_ms": {
             c: {
