@@ -2,7 +2,7 @@
 
 A small version of ``slipstream bench lengths`` (hashing embedder, per-model
 histories, one seed, 8 of the 12 generators). Measured first: the semantic
-predictor with nearest top-up gives 0.217 vs 0.191 probability on the true
+predictor with nearest top-up gives 0.214 vs 0.191 probability on the true
 100-token bucket over all 12 generators (seed 0), and beats the baseline on
 seeds 0-2; with the paper's prior top-up it only matches the baseline, since
 distinct AlpacaEval prompts rarely reach cosine 0.8 (see

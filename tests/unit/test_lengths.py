@@ -18,6 +18,7 @@ from slipstream_scheduler.lengths import (
     VectorShapeError,
     bucket_of,
     bucket_probability,
+    fixed_projection,
     median_bucket_hit,
 )
 from slipstream_scheduler.protocols import Embedder, LengthPredictor
@@ -154,7 +155,8 @@ def test_large_history_search_is_vectorised_and_correct() -> None:
 
 def _random_units(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
     v = rng.standard_normal((n, dim)).astype(np.float32)
-    return v / np.linalg.norm(v, axis=1, keepdims=True)
+    out: np.ndarray = v / np.linalg.norm(v, axis=1, keepdims=True)
+    return out
 
 
 @pytest.mark.parametrize("observed", [50, 3000, 7777])
@@ -229,3 +231,89 @@ def test_bucket_metrics() -> None:
     assert median_bucket_hit(sample, 199)
     assert not median_bucket_hit(sample, 50)
     assert bucket_probability(np.array([]), 1) == 0.0
+
+
+def _planted(
+    rng: np.random.Generator, q: np.ndarray, cosines: list[float], dim: int
+) -> list[np.ndarray]:
+    """Unit vectors at the given cosines with ``q`` (random orthogonal parts)."""
+    out = []
+    for c in cosines:
+        r = rng.standard_normal(dim).astype(np.float32)
+        r -= float(r @ q) * q
+        r /= np.linalg.norm(r)
+        out.append((c * q + np.sqrt(1 - c * c) * r).astype(np.float32))
+    return out
+
+
+def test_fixed_projection_is_orthonormal_and_the_same_every_time() -> None:
+    p = fixed_projection(384, 64)
+    assert p.shape == (64, 384) and p.dtype == np.float32
+    np.testing.assert_allclose(p @ p.T, np.eye(64), atol=1e-5)
+    np.testing.assert_array_equal(p, fixed_projection(384, 64))
+
+
+def test_compact_search_finds_the_exact_threshold_matches_and_nearest_records() -> None:
+    """The compact scan agrees with the full scan where the records' ranks are clear.
+
+    Background records are random (cosine about 0 ± 0.05 with the query); the
+    planted ones sit just above and just below the threshold (inside the band
+    re-scored exactly), and at moderate similarity for the nearest top-up.
+    """
+    rng = np.random.default_rng(7)
+    dim = 384
+    q = _random_units(rng, 1, dim)[0]
+    background = _random_units(rng, 9_000, dim)
+    above = _planted(rng, q, [0.81, 0.83, 0.86, 0.9, 0.95, 0.99], dim)
+    below = _planted(rng, q, [0.72, 0.75, 0.78, 0.79], dim)
+    compact = SemanticHistoryPredictor(dim, SemanticHistoryParams(min_matches=4))
+    full = SemanticHistoryPredictor(dim, SemanticHistoryParams(min_matches=4, search_dim=None))
+    assert compact.compact and not full.compact
+    records = [*background[:4000], *above, *below, *background[4000:]]
+    for i, v in enumerate(records):
+        compact.observe(v, 0, i)
+        full.observe(v, 0, i)
+    want = set(range(4000, 4006))
+    assert set(compact.predict(q, 0).astype(int)) == want
+    assert set(full.predict(q, 0).astype(int)) == want
+    assert compact.matches(q).shape == (6,)
+    # Nearest top-up: no record reaches the threshold; the 8 planted ones are nearest.
+    q2 = _random_units(rng, 1, dim)[0]
+    near = _planted(rng, q2, [0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75], dim)
+    p8 = SemanticHistoryPredictor(dim, SemanticHistoryParams(min_matches=8))
+    for i, v in enumerate([*background[:5000], *near, *background[5000:]]):
+        p8.observe(v, 0, i)
+    assert set(p8.predict(q2, 0).astype(int)) == set(range(5000, 5008))
+
+
+def test_search_dim_at_or_above_the_vector_dimension_scans_the_full_vectors() -> None:
+    assert not SemanticHistoryPredictor(64, SemanticHistoryParams(search_dim=64)).compact
+    assert not SemanticHistoryPredictor(32).compact
+    assert SemanticHistoryPredictor(65).compact
+
+
+@pytest.mark.parametrize("search_dim", [None, 64])
+def test_nearest_floor_tops_up_with_the_prior_instead_of_far_records(
+    search_dim: int | None,
+) -> None:
+    rng = np.random.default_rng(3)
+    dim = 128
+    q = _random_units(rng, 1, dim)[0]
+    near = _planted(rng, q, [0.6, 0.65, 0.7], dim)
+    far = _planted(rng, q, [0.0] * 50, dim)
+    params = SemanticHistoryParams(min_matches=8, nearest_floor=0.5, search_dim=search_dim)
+    p = SemanticHistoryPredictor(dim, params)
+    for v in far:
+        p.observe(v, 0, 1000)
+    for v in near:
+        p.observe(v, 0, 7)
+    got = np.sort(p.predict(q, 0))
+    # The 3 records above the floor, then 5 quantiles of the history's distribution.
+    np.testing.assert_array_equal(got[:3], [7.0, 7.0, 7.0])
+    np.testing.assert_array_equal(got[3:], np.full(5, 1000.0))
+    no_floor = SemanticHistoryPredictor(dim, params.model_copy(update={"nearest_floor": -1.0}))
+    for v in far:
+        no_floor.observe(v, 0, 1000)
+    for v in near:
+        no_floor.observe(v, 0, 7)
+    assert no_floor.predict(q, 0).shape == (8,)

@@ -15,10 +15,13 @@ a warm-up), in microseconds. Inputs come from the real data in
   same prediction and the chunk solver of the opt-in token-curve model;
 * ``length_predict_us``: ``SemanticHistoryPredictor.predict`` with its full
   10,000-record history filled from Alpaca prompts and their real answer
-  lengths (cycled: the dev file holds 4,000), embedding excluded; the
-  input-length-only predictor on the same history, and as a baseline the
-  search as first written (``np.einsum`` plus a full ``argpartition``) on
-  the same matrix, as extras;
+  lengths (cycled: the dev file holds 4,000), embedding excluded, timed while
+  ``--load-procs`` Python busy-loop processes (default 2) run beside it; as
+  extras the same call on the quiet host (``length_predict_quiet_us``), its
+  CPU time and the median single call under that load (and the quiet
+  median), the full-vector scan (``search_dim=None``) on the same history,
+  loaded and quiet, the load average before and during, and the
+  input-length-only predictor;
   ``embed_us``: ``HashingEmbedder`` on one Alpaca prompt;
 * ``gittins_us``: ``gittins_rank`` over the predicted cost sample;
 * ``trie_insert_us``/``trie_pop_us``: ``PsmQueue.push``/``pop`` with MMLU
@@ -40,9 +43,13 @@ import argparse
 import csv
 import json
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -51,6 +58,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from slipstream_cli.argtypes import whole
 from slipstream_cli.workloads import data_root
 from slipstream_scheduler.admission import build_planner
 from slipstream_scheduler.latency import (
@@ -75,6 +83,9 @@ from slipstream_scheduler.types import (
 logger = logging.getLogger(__name__)
 
 PLAN_TARGET_US = 200.0
+LENGTH_TARGET_US = 500.0
+BUSY_LOOP = "while True:\n    pass\n"
+"""What each concurrent-load process runs: one Python busy loop (no I/O, little memory)."""
 PREDICT_TARGET_US = 5.0
 
 AZURE_CONV = "azure_llm_2023/AzureLLMInferenceTrace_conv.dev.csv"
@@ -89,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampled inputs")
     parser.add_argument(
         "--data", type=Path, default=None, help="shared data folder (default $SLIPSTREAM_DATA)"
+    )
+    parser.add_argument(
+        "--load-procs",
+        type=whole(0),
+        default=2,
+        help="busy-loop processes run beside the loaded length-prediction timing (default 2)",
     )
 
 
@@ -117,6 +134,49 @@ def time_each_us(fns: Sequence[Callable[[], object]], *, rounds: int) -> float:
             fn()
         per_call.append((time.perf_counter_ns() - t0) / len(fns) / 1e3)
     return statistics.median(per_call)
+
+
+def time_each_cpu_us(fns: Sequence[Callable[[], object]], *, rounds: int) -> float:
+    """As ``time_each_us`` but in this thread's CPU time (excludes waits for a core)."""
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.thread_time_ns()
+        for fn in fns:
+            fn()
+        per_call.append((time.thread_time_ns() - t0) / len(fns) / 1e3)
+    return statistics.median(per_call)
+
+
+def time_each_median_call_us(fns: Sequence[Callable[[], object]], *, rounds: int) -> float:
+    """Median over every single call of ``fns`` (``rounds`` passes), microseconds.
+
+    Unlike the per-round mean, a call that loses its core to another process
+    only moves the median if most calls do.
+    """
+    per_call = []
+    for _ in range(rounds):
+        for fn in fns:
+            t0 = time.perf_counter_ns()
+            fn()
+            per_call.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(per_call)
+
+
+@contextmanager
+def busy_load(procs: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``procs`` concurrent Python busy-loop processes for the duration of the block."""
+    started = [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
+        for _ in range(procs)
+    ]
+    try:
+        time.sleep(0.5 if procs else 0.0)  # let them reach the loop
+        yield started
+    finally:
+        for p in started:
+            p.terminate()
+        for p in started:
+            p.wait()
 
 
 # ----------------------------------------------------------------------------- dispatcher
@@ -537,34 +597,46 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         results["embed_us"] = time_each_us(
             [partial(embedder.embed, [p]) for p, _ in held], rounds=rounds
         )
-        results["length_predict_us"] = time_each_us(
-            [
+        # The full-vector scan in the same run: the predictor as it was before the
+        # compact search (``search_dim=None``), on the same history and queries.
+        full_scan = SemanticHistoryPredictor(
+            embedder.dim, predictor.params.model_copy(update={"search_dim": None})
+        )
+        for j in range(window):
+            i = j % len(history)
+            full_scan.observe(vectors[i], *counted[i])
+        calls = {
+            "compact": [
                 partial(predictor.predict, v, n)
                 for v, n in zip(held_vectors, held_inputs, strict=True)
             ],
-            rounds=rounds,
+            "full": [
+                partial(full_scan.predict, v, n)
+                for v, n in zip(held_vectors, held_inputs, strict=True)
+            ],
+        }
+        quiet = {k: time_each_us(fns, rounds=rounds) for k, fns in calls.items()}
+        extra["length_load_avg_1m_before"] = os.getloadavg()[0]
+        with busy_load(args.load_procs):
+            loaded = {k: time_each_us(fns, rounds=rounds) for k, fns in calls.items()}
+            loaded_cpu = time_each_cpu_us(calls["compact"], rounds=rounds)
+            loaded_median = time_each_median_call_us(calls["compact"], rounds=rounds)
+            extra["length_load_avg_1m_during"] = os.getloadavg()[0]
+        extra["length_load_procs"] = float(args.load_procs)
+        results["length_predict_us"] = loaded["compact"]
+        extra["length_predict_quiet_us"] = quiet["compact"]
+        extra["length_predict_cpu_us"] = loaded_cpu
+        extra["length_predict_median_call_us"] = loaded_median
+        extra["length_predict_median_call_quiet_us"] = time_each_median_call_us(
+            calls["compact"], rounds=rounds
         )
-        # Baseline in the same run: the search as first written (one einsum
-        # matrix-vector product, a full argpartition for the nearest records).
-        ring = vectors[np.arange(window) % len(history)]
-        ring_out: npt.NDArray[np.float64] = np.asarray(
-            [counted[j % len(history)][1] for j in range(window)], dtype=np.float64
-        )
-        k, threshold = predictor.params.min_matches, predictor.params.similarity_threshold
-
-        def einsum_predict(v: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
-            sims: npt.NDArray[np.float32] = np.einsum("ij,j->i", ring, v)
-            found = ring_out[sims >= threshold]
-            if found.shape[0] >= k:
-                return found
-            return ring_out[np.argpartition(sims, window - k)[window - k :]]
-
-        extra["length_predict_einsum_baseline_us"] = time_each_us(
-            [partial(einsum_predict, v) for v in held_vectors], rounds=rounds
-        )
-        ratios["length_predict_einsum_baseline_vs_predictor"] = (
-            extra["length_predict_einsum_baseline_us"] / results["length_predict_us"]
-        )
+        extra["length_predict_full_scan_us"] = loaded["full"]
+        extra["length_predict_full_scan_quiet_us"] = quiet["full"]
+        extra["length_search_dim"] = float(predictor.params.search_dim or embedder.dim)
+        ratios["length_predict_vs_target_500us"] = loaded["compact"] / LENGTH_TARGET_US
+        ratios["length_predict_compact_vs_full_scan"] = loaded["compact"] / loaded["full"]
+        ratios["length_predict_compact_vs_full_scan_quiet"] = quiet["compact"] / quiet["full"]
+        ratios["length_predict_loaded_vs_quiet"] = loaded["compact"] / quiet["compact"]
         extra["length_predict_input_only_us"] = time_each_us(
             [partial(by_input.predict, None, n) for n in held_inputs], rounds=rounds
         )

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from slipstream_cli.argtypes import whole
 from slipstream_cli.workloads.alpaca_eval import AlpacaEvalRow, load_rows, make_token_counter
 from slipstream_scheduler.lengths import (
     GlobalDistributionPredictor,
@@ -122,6 +123,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timing-calls", type=int, default=300, help="predict calls timed at 10k history"
     )
+    parser.add_argument(
+        "--families",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also score the Mooncake traces' prefix families, recurring against unique "
+        "(default on)",
+    )
+    parser.add_argument(
+        "--families-limit",
+        type=whole(1),
+        default=None,
+        help="first N requests of each Mooncake trace (default all)",
+    )
 
 
 def _embedders(spec: str) -> dict[str, Embedder]:
@@ -198,7 +212,7 @@ def evaluate(
                 matched += int(pred.matches(vec).shape[0] >= params.min_matches)
     return Score(
         scope=scope,
-        predictor=kind if kind != "semantic" else f"semantic ({params.top_up} top-up)",
+        predictor=kind if kind != "semantic" else _semantic_label(params),
         embedder=embedder,
         queries=len(pb),
         p_bucket=float(np.mean(pb)),
@@ -206,6 +220,11 @@ def evaluate(
         mean_sample_size=float(np.mean(sizes)),
         matched_fraction=matched / len(pb) if kind == "semantic" else None,
     )
+
+
+def _semantic_label(params: SemanticHistoryParams) -> str:
+    scan = "" if params.search_dim is not None else ", full scan"
+    return f"semantic ({params.top_up} top-up{scan})"
 
 
 def _time_calls(fn: Callable[[int], object], calls: int) -> tuple[float, float, float]:
@@ -231,7 +250,8 @@ def time_predict_10k(
     med, p99, cpu = _time_calls(
         lambda i: pred.predict(vectors[rows[i % len(rows)].prompt], 100), calls
     )
-    return Timing(f"predict ({params.top_up} top-up)", name, len(pred), calls, med, p99, cpu)
+    what = "predict " + _semantic_label(params).removeprefix("semantic ")
+    return Timing(what, name, len(pred), calls, med, p99, cpu)
 
 
 def time_embed(embedder: Embedder, texts: Sequence[str], name: str) -> Timing:
@@ -262,28 +282,44 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
     sweep: list[Score] = []
     timings: list[Timing] = []
     embedders = _embedders(args.embedders)
+    vectors = {name: emb.embed(texts) for name, emb in embedders.items()}
     for scope in ("per-model", "pooled"):
         for kind in ("global", "input_length"):
             scores.append(evaluate(kind, history, heldout, None, params, scope=scope, embedder="-"))
-        for name, emb in embedders.items():
-            vecs = emb.embed(texts)
-            for top_up in ("prior", "nearest"):
-                p = params.model_copy(update={"top_up": top_up})
+        for name in embedders:
+            vecs = vectors[name]
+            # The last variant is the full-vector scan: the same run's check of the compact one.
+            for update in (
+                {"top_up": "prior"},
+                {"top_up": "nearest"},
+                {"top_up": "nearest", "search_dim": None},
+            ):
+                p = params.model_copy(update=update)
                 scores.append(
                     evaluate("semantic", history, heldout, vecs, p, scope=scope, embedder=name)
                 )
     thresholds = [float(t) for t in args.sweep.split(",") if t.strip()]
     for name, emb in embedders.items():
-        vecs = emb.embed(texts)
+        vecs = vectors[name]
         for t in thresholds:
             p = params.model_copy(update={"similarity_threshold": t})
             sweep.append(
                 evaluate("semantic", history, heldout, vecs, p, scope="per-model", embedder=name)
             )
         timings.append(time_embed(emb, texts, name))
-        for top_up in ("prior", "nearest"):
-            p = params.model_copy(update={"top_up": top_up})
+        for update in (
+            {"top_up": "prior"},
+            {"top_up": "nearest"},
+            {"top_up": "nearest", "search_dim": None},
+        ):
+            p = params.model_copy(update=update)
             timings.append(time_predict_10k(history, vecs, p, args.timing_calls, name))
+    families: list[dict[str, object]] = []
+    if args.families:
+        from slipstream_cli.benches.length_families import run_families
+        from slipstream_cli.workloads import data_root
+
+        families = run_families(data_root(), args.families_limit)
     return {
         "data": "alpaca_eval_model_outputs.dev.jsonl.gz (12 generators, dev prompts)",
         "tokenizer": args.tokenizer,
@@ -295,6 +331,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, object]:
         "scores": [asdict(s) for s in scores],
         "threshold_sweep": [asdict(s) | {"threshold": t} for s, t in _with_thr(sweep, thresholds)],
         "timings": [asdict(t) for t in timings],
+        "families": families,
     }
 
 
@@ -335,6 +372,20 @@ def render_markdown(res: dict[str, object]) -> str:
             f"| {t['what']} | {t['embedder']} | {t['history']} | {t['calls']} "
             f"| {t['median_us']:.1f} | {t['p99_us']:.1f} | {t['cpu_mean_us']:.1f} |"
         )
+    families = res.get("families") or []
+    if families:
+        lines += [
+            "",
+            "| trace | regime | predictor | queries | P(true bucket) | median-bucket hit "
+            "| mean TTLT / global | oracle / global |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for f in families:  # type: ignore[attr-defined]
+            lines.append(
+                f"| {f['trace']} | {f['regime']} | {f['predictor']} | {f['queries']} "
+                f"| {f['p_bucket']:.3f} | {f['median_hit']:.3f} "
+                f"| {f['mean_ttlt_ratio_vs_global']:.3f} | {f['oracle_ttlt_ratio_vs_global']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -38,7 +38,11 @@ from rich.console import Console
 from rich.table import Table
 
 from slipstream_cli import plots
-from slipstream_cli.commands.sim import RichProgress
+from slipstream_cli.commands.sim import (
+    RichProgress,
+    add_engine_argument,
+    engine_factory_from_args,
+)
 from slipstream_cli.workloads import alpaca_eval
 from slipstream_scheduler.dispatcher import DispatcherConfig, OrderingQueue
 from slipstream_scheduler.engine.model import EngineConfig
@@ -116,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
+    add_engine_argument(parser)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the request order and the capacity run"
     )
@@ -214,6 +219,7 @@ def _run(  # noqa: PLR0917
     label: str,
     oracle: bool = False,
     queue_options: dict[str, int] | None = None,
+    engine_name: str = "model",
 ) -> SimResult:
     predictor: LengthPredictor = (
         OracleLengths() if oracle else SemanticHistoryPredictor(HashingEmbedder().dim)
@@ -226,11 +232,17 @@ def _run(  # noqa: PLR0917
         dispatcher=DispatcherConfig(max_online_inflight=cap, admit_offline=False),
     )
     span = online[-1].arrival_s if online else 1.0
+    factory = None
+    if engine_name == "vllm":
+        from slipstream_cli.benches.fidelity_vllm import vllm_engine_factory
+
+        factory = vllm_engine_factory()
     return simulate(
         Workload(online=online),
         cfg,
         length_predictor=predictor,
         online_queue=queue,
+        engine_factory=factory,
         progress=None if bar is None else (lambda t: bar(label, min(t, span), span)),
     )
 
@@ -248,6 +260,7 @@ class _Task:
     engine: EngineConfig
     cap: int
     oracle: bool = False
+    engine_name: str = "model"
 
 
 def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
@@ -264,10 +277,12 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
         label,
         oracle=task.oracle,
         queue_options=VARIANTS[task.name][2],
+        engine_name=task.engine_name,
     )
     on = res.metrics.online
     return {
         "ordering": task.name,
+        "engine": task.engine_name,
         "cost": "-" if task.name == "fcfs" else task.cost,
         "seed": task.seed,
         "load": task.load,
@@ -335,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 120))
     t0 = time.perf_counter()
     engine = EngineConfig(model=args.model, gpu=args.gpu)
+    engine_factory_from_args(args, "slipstream bench ordering", ["bench", "ordering"])
     seeds = args.seeds
     reqs = build_requests(args.prompts, args.requests, args.seed)
     if args.oracle:
@@ -350,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
             bar,
             "capacity (fcfs, all at t=0)",
             oracle=args.oracle,
+            engine_name=args.engine,
         )
         capacity = sat.metrics.online.finished / sat.metrics.duration_s
         console.print(f"capacity with {args.inflight} in flight: {capacity:.2f} req/s")
@@ -361,7 +378,18 @@ def run(args: argparse.Namespace) -> int:
                     continue  # FCFS ignores the cost: one run per load and seed
                 rate = load * capacity
                 tasks.append(
-                    _Task(online, name, cost, seed, load, rate, engine, args.inflight, args.oracle)
+                    _Task(
+                        online,
+                        name,
+                        cost,
+                        seed,
+                        load,
+                        rate,
+                        engine,
+                        args.inflight,
+                        args.oracle,
+                        args.engine,
+                    )
                 )
         if args.jobs <= 1:
             rows = [_run_task(t, bar) for t in tasks]
@@ -412,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
         "requests": len(reqs),
         "inflight_cap": args.inflight,
         "capacity_req_per_s": capacity,
+        "engine": args.engine,
         "model": args.model,
         "gpu": args.gpu,
         "seeds": seeds,
