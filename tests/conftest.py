@@ -43,6 +43,6 @@ def repo_root() -> Path:
 def front_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sidecar's compiled front (``sidecar/front``), built once per session with the
     local go toolchain (standard library only; a cold build cache takes about 25 s)."""
-    from slipstream_cli.gobuild import build_front
+    from slipstream_testbed.gobuild import build_front
 
     return build_front(tmp_path_factory.mktemp("front"))

@@ -1,29 +1,45 @@
 """``slipstream demo``: the whole system on this machine, end to end, in a few minutes.
 
-Steps, each announced on the console:
+What it shows: the same online trace and the same offline backlog replayed twice on the same
+two pods, once with naive co-location (the OfflineJob simply submitted, the sidecars fill
+every free slot with offline work, no budget) and once with Slipstream (the operator's
+latency model and iteration budget), then the two side by side.
+
+Steps, each announced on the console with the time since the start:
 
 1. start the local Kubernetes control plane (``slipstream cluster``: binaries built from Go
    modules the first time, then cached) and helm-install ``charts/slipstream``;
 2. run a real Prometheus on loopback with the chart's SLO rules, scraping every sidecar;
 3. run the chart's operator pod and every inference pod as local processes
-   (:mod:`slipstream_cli.podrunner`: the operator with its service account's token, so the
+   (:mod:`slipstream_testbed.podrunner`: the operator with its service account's token, so the
    chart's RBAC is what it gets; each inference pod as the engine model plus a real sidecar
    on the pod's loopback IP);
-4. apply ``examples/inferenceservice.yaml`` (SLOs) and an OfflineJob over
-   ``examples/data/offline-sample.jsonl`` (MMLU 5-shot prompts, repeated ``--offline-copies``
-   times under new ids);
-5. replay the Azure LLM conversation trace (``examples/data/azure_conv_*.csv``) as streaming
-   requests against the sidecars for ``--duration`` seconds, printing
-   ``kubectl get inferenceservices,offlinejobs`` whenever it changes;
-6. summarise (SLO attainment measured by the client and by Prometheus, what the operator
-   reports, offline requests done, tokens/s) and write plots and JSON to ``out/demo-<time>/``.
+4. for each run: apply ``examples/inferenceservice.yaml`` with the demo's SLO (tight enough to
+   bind) and an OfflineJob over ``examples/data/offline-sample.jsonl`` (MMLU 5-shot prompts,
+   repeated ``--offline-copies`` times under new ids: a backlog that outlasts the replay);
+   replay the Azure LLM conversation trace (``examples/data/azure_conv_*.csv``) with peaks
+   and valleys (:func:`slipstream_cli.demo_compare.shape`) for ``--duration`` seconds,
+   printing ``kubectl get inferenceservices,offlinejobs`` whenever it changes; then delete
+   both objects and wait for the pods to go;
+5. print the side-by-side summary (SLO attainment per metric, online p99s, offline tokens/s,
+   preemptions) and write ``summary.json`` and ``timeline.png`` (online load, offline
+   tokens/s, TTFT and TBT p99 against the SLO, for both runs) to ``out/demo-<time>/``.
+
+The naive run serves the same engine under the name ``llama-2-7b-unprofiled``, for which
+the operator has no latency profile: it pushes no latency model, and each sidecar then
+builds the naive planner (online first, offline fills, no budget). Everything else (engine
+model and GPU profile, replicas, engine flags, trace, backlog) is the same.
 
 Everything is torn down at the end (processes by process group; the cluster stops unless
 ``--keep-cluster``). Only shipped files are read, so it works from a fresh clone; a trace under
 ``$SLIPSTREAM_DATA`` is used only when the shipped slice is missing.
 
-Deliberately left out: real GPUs and vLLM (see docs/install.md), Grafana (the dashboard JSON
-is in the chart), and tuning: the numbers are those of a loaded 2-core laptop-class machine.
+``--engine vllm`` (``make demo ENGINE=vllm``) changes only the engine: each pod runs real
+``vllm serve`` on CPU with the tiny model of :func:`slipstream_testbed.vllm.ensure` (``make
+vllm-env`` installs it) instead of the engine model.
+
+Deliberately left out: real GPUs (see docs/install.md), Grafana (the dashboard JSON is in the
+chart), and tuning: the numbers are those of a loaded 2-core laptop-class machine.
 """
 
 from __future__ import annotations
@@ -38,13 +54,25 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 from rich.console import Console
 from rich.table import Table
+
+from slipstream_cli.argtypes import positive, share, whole
+from slipstream_cli.demo_compare import (
+    RUNS,
+    RunResult,
+    Slo,
+    Timeline,
+    plot_timelines,
+    run_result,
+    shape,
+    side_by_side,
+    timeline,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +83,42 @@ RELEASE = "slipstream"
 SYSTEM_NS = "slipstream-system"
 DEMO_NS = "slipstream-demo"
 SERVICE = "chat"
-JOB = "mmlu-sample"
 
 
 class DemoError(Exception):
     """A demo step failed; the message says what to do."""
 
 
+SLIPSTREAM_MODEL = "llama-2-7b"
+NAIVE_MODEL = "llama-2-7b-unprofiled"  # same engine profile; no operator latency profile
+ENGINES = ("model", "vllm")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--duration", type=float, default=180.0,
-                        help="seconds of online traffic (default 180)")
-    parser.add_argument("--speedup", type=float, default=1.0,
+    parser.add_argument("--engine", choices=ENGINES, default="model",
+                        help="what serves each pod: the engine model (default) or real vLLM "
+                             "on CPU (`make vllm-env`)")
+    parser.add_argument("--duration", type=positive, default=120.0,
+                        help="seconds of online traffic in each of the two runs (default 120)")
+    parser.add_argument("--speedup", type=positive, default=1.0,
                         help="trace arrivals are replayed this many times faster (default 1)")
-    parser.add_argument("--max-output-tokens", type=int, default=128,
+    parser.add_argument("--period", type=positive, default=40.0,
+                        help="seconds of one peak and one valley of online load (default 40)")
+    parser.add_argument("--valley", type=share, default=0.2,
+                        help="share of the trace's arrivals kept in a valley (default 0.2)")
+    # Measured on a quiet 2-core host in two runs: TBT p99 naive 92 and 84 ms, Slipstream 62
+    # and 66 ms (TTFT p99 naive 0.35 and 0.23 s, Slipstream 0.23 and 0.25 s). A host
+    # busy with other work stretches both (about 4x at load 10): pass targets to match it.
+    parser.add_argument("--slo-ttft", type=positive, default=0.3,
+                        help="TTFT p99 target, seconds (default 0.3)")
+    parser.add_argument("--slo-tbt", type=positive, default=0.075,
+                        help="TBT p99 target, seconds (default 0.075)")
+    parser.add_argument("--max-output-tokens", type=whole(1), default=128,
                         help="cap on the trace's output lengths (default 128)")
-    parser.add_argument("--offline-copies", type=int, default=20,
-                        help="the 60-line offline sample repeated this many times (default 20)")
-    parser.add_argument("--offline-max-tokens", type=int, default=64,
+    parser.add_argument("--offline-copies", type=whole(1), default=120,
+                        help="the 60-line offline sample repeated this many times (default 120: "
+                             "a backlog that outlasts the replay)")
+    parser.add_argument("--offline-max-tokens", type=whole(1), default=64,
                         help="max_tokens of each offline request (default 64)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default out/demo-<timestamp>)")
@@ -98,26 +145,26 @@ def find_trace(explicit: Path | None) -> Path:
                     "checkout (and $SLIPSTREAM_DATA has none); pass --trace FILE")
 
 
-def offline_input(out: Path, copies: int, max_tokens: int) -> tuple[Path, int]:
-    """The shipped MMLU batch repeated ``copies`` times with unique custom_ids and
-    ``max_tokens`` (the prompts are unchanged)."""
+def offline_input(out: Path, model: str, copies: int, max_tokens: int) -> tuple[Path, int]:
+    """The shipped MMLU batch repeated ``copies`` times with unique custom_ids, addressed to
+    ``model`` with ``max_tokens`` (the prompts are unchanged)."""
     sample = EXAMPLES / "data" / "offline-sample.jsonl"
     if not sample.is_file():
         raise DemoError(f"{sample} is missing from this checkout")
     lines = [json.loads(line) for line in sample.read_text().splitlines() if line.strip()]
-    path = out / "data" / "offline-input.jsonl"
+    path = out / "data" / f"offline-input-{model}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for copy in range(copies):
             for record in lines:
-                body = {**record["body"], "max_tokens": max_tokens}
+                body = {**record["body"], "model": model, "max_tokens": max_tokens}
                 f.write(json.dumps({**record, "custom_id": f"{record['custom_id']}-{copy}",
                                     "body": body}) + "\n")
     return path, len(lines) * copies
 
 
-def manifests(out: Path, input_path: Path, max_tokens: int) -> Path:
-    """The example InferenceService and OfflineJob, pointed at the demo's files."""
+def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo) -> Path:
+    """The example InferenceService and OfflineJob for one run, pointed at the demo's files."""
     docs = []
     for name in ("inferenceservice.yaml", "offlinejob.yaml"):
         src = EXAMPLES / name
@@ -125,15 +172,32 @@ def manifests(out: Path, input_path: Path, max_tokens: int) -> Path:
             raise DemoError(f"{src} is missing from this checkout")
         docs.append(yaml.safe_load(src.read_text()))
     service, job = docs
-    if service["metadata"]["name"] != SERVICE or job["metadata"]["name"] != JOB:
-        raise DemoError("examples/*.yaml changed names; update slipstream_cli.demo")
+    if service["metadata"]["name"] != SERVICE:
+        raise DemoError("examples/inferenceservice.yaml changed names; update slipstream_cli.demo")
+    model = served_model(run)
+    if run != "naive" and service["spec"]["model"] != model:
+        raise DemoError("examples/inferenceservice.yaml changed its model; update "
+                        "slipstream_cli.demo")
+    service["spec"]["model"] = model
+    service["spec"]["slo"] = slo.spec()
+    job["metadata"]["name"] = job_name(run)
+    job["spec"]["model"] = model
     job["spec"]["input"]["uri"] = f"file://{input_path}"
     job["spec"].setdefault("requestDefaults", {})["maxTokens"] = max_tokens
-    job["spec"]["output"]["uri"] = f"file://{out / 'results' / 'mmlu-sample.jsonl'}"
+    job["spec"]["output"]["uri"] = f"file://{out / 'results' / f'{job_name(run)}.jsonl'}"
     (out / "results").mkdir(parents=True, exist_ok=True)
-    path = out / "manifests.yaml"
+    path = out / f"manifests-{run}.yaml"
     path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     return path
+
+
+def served_model(run: str) -> str:
+    """The model name a run serves: the naive run's has no latency profile (same engine)."""
+    return NAIVE_MODEL if run == "naive" else SLIPSTREAM_MODEL
+
+
+def job_name(run: str) -> str:
+    return f"backlog-{run}"
 
 
 class Kube:
@@ -170,6 +234,49 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, hint: str) -
     raise DemoError(f"timed out after {timeout_s:.0f}s waiting for {what}; {hint}")
 
 
+class Phases:
+    """The demo's own timeline: each phase with the time since the start (``make demo``
+    passes its start in ``SLIPSTREAM_DEMO_T0``, so the build counts too)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        now = time.time()
+        try:
+            self.t0 = float(os.environ.get("SLIPSTREAM_DEMO_T0", "") or now)
+        except ValueError:
+            self.t0 = now
+        self.t0 = min(self.t0, now)
+        self.done: list[tuple[str, float, float]] = []
+        self._open: tuple[str, float] | None = None
+        if now - self.t0 > 1.0:
+            self.done.append(("building (venv, Prometheus, cluster binaries)", self.t0, now))
+
+    def stamp(self, at: float | None = None) -> str:
+        seconds = int((time.time() if at is None else at) - self.t0)
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+
+    def begin(self, label: str) -> None:
+        self.end()
+        self._open = (label, time.time())
+        self.console.print(f"[bold cyan][{self.stamp()}][/] {label}")
+
+    def end(self) -> None:
+        if self._open is not None:
+            label, since = self._open
+            self.done.append((label, since, time.time()))
+            self._open = None
+
+    def table(self) -> Table:
+        self.end()
+        table = Table(title="Demo timeline")
+        table.add_column("phase")
+        table.add_column("from", justify="right")
+        table.add_column("took", justify="right")
+        for label, since, until in self.done:
+            table.add_row(label, self.stamp(since), f"{until - since:.0f}s")
+        return table
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -189,21 +296,29 @@ def run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
     from kubernetes import config as kube_config
 
-    from slipstream_cli.cluster import ClusterConfig, ClusterError, LocalCluster
-    from slipstream_cli.loadgen import LoadConfig, LoadGenerator, load_trace
-    from slipstream_cli.podrunner import PodRunner
-    from slipstream_cli.prometheus import LocalPrometheus, PrometheusError, chart_rules
+    from slipstream_testbed.cluster import ClusterConfig, ClusterError, LocalCluster
+    from slipstream_testbed.podrunner import PodRunner
+    from slipstream_testbed.prometheus import LocalPrometheus, PrometheusError, chart_rules
 
+    if args.engine == "vllm":
+        from slipstream_testbed.vllm.server import VllmUnavailableError, vllm_python
+
+        try:
+            vllm_python()
+        except VllmUnavailableError as exc:
+            raise DemoError(str(exc)) from exc
     trace = find_trace(args.trace)
-    console.rule("[bold]Slipstream demo")
+    phases = Phases(console)
+    console.rule("[bold]Slipstream demo: naive co-location, then Slipstream, same pods")
     console.print(f"output folder: {out}")
     cluster = LocalCluster(ClusterConfig.from_env())
     stop = threading.Event()
     runner_thread: threading.Thread | None = None
     runner: PodRunner | None = None
     prometheus: LocalPrometheus | None = None
-    started = time.monotonic()
+    slo = Slo(ttft_p99_s=args.slo_ttft, tbt_p99_s=args.slo_tbt)
     try:
+        phases.begin("cluster: the local Kubernetes control plane")
         with console.status("Starting the local Kubernetes control plane (the first run builds "
                             "it from Go modules: tens of minutes; later runs: seconds)..."):
             try:
@@ -211,19 +326,21 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
             except ClusterError as exc:
                 raise DemoError(f"{exc}. Try `make cluster-build`, then "
                                 "`slipstream cluster status`") from exc
-        console.print(f"[green]✓[/] cluster up ({time.monotonic() - started:.0f}s): "
-                      f"KUBECONFIG={cluster.admin_kubeconfig}")
+        console.print(f"[green]✓[/] cluster up: KUBECONFIG={cluster.admin_kubeconfig}")
         kube = Kube(cluster.kubectl, cluster.helm, cluster.admin_kubeconfig)
 
+        phases.begin("install: helm chart, Prometheus, the operator pod")
         with console.status("helm install charts/slipstream ..."):
+            # The CRDs are cluster-wide: on a cluster where another release (or kubectl)
+            # installed them, the demo's release takes them over.
             kube.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                      "--create-namespace", "--set", "operator.reconcileIntervalSeconds=2",
-                      "--set", "operator.windowSeconds=60", "--set", "operator.logLevel=info",
+                      "--create-namespace", "--take-ownership", "--force-conflicts",
+                      "--set", "operator.reconcileIntervalSeconds=2",
+                      "--set", "operator.windowSeconds=30", "--set", "operator.logLevel=info",
                       "--set", "operator.stallTimeoutSeconds=60")
         console.print("[green]✓[/] helm release 'slipstream' installed in "
                       f"{SYSTEM_NS} (CRDs, operator Deployment, RBAC, dashboard)")
         (out / "helm-status.txt").write_text(kube.helm("status", RELEASE, "-n", SYSTEM_NS))
-
         with console.status("Starting Prometheus with the chart's SLO rules ..."):
             rules = chart_rules(cluster.helm, CHART, out / "prometheus" / "slipstream.rules.yaml")
             try:
@@ -231,89 +348,32 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
             except PrometheusError as exc:
                 raise DemoError(str(exc)) from exc
         console.print(f"[green]✓[/] Prometheus at {prometheus.url} (rules: {rules.name})")
-
         api = kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=str(cluster.admin_kubeconfig))
         runner = PodRunner(api, out / "pods",
-                           service_account_kubeconfig=cluster.service_account_kubeconfig)
+                           service_account_kubeconfig=cluster.service_account_kubeconfig,
+                           engine=args.engine)
         runner_thread = threading.Thread(target=runner.run, args=(stop,), daemon=True,
                                          name="podrunner")
         runner_thread.start()
-
         kube.kubectl("create", "namespace", DEMO_NS, check=False)
-        max_tokens = max(1, args.offline_max_tokens)
-        input_path, total = offline_input(out, max(1, args.offline_copies), max_tokens)
-        manifest = manifests(out, input_path, max_tokens)
-        applied = kube.kubectl("apply", "-n", DEMO_NS, "-f", str(manifest))
-        console.print(f"[green]✓[/] applied InferenceService/{SERVICE} (TTFT p99 2s, TBT p99 "
-                      f"150ms) and OfflineJob/{JOB} ({total} MMLU requests)")
-        logger.info("%s", applied.strip())
-
-        def sidecars() -> list[str] | None:
-            assert runner is not None and prometheus is not None
-            _update_targets(prometheus, runner)
-            pods = [p for p in runner.snapshot() if p.kind == "inference"]
-            urls = []
-            for pod in pods:
-                try:
-                    import urllib.request
-
-                    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-                    with opener.open(f"http://{pod.ip}:{pod.http_port}/ready", timeout=2) as r:
-                        if r.status == 200:
-                            urls.append(f"http://{pod.ip}:{pod.http_port}")
-                except OSError:
-                    continue
-            return urls if len(urls) >= 2 else None
-
-        with console.status("Waiting for the operator to create the pods and for their "
-                            "engines and sidecars to come up ..."):
-            urls = wait_for("two ready sidecars", sidecars, 180.0,
-                            f"see the pod logs under {out / 'pods'}")
-        _update_targets(prometheus, runner)
-        console.print(f"[green]✓[/] {len(urls)} pods serving: {', '.join(urls)}")
-
-        load_config = LoadConfig(model="llama-2-7b", speedup=args.speedup,
-                                 duration_s=args.duration, max_requests=100_000,
-                                 max_output_tokens=args.max_output_tokens,
-                                 request_timeout_s=120.0, concurrency=128)
-        requests = load_trace(trace, load_config)
-        generator = LoadGenerator(urls, requests, load_config)
-        console.print(f"replaying {len(requests)} requests of {trace.name} over "
-                      f"{args.duration:.0f}s (speed-up {args.speedup:g}) ...")
-        summary_box: dict[str, Any] = {}
-
-        def drive() -> None:
-            summary_box["summary"] = asyncio.run(generator.run())
-
-        load_started = time.time()
-        load_thread = threading.Thread(target=drive, daemon=True, name="loadgen")
-        load_thread.start()
-        snapshots = _watch(console, kube, prometheus=prometheus, runner=runner,
-                           load_thread=load_thread, out=out, timeout_s=args.duration + 150.0)
-        generator.stop()
-        load_thread.join(timeout=180)
-        job_status = _job_status(kube)
-        if job_status.get("phase") != "Succeeded":
-            with console.status("Online replay done; waiting up to 60s more for the job ..."):
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and job_status.get("phase") != "Succeeded":
-                    time.sleep(2)
-                    job_status = _job_status(kube)
-        final = kube.kubectl("get", "-n", DEMO_NS,
-                             "inferenceservices.slipstream.dev,offlinejobs", "-o", "wide")
-        console.rule("kubectl get -o wide (final)", align="left")
-        console.print(final.rstrip(), soft_wrap=True, highlight=False)
-        summary = summary_box.get("summary")
-        if summary is None:
-            raise DemoError("the load generator did not finish")
-        _report(console, out, generator=generator, summary=summary,
-                prometheus=prometheus, kube=kube, job=job_status,
-                wall_s=time.monotonic() - started, snapshots=snapshots)
-        _plots(out, generator, prometheus, load_started)
-        console.print(f"\n[bold]Results, plots and logs:[/] {out}")
+        results: dict[str, RunResult] = {}
+        timelines: dict[str, Timeline] = {}
+        for name in RUNS:
+            phases.begin(f"replay: {name} ({args.duration:.0f}s of online traffic)")
+            results[name], timelines[name] = _one_run(
+                name, args, console, out, kube=kube, runner=runner, prometheus=prometheus,
+                trace=trace, slo=slo)
+        phases.begin("summary")
+        report = _summary(console, out, results, slo, args)
+        plot_timelines(out / "timeline.png", timelines, slo)
+        report["timeline"] = [list(p) for p in phases.done]
+        (out / "summary.json").write_text(json.dumps(report, indent=2, default=str))
+        console.print(f"\n[bold]Results, timeline plot and logs:[/] {out}")
+        console.print(f"  timeline plot: {out / 'timeline.png'}")
         return 0
     finally:
+        phases.begin("teardown")
         stop.set()
         if runner_thread is not None:
             runner_thread.join(timeout=60)
@@ -327,10 +387,141 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
                     cluster.down()
                 except (ClusterError, OSError) as exc:
                     console.print(f"[yellow]cluster down: {exc}[/]")
+        console.print(phases.table())
+
+
+def _ready_sidecars(runner: Any, prometheus: Any, count: int) -> list[str] | None:
+    import urllib.request
+
+    _update_targets(prometheus, runner)
+    urls = []
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    for pod in runner.snapshot():
+        if pod.kind != "inference":
+            continue
+        try:
+            with opener.open(f"http://{pod.ip}:{pod.http_port}/ready", timeout=2) as r:
+                if r.status == 200:
+                    urls.append(f"http://{pod.ip}:{pod.http_port}")
+        except OSError:
+            continue
+    return urls if len(urls) >= count else None
+
+
+def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *, kube: Kube,
+             runner: Any, prometheus: Any, trace: Path, slo: Slo
+             ) -> tuple[RunResult, Timeline]:
+    """One replay: apply, wait for pods and shards, replay, measure, delete."""
+    from slipstream_cli.loadgen import LoadConfig, LoadGenerator, load_trace
+
+    job = job_name(name)
+    served = served_model(name)
+    input_path, total = offline_input(out, served, args.offline_copies, args.offline_max_tokens)
+    manifest = manifests(out, name, input_path, args.offline_max_tokens, slo)
+    kube.kubectl("apply", "-n", DEMO_NS, "-f", str(manifest))
+    how = ("naive co-location: no latency model, no budget" if name == "naive"
+           else "Slipstream: latency model and iteration budget")
+    console.print(f"[green]✓[/] {name}: applied InferenceService/{SERVICE} ({how}; TTFT p99 "
+                  f"{slo.ttft_p99_s:g}s, TBT p99 {slo.tbt_p99_s * 1000:.0f}ms) and "
+                  f"OfflineJob/{job} ({total} MMLU requests)")
+    with console.status("Waiting for the operator to create the pods and for their "
+                        "engines and sidecars to come up ..."):
+        urls = wait_for("two ready sidecars", lambda: _ready_sidecars(runner, prometheus, 2),
+                        180.0, f"see the pod logs under {out / 'pods'}")
+    console.print(f"[green]✓[/] {len(urls)} pods serving: {', '.join(urls)}")
+    with console.status("Waiting for the offline job's shards to start ..."):
+        wait_for("offline shards on the pods",
+                 lambda: (_job_status(kube, job).get("shards") or {}).get("assigned"), 90.0,
+                 f"see the operator log under {out / 'pods'}")
+    load_config = LoadConfig(model=served, speedup=args.speedup, duration_s=args.duration,
+                             max_requests=100_000, max_output_tokens=args.max_output_tokens,
+                             request_timeout_s=120.0, concurrency=128)
+    requests = shape(load_trace(trace, load_config), period_s=args.period,
+                     valley_keep=args.valley)
+    generator = LoadGenerator(urls, requests, load_config)
+    console.print(f"{name}: replaying {len(requests)} requests of {trace.name} over "
+                  f"{args.duration:.0f}s (peaks and valleys every {args.period:g}s) ...")
+    box: dict[str, Any] = {}
+
+    def drive() -> None:
+        box["summary"] = asyncio.run(generator.run())
+
+    load_started = time.time()
+    load_thread = threading.Thread(target=drive, daemon=True, name="loadgen")
+    load_thread.start()
+    lines = _watch(console, kube, prometheus=prometheus, runner=runner,
+                   load_thread=load_thread, out=out, run=name, timeout_s=args.duration + 150.0)
+    generator.stop()
+    load_thread.join(timeout=180)
+    if "summary" not in box:
+        raise DemoError(f"{name}: the load generator did not finish")
+    replay_s = max(1.0, time.time() - load_started)
+    window = f"{max(30, int(replay_s))}s"
+    offline_tokens = _scalar(prometheus, 'sum(increase(slipstream_output_tokens_total'
+                             f'{{class="offline"}}[{window}]))')
+    preemptions = _scalar(prometheus, f"sum(increase(slipstream_preemptions_total[{window}]))")
+    status = _job_status(kube, job)
+    service = json.loads(kube.kubectl("get", "-n", DEMO_NS, "inferenceservices.slipstream.dev",
+                                      SERVICE, "-o", "json", check=False) or "{}")
+    budget = str(((service.get("status") or {}).get("budget") or {}).get("iteration", ""))
+    offline_series = _range(prometheus, 'sum(rate(slipstream_output_tokens_total'
+                            '{class="offline"}[15s]))', load_started, time.time())
+    result = run_result(
+        name, generator.results, slo,
+        offline_tokens_per_s=None if offline_tokens is None else offline_tokens / replay_s,
+        offline_requests_done=int((status.get("requests") or {}).get("completed") or 0),
+        preemptions=preemptions, kubectl_lines=lines, budget=budget)
+    tl = timeline(generator.results, duration_s=args.duration, bucket_s=5.0,
+                  offline=list(zip(*offline_series, strict=True)))
+    console.print(f"{name}: done; deleting OfflineJob/{job} and InferenceService/{SERVICE}")
+    kube.kubectl("delete", "-n", DEMO_NS, "offlinejob", job, "--wait=false", check=False)
+    kube.kubectl("delete", "-n", DEMO_NS, "inferenceservices.slipstream.dev", SERVICE,
+                 "--wait=true", "--timeout=120s", timeout=150.0, check=False)
+    with console.status("Waiting for the pods to go ..."):
+        wait_for("the pods to stop",
+                 lambda: not any(p.kind == "inference" for p in runner.snapshot()), 120.0,
+                 f"see the pod logs under {out / 'pods'}")
+    return result, tl
+
+
+def _sample_size() -> int:
+    sample = EXAMPLES / "data" / "offline-sample.jsonl"
+    return sum(1 for line in sample.read_text().splitlines() if line.strip())
+
+
+def _scalar(prometheus: Any, expr: str) -> float | None:
+    from slipstream_testbed.prometheus import PrometheusQueryError
+
+    try:
+        value: float | None = prometheus.scalar(expr)
+    except PrometheusQueryError as exc:  # reported as missing, not fatal
+        logger.warning("prometheus query %s failed: %s", expr, exc)
+        return None
+    return value
+
+
+def _summary(console: Console, out: Path, results: dict[str, RunResult], slo: Slo,
+             args: argparse.Namespace) -> dict[str, Any]:
+    table = Table(title="Same trace, same pods: naive co-location vs Slipstream")
+    table.add_column("")
+    for name in RUNS:
+        table.add_column(name, justify="right")
+    for row in side_by_side(results, slo):
+        table.add_row(*row)
+    console.print(table)
+    for name in RUNS:
+        r = results[name]
+        broken = [m for m, ok in r.met(slo).items() if not ok]
+        verdict = "SLO met" if not broken else f"SLO broken ({', '.join(broken)})"
+        rate = "-" if r.offline_tokens_per_s is None else f"{r.offline_tokens_per_s:.1f}"
+        console.print(f"{name}: {verdict}; offline {rate} tokens/s", highlight=False)
+    return {"slo": {"ttft_p99_s": slo.ttft_p99_s, "tbt_p99_s": slo.tbt_p99_s},
+            "duration_s": args.duration, "offline_requests": _sample_size() * args.offline_copies,
+            "runs": {name: results[name].as_json(slo) for name in RUNS}}
 
 
 def _update_targets(prometheus: Any, runner: Any) -> None:
-    from slipstream_cli.prometheus import ScrapeTarget
+    from slipstream_testbed.prometheus import ScrapeTarget
 
     pods = runner.snapshot()
     targets = [
@@ -345,8 +536,8 @@ def _update_targets(prometheus: Any, runner: Any) -> None:
     prometheus.set_targets(targets)
 
 
-def _job_status(kube: Kube) -> dict[str, Any]:
-    text = kube.kubectl("get", "-n", DEMO_NS, "offlinejob", JOB, "-o", "json", check=False)
+def _job_status(kube: Kube, job: str) -> dict[str, Any]:
+    text = kube.kubectl("get", "-n", DEMO_NS, "offlinejob", job, "-o", "json", check=False)
     try:
         status: dict[str, Any] = json.loads(text).get("status") or {}
     except ValueError:
@@ -355,13 +546,13 @@ def _job_status(kube: Kube) -> dict[str, Any]:
 
 
 def _watch(console: Console, kube: Kube, *, prometheus: Any, runner: Any,
-           load_thread: threading.Thread, out: Path, timeout_s: float) -> list[dict[str, Any]]:
-    """Print ``kubectl get`` whenever it changes until the load ends; sample status."""
+           load_thread: threading.Thread, out: Path, run: str,
+           timeout_s: float) -> list[str]:
+    """Print ``kubectl get`` whenever it changes until the load ends; every printed line."""
     last = ""
-    snapshots: list[dict[str, Any]] = []
+    printed: list[str] = []
     begin = time.monotonic()
-    log = (out / "kubectl-get.log").open("w")
-    try:
+    with (out / f"kubectl-get-{run}.log").open("w") as log:
         while load_thread.is_alive() and time.monotonic() - begin < timeout_s:
             _update_targets(prometheus, runner)
             table = kube.kubectl("get", "-n", DEMO_NS,
@@ -370,178 +561,19 @@ def _watch(console: Console, kube: Kube, *, prometheus: Any, runner: Any,
             key = "\n".join(" ".join(line.split()[:-1]) for line in table.splitlines())
             elapsed = time.monotonic() - begin
             if key != last and table.strip():
-                console.rule(f"kubectl get -n {DEMO_NS} inferenceservices,offlinejobs  "
+                console.rule(f"{run}: kubectl get -n {DEMO_NS} inferenceservices,offlinejobs  "
                              f"(t={elapsed:.0f}s)", align="left")
                 console.print(table.rstrip(), soft_wrap=True, highlight=False)
                 log.write(f"--- t={elapsed:.1f}s\n{table}\n")
+                printed.extend(line for line in table.splitlines() if line.strip())
                 last = key
-            snapshots.append({"t": round(elapsed, 1), "job": _job_status(kube)})
             time.sleep(5.0)
-    finally:
-        log.close()
-    return snapshots
-
-
-def _report(console: Console, out: Path, *, generator: Any, summary: Any, prometheus: Any,
-            kube: Kube, job: dict[str, Any], wall_s: float,
-            snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    from slipstream_cli.prometheus import PrometheusQueryError
-
-    client = summary.attainment(generator.results, ttft_s=2.0, tbt_s=0.15)
-    window = f"{max(60, int(summary.sent and generator.config.duration_s))}s"
-    prom: dict[str, float | None] = {}
-    queries = {
-        "ttft_attainment": 'sum(increase(slipstream_ttft_seconds_bucket{class="online",le="2.0"}'
-                           f'[{window}])) / sum(increase(slipstream_ttft_seconds_count'
-                           f'{{class="online"}}[{window}]))',
-        "tbt_attainment": 'sum(increase(slipstream_tbt_seconds_bucket{class="online",le="0.15"}'
-                          f'[{window}])) / sum(increase(slipstream_tbt_seconds_count'
-                          f'{{class="online"}}[{window}]))',
-        "ttft_p99_s": 'histogram_quantile(0.99, sum by (le) (increase('
-                      f'slipstream_ttft_seconds_bucket{{class="online"}}[{window}])))',
-        "offline_tokens": f'sum(increase(slipstream_output_tokens_total{{class="offline"}}'
-                          f'[{window}]))',
-        "online_tokens": f'sum(increase(slipstream_output_tokens_total{{class="online"}}'
-                         f'[{window}]))',
-        "preemptions": f"sum(increase(slipstream_preemptions_total[{window}]))",
-        # The operator's own gauges (its /metrics), read back through Prometheus.
-        "job_completed_operator": f'sum(slipstream_offlinejob_finished_requests'
-                                  f'{{namespace="{DEMO_NS}",name="{JOB}",outcome="completed"}})',
-        "job_total_operator": f'sum(slipstream_offlinejob_input_requests'
-                              f'{{namespace="{DEMO_NS}",name="{JOB}"}})',
-    }
-    for name, expr in queries.items():
-        try:
-            prom[name] = prometheus.scalar(expr)
-        except PrometheusQueryError as exc:  # reported as missing, not fatal
-            logger.warning("prometheus query %s failed: %s", name, exc)
-            prom[name] = None
-    service = json.loads(kube.kubectl("get", "-n", DEMO_NS, "inferenceservices.slipstream.dev",
-                                      SERVICE, "-o", "json", check=False) or "{}")
-    status = service.get("status") or {}
-    requests = job.get("requests") or {}
-    duration = generator.config.duration_s
-    offline_tokens, offline_span = _offline_output(out, job)
-    report = {
-        "wall_s": round(wall_s, 1),
-        "online": {"client": asdict(summary), "attainment_client": client,
-                   "prometheus": prom, "operator_status": status.get("observed"),
-                   "slo_condition": next((c for c in status.get("conditions", [])
-                                          if c.get("type") == "SLOMet"), None)},
-        "budget": status.get("budget"),
-        "offline": {"phase": job.get("phase"), "requests": requests,
-                    "tokens_per_second_status": job.get("tokensPerSecond"),
-                    "tokens_per_second_prometheus": (prom["offline_tokens"] or 0) / duration,
-                    "output_tokens_file": offline_tokens, "span_s": offline_span,
-                    "output_uri": job.get("outputUri")},
-        "job_snapshots": snapshots,
-    }
-    (out / "summary.json").write_text(json.dumps(report, indent=2, default=str))
-
-    def fmt(value: float | None, unit: str = "s") -> str:
-        if value is None:
-            return "-"
-        return f"{value * 1000:.0f} ms" if unit == "s" else f"{value:.1%}"
-
-    table = Table(title="Slipstream demo summary", show_lines=False)
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    table.add_row("online requests sent / ok", f"{summary.sent} / {summary.ok}")
-    table.add_row("TTFT p50 / p99 (client)",
-                  f"{fmt(summary.ttft_p50_s)} / {fmt(summary.ttft_p99_s)}")
-    table.add_row("TBT mean / p99 (client)",
-                  f"{fmt(summary.tbt_mean_s)} / {fmt(summary.tbt_p99_s)}")
-    table.add_row("TTFT ≤ 2s / TBT ≤ 150ms (client)",
-                  f"{fmt(client.get('ttft'), '%')} / {fmt(client.get('tbt'), '%')}")
-    table.add_row("TTFT ≤ 2s / TBT ≤ 150ms (Prometheus)",
-                  f"{fmt(prom.get('ttft_attainment'), '%')} / "
-                  f"{fmt(prom.get('tbt_attainment'), '%')}")
-    observed = status.get("observed") or {}
-    table.add_row("operator status TTFT p99 / TBT p99",
-                  f"{observed.get('ttftP99', '-')} / {observed.get('tbtP99', '-')}")
-    table.add_row("budget in force", str((status.get("budget") or {}).get("iteration", "-")))
-    table.add_row("offline job", f"{job.get('phase', '-')}: {requests.get('completed', 0)} done, "
-                  f"{requests.get('failed', 0)} failed of {requests.get('total', 0)}")
-    if prom.get("job_total_operator") is not None:
-        table.add_row("offline job (operator /metrics via Prometheus)",
-                      f"{prom.get('job_completed_operator') or 0:.0f} done of "
-                      f"{prom['job_total_operator']:.0f}")
-    table.add_row("offline output tokens (output file) / tokens/s while it ran",
-                  f"{offline_tokens} / "
-                  f"{offline_tokens / offline_span:.1f}" if offline_span else f"{offline_tokens}")
-    table.add_row("offline tokens/s (Prometheus, over the replay)",
-                  f"{(prom['offline_tokens'] or 0) / duration:.1f}")
-    table.add_row("online tokens/s (Prometheus, over the replay)",
-                  f"{(prom['online_tokens'] or 0) / duration:.1f}")
-    table.add_row("offline preemptions", f"{prom.get('preemptions') or 0:.0f}")
-    console.print(table)
-    return report
-
-
-def _offline_output(out: Path, job: dict[str, Any]) -> tuple[int, float]:
-    """Output tokens in the job's merged output file, and start-to-completion seconds."""
-    path = out / "results" / "mmlu-sample.jsonl"
-    tokens = 0
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                usage = json.loads(line)["response"]["body"].get("usage") or {}
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-            tokens += int(usage.get("completion_tokens") or 0)
-    span = 0.0
-    if job.get("startTime") and job.get("completionTime"):
-        begin = dt.datetime.fromisoformat(str(job["startTime"]).replace("Z", "+00:00"))
-        end = dt.datetime.fromisoformat(str(job["completionTime"]).replace("Z", "+00:00"))
-        span = max(0.0, (end - begin).total_seconds())
-    return tokens, span
-
-
-def _plots(out: Path, generator: Any, prometheus: Any, load_started: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from slipstream_cli.plots import latency_cdfs
-
-    ok = [r for r in generator.results if r.ok]
-    latency_cdfs({"online (client)": {
-        "ttft": np.array([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "tbt": np.array([g for r in ok for g in r.gaps_s]),
-    }}, out / "latency_cdf.png", "Online latency seen by the client")
-    end = time.time()
-    start = load_started - 20
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    series = {
-        "online tok/s": 'sum(rate(slipstream_output_tokens_total{class="online"}[15s]))',
-        "offline tok/s": 'sum(rate(slipstream_output_tokens_total{class="offline"}[15s]))',
-    }
-    for label, expr in series.items():
-        t, v = _range(prometheus, expr, start, end)
-        axes[0].plot(t, v, label=label)
-    axes[0].set_ylabel("tokens/s")
-    axes[0].legend()
-    axes[0].grid(alpha=0.3)
-    t, v = _range(prometheus, 'histogram_quantile(0.99, sum by (le) (rate('
-                  'slipstream_ttft_seconds_bucket{class="online"}[30s])))', start, end)
-    axes[1].plot(t, v, label="TTFT p99 (30s window)")
-    t, v = _range(prometheus, "max(slipstream_budget_seconds)", start, end)
-    axes[1].plot(t, v, label="iteration budget")
-    axes[1].axhline(2.0, color="red", linestyle=":", label="TTFT SLO (p99 2s)")
-    axes[1].set_ylabel("seconds")
-    axes[1].set_xlabel("seconds since the online replay started")
-    axes[1].legend()
-    axes[1].grid(alpha=0.3)
-    fig.suptitle("Online and offline on the same pods (from Prometheus)")
-    fig.tight_layout()
-    fig.savefig(out / "timeline.png", dpi=110)
-    plt.close(fig)
+    return printed
 
 
 def _range(prometheus: Any, expr: str, start: float, end: float) -> tuple[list[float],
                                                                           list[float]]:
+    """``expr`` every 5 s from ``start`` to ``end``, against seconds since ``start``."""
     import requests
     from prometheus_api_client import PrometheusConnect
 
@@ -559,5 +591,5 @@ def _range(prometheus: Any, expr: str, start: float, end: float) -> tuple[list[f
         session.close()
     if not data:
         return [], []
-    points = [(float(ts) - start - 20, float(v)) for ts, v in data[0]["values"]]
+    points = [(float(ts) - start, float(v)) for ts, v in data[0]["values"]]
     return [p[0] for p in points], [p[1] for p in points]

@@ -26,10 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("slipstream_cli.commands.sim", "replay a trace through the engine model"),
     "bench": ("slipstream_cli.commands.bench", "run a benchmark (core, colocation, ordering, ...)"),
     "profile": ("slipstream_cli.commands.profile", "fit a latency model and search an SLO budget"),
-    "engine": ("slipstream_cli.engine_server", "serve the engine model on vLLM's HTTP API"),
+    "engine": ("slipstream_testbed.engine_server", "serve the engine model on vLLM's HTTP API"),
     "sidecar": ("slipstream_sidecar.__main__", "run the in-pod sidecar (HTTP proxy + gRPC)"),
     "operator": ("slipstream_operator.__main__", "run the kopf operator"),
-    "cluster": ("slipstream_cli.cluster", "local Kubernetes control plane for tests and the demo"),
+    "cluster": ("slipstream_testbed.cluster", "a local Kubernetes control plane (tests, demo)"),
     "demo": ("slipstream_cli.demo", "the end-to-end local demo"),
 }
 

@@ -49,8 +49,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from slipstream_operator.api import OfflineJobSpec, Phase, format_duration, parse_duration
+from slipstream_operator.api import OfflineJobSpec, Phase, parse_duration
 from slipstream_operator.conditions import rfc3339, set_condition
+from slipstream_operator.rates import TokenMeter, format_eta
 from slipstream_operator.shards import MergeResult, Plan, ShardPlan
 from slipstream_operator.sidecar_client import ACTIVE_STATES, JobShards, ShardReport
 from slipstream_scheduler.storage_scope import ScopeError, check_uri
@@ -118,6 +119,7 @@ class JobMemory:
     affinity_pods: dict[str, str] = field(default_factory=dict, hash=False)
     starved_since: float | None = None  # first tick (now_s) of the current slot shortage
     ready_seen: int = 0  # ready pods at the previous tick (more now: capacity arrived)
+    tokens: TokenMeter = field(default_factory=TokenMeter)  # output tokens over rate_window_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +334,15 @@ def reconcile_job(
             failed += report.failed
             tps += report.tokens_per_second
     finished_requests = completed + failed
+    counters = {(pod.name, r.shard_id): r.output_tokens
+                for pod in observed.pods if pod.name not in observed.silent
+                for r in pod.shards if r.shard_id in by_id}
+    tokens = memory.tokens.advance(counters, now_s, settings.rate_window_s,
+                                   forget=frozenset(k for k in memory.tokens.seen
+                                                    if k[1] in observed.done))
+    token_rate = tokens.rate()
+    if token_rate is not None:
+        tps = token_rate
     kept = [(t, n) for t, n in memory.history if now_s - t <= settings.rate_window_s]
     history = (*kept, (now_s, finished_requests))
     rate = 0.0
@@ -341,7 +352,7 @@ def reconcile_job(
     status["requests"] = {"total": plan.total, "completed": completed, "failed": failed}
     status["progress"] = f"{finished_requests}/{plan.total}"
     status["tokensPerSecond"] = round(tps, 2)
-    status["eta"] = format_duration(remaining / rate) if rate > 0 and remaining else ""
+    status["eta"] = format_eta(remaining / rate) if rate > 0 and remaining else ""
     status["shards"] = {
         "total": len(plan.shards),
         "assigned": len(placements),
@@ -352,7 +363,7 @@ def reconcile_job(
          f"{plan.total} requests ({plan.bad} unreadable) in {len(plan.shards)} shards")
     new_memory = JobMemory(placements=placements, reassigned=reassigned, history=history,
                            affinity_pods=affinity_pods, starved_since=memory.starved_since,
-                           ready_seen=memory.ready_seen)
+                           ready_seen=memory.ready_seen, tokens=tokens)
 
     # -- finished? -------------------------------------------------------------------------------
     if len(observed.done) == len(plan.shards):

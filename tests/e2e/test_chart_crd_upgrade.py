@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from e2e.test_chart_install import CHART, adopt_crds, run
-from slipstream_cli.cluster import LocalCluster
 from slipstream_operator.api import DEFAULT_SIDECAR_IMAGE, InferenceServiceSpec
+from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

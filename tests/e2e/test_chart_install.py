@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 from unit.test_chart import NEEDED_CLUSTER_ONLY, NEEDED_NAMESPACED, NEEDED_SHARDED
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]

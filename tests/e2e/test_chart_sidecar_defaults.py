@@ -21,7 +21,7 @@ import yaml
 from e2e.test_chart_install import CHART, run
 from e2e.test_operator_e2e import eventually
 from integration.helpers_procs import SLIPSTREAM, Proc, free_port
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

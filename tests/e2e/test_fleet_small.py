@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from slipstream_cli.cluster import LocalCluster
-from slipstream_cli.fleet.clusterrun import FleetRun
-from slipstream_cli.fleet.workload import FleetPlan
+from slipstream_testbed.cluster import LocalCluster
+from slipstream_testbed.fleet.clusterrun import FleetRun
+from slipstream_testbed.fleet.workload import FleetPlan
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -34,7 +34,7 @@ import pytest
 from kubernetes import client
 
 from integration.helpers_procs import SLIPSTREAM, Proc, engine_proc
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from integration.helpers_procs import SLIPSTREAM, free_port, wait_http
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

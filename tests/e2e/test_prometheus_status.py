@@ -2,7 +2,7 @@
 
 On the local cluster: the CRDs, the operator as a process (watching this test's namespace,
 with a window longer than the test so it covers the whole replay), and the example
-InferenceService, whose two pods :class:`slipstream_cli.podrunner.PodRunner` runs as engine
+InferenceService, whose two pods :class:`slipstream_testbed.podrunner.PodRunner` runs as engine
 model + sidecar processes on their loopback IPs. Debian's Prometheus scrapes both sidecars
 (file_sd with the pods' IPs, labels namespace / pod / slipstream_dev_service) and loads the
 chart's SLO rules. After a replay of the Azure conversation trace, the operator's
@@ -30,11 +30,11 @@ from typing import TypeVar
 import pytest
 from kubernetes import client
 
-from slipstream_cli.cluster import LocalCluster
 from slipstream_cli.loadgen import LoadConfig, LoadGenerator, load_trace
-from slipstream_cli.podrunner import PodRunner
-from slipstream_cli.prometheus import LocalPrometheus, ScrapeTarget, chart_rules, free_port
 from slipstream_operator.observe import promql_queries
+from slipstream_testbed.cluster import LocalCluster
+from slipstream_testbed.podrunner import PodRunner
+from slipstream_testbed.prometheus import LocalPrometheus, ScrapeTarget, chart_rules, free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -30,7 +30,7 @@ from e2e.test_operator_e2e import (
     mmlu_batch,
     start_operator,
 )
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

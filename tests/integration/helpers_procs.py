@@ -19,9 +19,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -177,3 +178,21 @@ def control_stub(grpc_port: int) -> tuple[object, object]:
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     """gRPC call metadata carrying ``token``."""
     return (("authorization", f"Bearer {token}"),)
+
+
+_T = TypeVar("_T")
+
+
+def eventually(
+    what: str, probe: Callable[[], _T | None], timeout: float = 60.0, interval: float = 0.1
+) -> _T:
+    """``probe()`` until it returns something other than None; AssertionError after
+    ``timeout`` seconds, naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

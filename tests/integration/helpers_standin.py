@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from slipstream_cli.fleet.standin import Standin, StandinConfig
 from slipstream_operator import kube
 from slipstream_operator.reconcile_service import SERVICE_LABEL, TOKEN_KEY
+from slipstream_testbed.fleet.standin import Standin, StandinConfig
 
 PodIndex = dict[tuple[str, str], list[kube.PodInfo]]
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from slipstream_cli.benches.sidecar import _build_refproxy, _free_port, _start_refproxy
-from slipstream_cli.engine_server import ServeOptions, serve
+from slipstream_testbed.engine_server import ServeOptions, serve
 
 # A cold Go build cache compiles net/http first: about 25 s on an idle 2-core host.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from slipstream_cli.benches.sidecar import MAX_ALPACA_TOKENS, _answer_lengths
-from slipstream_cli.engine_server import ServeOptions, serve
+from slipstream_testbed.engine_server import ServeOptions, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

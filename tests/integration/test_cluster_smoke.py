@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from slipstream_cli.cluster import POD_NETWORK, LocalCluster
+from slipstream_testbed.cluster import POD_NETWORK, LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -51,7 +51,7 @@ def test_the_copied_paths_build_a_wheel_with_everything_the_image_runs(tmp_path:
     context = tmp_path / "context"
     context.mkdir()
     sources = build_copies()
-    assert {"pyproject.toml", "scheduler", "sidecar", "operator", "cli"} <= set(sources)
+    assert {"pyproject.toml", "scheduler", "sidecar", "operator", "testbed", "cli"} <= set(sources)
     for src in sources:
         path = REPO / src
         assert path.exists(), f"Containerfile copies {src}, which is not in the repository"
@@ -77,7 +77,7 @@ def test_the_copied_paths_build_a_wheel_with_everything_the_image_runs(tmp_path:
     for f in profiles.glob("*.json"):
         assert f"slipstream_scheduler/engine/profiles/{f.name}" in names
     for pkg in ("slipstream_scheduler", "slipstream_sidecar", "slipstream_operator",
-                "slipstream_cli"):
+                "slipstream_testbed", "slipstream_cli"):
         assert f"{pkg}/__init__.py" in names
         assert f"{pkg}/py.typed" in names
     assert "slipstream_sidecar/proto/sidecar_pb2.py" in names

@@ -21,7 +21,6 @@ from helpers_standin import standin_service
 from kopf._core.engines import posting
 from kubernetes import client
 
-from slipstream_cli.fleet.workload import MODEL
 from slipstream_operator.handlers import Handlers
 from slipstream_operator.settings import OperatorSettings
 from slipstream_operator.sidecar_client import (
@@ -31,6 +30,7 @@ from slipstream_operator.sidecar_client import (
     ShardAssignment,
     SidecarStatus,
 )
+from slipstream_testbed.fleet.workload import MODEL
 
 pytestmark = [pytest.mark.cluster, pytest.mark.integration]
 

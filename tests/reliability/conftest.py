@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream_cli.cluster import ClusterConfig, ClusterError, LocalCluster, Ports
+from slipstream_testbed.cluster import ClusterConfig, ClusterError, LocalCluster, Ports
 
 NODES = 120
 OUR_NODES = (NODES - 2, NODES - 1)

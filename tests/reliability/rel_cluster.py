@@ -7,7 +7,7 @@ sidecar bound to the pod's loopback IP (ports 8000/9000, the control token from 
 operator's Secret). ``mmlu_job_input`` writes an OpenAI Batch input of real 5-shot MMLU
 questions.
 
-Deliberately left out: faults (``slipstream_cli.faults``) and assertions.
+Deliberately left out: faults (``slipstream_testbed.faults``) and assertions.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from kubernetes import client, config
 
 from integration.helpers_procs import MODEL, SLIPSTREAM, Proc, engine_proc
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
 # Prompts longer than this (about 600 tokens) are left out of fault-injection jobs: with the

@@ -7,7 +7,7 @@ HTTP clients refuse to send what they are testing. ``RelStack`` is an engine
 model and a sidecar as real subprocesses on loopback (``helpers_procs``), with a
 control token and a state dir, and a way to ask both whether they are healthy.
 
-Deliberately left out: Kubernetes (``cli/slipstream_cli/faults.py`` and the
+Deliberately left out: Kubernetes (``cli/slipstream_testbed/faults.py`` and the
 cluster fixtures) and any assertion (tests make their own).
 """
 

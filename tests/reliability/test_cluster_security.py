@@ -48,7 +48,7 @@ from rel_cluster import (
 )
 
 from integration.helpers_procs import MODEL, SLIPSTREAM
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
@@ -58,8 +58,12 @@ OPERATOR_SRC = REPO / "operator" / "slipstream_operator"
 
 KIND_GROUP = {"secret": "", "config_map": "", "service": "", "pod": "", "event": "",
               "deployment": "apps", "stateful_set": "apps", "lease": "coordination.k8s.io"}
-VERB = {"patch": "patch", "read": "get", "list": "list", "create": "create",
+VERB = {"patch": "patch", "read": "get", "get": "get", "list": "list", "create": "create",
         "delete": "delete", "replace": "update", "watch": "watch"}
+# Custom objects of another API group, by the constant the calls pass as their group: needed
+# only with the chart value that grants them (slipstream_operator.gateway's InferencePools).
+OPTIONAL_GROUPS = {"POOL_GROUP": ("inference.networking.k8s.io", "inferencepools",
+                                  "gateway.inferencePool.enabled")}
 BASELINE = {  # every authenticated account has these
     ("authentication.k8s.io", "selfsubjectreviews", "create"),
     ("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
@@ -74,15 +78,26 @@ def plural(kind: str) -> str:
     return kind.replace("_", "") + "s"
 
 
-def needed_from_code() -> set[tuple[str, str, str]]:
+def needed_from_code(optional: frozenset[str] = frozenset()) -> set[tuple[str, str, str]]:
+    """What the operator's code calls; ``optional``: the chart values (``OPTIONAL_GROUPS``)
+    whose calls count."""
     needs: set[tuple[str, str, str]] = set()
     all_sources = "\n".join(p.read_text() for p in sorted(OPERATOR_SRC.glob("*.py")))
     for path in sorted(OPERATOR_SRC.glob("*.py")):
         text = path.read_text()
         ssa = "apply-patch+yaml" in text or "APPLY" in text
-        for verb, kind in re.findall(
-            r"\.(patch|read|list|create|delete|replace|watch)_namespaced_(\w+?)\(", text
+        for call in re.finditer(
+            r"\.(patch|read|get|list|create|delete|replace|watch)_namespaced_(\w+?)\(", text
         ):
+            verb, kind = call.groups()
+            group_arg = text[call.end():call.end() + 40].split(",")[0].strip()
+            if kind == "custom_object" and group_arg in OPTIONAL_GROUPS:
+                group, resource, value = OPTIONAL_GROUPS[group_arg]
+                if value in optional:
+                    needs.add((group, resource, VERB[verb]))
+                    if verb == "patch" and ssa:
+                        needs.add((group, resource, "create"))
+                continue
             if kind == "custom_object":
                 # The plural is a parameter: every caller's literal plural is needed (list).
                 callers = re.findall(r"list_custom\([^)]*?\"(\w+)\"\)", all_sources)

@@ -37,7 +37,7 @@ from rel_cluster import (
 from test_faults_e2e import azure_trace, replay
 
 from integration.helpers_procs import MODEL, free_port
-from slipstream_cli.cluster import LocalCluster
+from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -9,7 +9,7 @@ shared data, prompts up to ~600 tokens; 2 output tokens each; 10,000 by
 default), and online load replayed from the Azure
 conversation trace (real arrival gaps at two thirds of the rate, real lengths
 capped). At seeded random points of the job's progress
-(``slipstream_cli.faults.plan_faults``) it injects, once each: ``kill -9`` of
+(``slipstream_testbed.faults.plan_faults``) it injects, once each: ``kill -9`` of
 one pod's sidecar (restarted on the same state dir, as a container restart
 would), of one pod's engine (restarted), of the operator (restarted), and a
 ``kill -9`` + restart of kube-apiserver and of etcd.
@@ -53,8 +53,8 @@ import pytest
 from rel_cluster import World, cleanup_namespace, kubectl, mmlu_job_input, start_world
 
 from integration.helpers_procs import MODEL
-from slipstream_cli.cluster import LocalCluster
-from slipstream_cli.faults import ControlPlane, Fault, FaultPlan, plan_faults
+from slipstream_testbed.cluster import LocalCluster
+from slipstream_testbed.faults import ControlPlane, Fault, FaultPlan, plan_faults
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 

@@ -1,4 +1,4 @@
-"""The seeded fault schedules of ``slipstream_cli.faults``: reproducible, complete, spaced."""
+"""The seeded fault schedules of ``slipstream_testbed.faults``: reproducible, complete, spaced."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from slipstream_cli.faults import ALL_FAULTS, ControlPlane, FaultError, plan_faults
+from slipstream_testbed.faults import ALL_FAULTS, ControlPlane, FaultError, plan_faults
 
 pytestmark = pytest.mark.unit
 

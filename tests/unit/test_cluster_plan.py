@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from slipstream_cli import cluster as lc
+from slipstream_testbed import cluster as lc
 
 pytestmark = pytest.mark.unit
 

@@ -52,8 +52,8 @@ def test_baseline_rows_are_shown_but_never_the_headline() -> None:
 
 
 def test_lags_are_reported_per_bump_and_overall() -> None:
-    from slipstream_cli.fleet.clusterrun import BumpLags, FleetResult, Phase
-    from slipstream_cli.fleet.workload import plan_for_nodes
+    from slipstream_testbed.fleet.clusterrun import BumpLags, FleetResult, Phase
+    from slipstream_testbed.fleet.workload import plan_for_nodes
 
     first = BumpLags(1, tuple(float(x) for x in range(1, 101)))  # 1..100 s
     second = BumpLags(2, (2.0,) * 99 + (120.0,), timeouts=1)
@@ -86,7 +86,7 @@ def test_lags_are_reported_per_bump_and_overall() -> None:
 
 
 def test_namespaces_are_dealt_round_robin_to_operator_shards() -> None:
-    from slipstream_cli.fleet.clusterrun import shard_namespaces
+    from slipstream_testbed.fleet.clusterrun import shard_namespaces
 
     spaces = [f"team-{i}" for i in range(10)]
     groups = shard_namespaces(spaces, 3)
@@ -102,7 +102,7 @@ def test_namespaces_are_dealt_round_robin_to_operator_shards() -> None:
 def test_the_operator_shards_cpu_and_memory_are_summed() -> None:
     import os
 
-    from slipstream_cli.fleet.clusterrun import procs_sample
+    from slipstream_testbed.fleet.clusterrun import procs_sample
 
     me = os.getpid()
     one = procs_sample([me])
@@ -113,7 +113,7 @@ def test_the_operator_shards_cpu_and_memory_are_summed() -> None:
 
 
 def test_the_api_servers_request_mix_is_ranked_by_rate() -> None:
-    from slipstream_cli.fleet.clusterrun import request_mix, top_rates
+    from slipstream_testbed.fleet.clusterrun import request_mix, top_rates
 
     def text(patches: int, lists: int) -> str:
         return (
@@ -142,7 +142,7 @@ def test_the_api_servers_request_mix_is_ranked_by_rate() -> None:
 
 
 def test_the_api_servers_etcd_writes_are_kept_apart_from_its_requests() -> None:
-    from slipstream_cli.fleet.clusterrun import _requests, request_mix, top_rates
+    from slipstream_testbed.fleet.clusterrun import _requests, request_mix, top_rates
 
     def text(patches: int, updates: int) -> str:
         return (
@@ -165,7 +165,11 @@ def test_the_api_servers_etcd_writes_are_kept_apart_from_its_requests() -> None:
 
 
 def test_status_write_latency_and_queue_wait_come_from_bucket_deltas() -> None:
-    from slipstream_cli.fleet.clusterrun import PRIORITY_LEVEL, bucket_quantiles, latency_buckets
+    from slipstream_testbed.fleet.clusterrun import (
+        PRIORITY_LEVEL,
+        bucket_quantiles,
+        latency_buckets,
+    )
 
     def text(fast: int, slow: int) -> str:
         lines = ["# HELP apiserver_request_duration_seconds Response latency.",
@@ -204,7 +208,7 @@ def test_status_write_latency_and_queue_wait_come_from_bucket_deltas() -> None:
 
 
 def test_the_operators_status_writes_are_read_from_its_metrics_as_rates() -> None:
-    from slipstream_cli.fleet.clusterrun import (
+    from slipstream_testbed.fleet.clusterrun import (
         gc_summary,
         loop_lag,
         rates_of,
@@ -265,7 +269,7 @@ def test_a_process_sample_counts_its_live_children() -> None:
     import time
     from pathlib import Path
 
-    from slipstream_cli.fleet.clusterrun import child_pids, proc_sample
+    from slipstream_testbed.fleet.clusterrun import child_pids, proc_sample
 
     burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n" \
            "time.sleep(60)"

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from slipstream_cli.fleet.standin import Standin, StandinConfig
 from slipstream_operator import kube
 from slipstream_operator.errors import SidecarError
 from slipstream_operator.handlers import ParsedSpecs, changed_status
@@ -28,6 +27,7 @@ from slipstream_operator.sidecar_client import (
     SidecarStatus,
     gather_bounded,
 )
+from slipstream_testbed.fleet.standin import Standin, StandinConfig
 
 pytestmark = pytest.mark.unit
 

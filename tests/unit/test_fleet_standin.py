@@ -8,7 +8,6 @@ import itertools
 import aiohttp
 import pytest
 
-from slipstream_cli.fleet.standin import Standin, StandinConfig, StandinError, render_metrics
 from slipstream_operator.errors import SidecarError
 from slipstream_operator.observe import PodHistory, combine, parse_sample
 from slipstream_operator.sidecar_client import (
@@ -17,6 +16,7 @@ from slipstream_operator.sidecar_client import (
     PodAddress,
     ShardAssignment,
 )
+from slipstream_testbed.fleet.standin import Standin, StandinConfig, StandinError, render_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +99,7 @@ async def test_metrics_move_with_each_bump_as_the_operator_reads_them() -> None:
 
 
 def test_metrics_text_counts_online_requests() -> None:
-    from slipstream_cli.fleet.standin import FakePod
+    from slipstream_testbed.fleet.standin import FakePod
 
     pod = FakePod("p", "127.1.0.2", "t", online_requests=7)
     sample = parse_sample(render_metrics(pod), 1.0)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from slipstream_cli.cluster import Rest
-from slipstream_cli.fleet.statuswatch import ETCD_PREFIX, StatusWatch, parse_etcd_range
+from slipstream_testbed.cluster import Rest
+from slipstream_testbed.fleet.statuswatch import ETCD_PREFIX, StatusWatch, parse_etcd_range
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +54,7 @@ def written(obj: dict[str, Any], *times: str, subresource: str = "status") -> di
 def test_the_stamp_is_the_servers_status_write_time_capped_at_the_arrival() -> None:
     from datetime import datetime
 
-    from slipstream_cli.fleet.statuswatch import status_written
+    from slipstream_testbed.fleet.statuswatch import status_written
 
     watch = StatusWatch(Rest.__new__(Rest), ["t"])
     at = datetime.fromisoformat("2026-11-30T16:04:10+00:00").timestamp()

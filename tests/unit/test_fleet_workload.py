@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from slipstream_cli.cluster import POD_NETWORK
-from slipstream_cli.fleet.benchcluster import BENCH_POD_NETWORK, bench_pod_cidr
-from slipstream_cli.fleet.clusterrun import dispatched
-from slipstream_cli.fleet.podwatch import pod_event
-from slipstream_cli.fleet.workload import (
+from slipstream_operator.api import InferenceServiceSpec, OfflineJobSpec
+from slipstream_testbed.cluster import POD_NETWORK
+from slipstream_testbed.fleet.benchcluster import BENCH_POD_NETWORK, bench_pod_cidr
+from slipstream_testbed.fleet.clusterrun import dispatched
+from slipstream_testbed.fleet.podwatch import pod_event
+from slipstream_testbed.fleet.workload import (
     POOL_LABEL,
     FleetPlan,
     batch_lines,
@@ -23,7 +24,6 @@ from slipstream_cli.fleet.workload import (
     service_manifests,
     shards_per_pod_needed,
 )
-from slipstream_operator.api import InferenceServiceSpec, OfflineJobSpec
 
 pytestmark = pytest.mark.unit
 

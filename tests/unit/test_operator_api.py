@@ -66,7 +66,8 @@ def test_service_defaults_and_camel_case_wire_form() -> None:
     assert spec.replicas == 1 and spec.engine.gpus == 1
     assert spec.scheduling.ordering == "gittins" and spec.scheduling.co_location
     wire = spec.wire()
-    assert wire["scheduling"] == {"ordering": "gittins", "coLocation": True}
+    assert wire["scheduling"] == {"ordering": "gittins", "coLocation": True,
+                                  "enforcement": "sidecar"}
     assert wire["sidecar"]["grpcPort"] == 9000
     assert "tbt" not in wire["slo"]  # omitted, never null
     assert validate_semantics(spec) == []

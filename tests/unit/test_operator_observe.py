@@ -117,8 +117,8 @@ def test_promql_selects_the_service_and_online_class() -> None:
 
 
 def test_the_fast_reader_agrees_with_prometheus_client_and_falls_back_on_odd_text() -> None:
-    from slipstream_cli.fleet.standin import FakePod, render_metrics
     from slipstream_operator.observe import _client_samples, _fast_samples, _UnparsedError
+    from slipstream_testbed.fleet.standin import FakePod, render_metrics
 
     side = FakeSidecar()
     side.request(0.3, [0.02, 0.04])

@@ -56,8 +56,9 @@ def pod(name: str, spare: float = 0.5, shards: tuple[ShardReport, ...] = (), rea
                         others)
 
 
-def running(shard: str, completed: int = 0, tps: float = 0.0) -> ShardReport:
-    return ShardReport(shard, "running", total=10, completed=completed, tokens_per_second=tps)
+def running(shard: str, completed: int = 0, tps: float = 0.0, tokens: int = 0) -> ShardReport:
+    return ShardReport(shard, "running", total=10, completed=completed, output_tokens=tokens,
+                       tokens_per_second=tps)
 
 
 def tick(p: Plan | None, pods: tuple[CandidatePod, ...], memory: JobMemory | None = None,
@@ -93,11 +94,12 @@ def test_places_shards_by_affinity_then_spare_capacity_within_slots() -> None:
 def test_progress_rate_and_eta_from_reports() -> None:
     p = plan([10, 10])
     first = tick(p, (pod("a"),))
-    reports = (running(f"{PREFIX}-00000", 4, tps=30.0), running(f"{PREFIX}-00001", 2, tps=20.0))
+    reports = (running(f"{PREFIX}-00000", 4, tps=30.0, tokens=300),
+               running(f"{PREFIX}-00001", 2, tps=20.0, tokens=200))
     second = tick(p, (pod("a", shards=reports),), first.memory, first.status, at_s=10.0)
     assert second.status["requests"] == {"total": 20, "completed": 6, "failed": 0}
     assert second.status["progress"] == "6/20"
-    assert second.status["tokensPerSecond"] == 50.0
+    assert second.status["tokensPerSecond"] == 50.0  # 500 tokens in 10 s
     assert second.status["eta"] == "23s"  # 14 left at 0.6 requests/s
     assert second.assign == ()
 

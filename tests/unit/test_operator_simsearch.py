@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import slipstream_scheduler
-from slipstream_cli.cluster import pid_alive
 from slipstream_operator.budgets import AnalyticSearch, LoadStats, SLOTargets
 from slipstream_operator.searchpool import BudgetSearches, SearchSubject
 from slipstream_operator.simsearch import (
@@ -27,6 +26,7 @@ from slipstream_operator.simsearch import (
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.types import EngineLimits
+from slipstream_testbed.cluster import pid_alive
 
 pytestmark = pytest.mark.unit
 

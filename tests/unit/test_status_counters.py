@@ -12,11 +12,11 @@ import itertools
 
 import pytest
 
-from slipstream_cli.fleet.standin import Standin, StandinConfig, render_metrics
 from slipstream_operator.observe import PodHistory, Sample, parse_sample
 from slipstream_operator.sidecar_client import GrpcSidecarControl, PodAddress, _online_sample
 from slipstream_sidecar.grpc_server import counters_pb
 from slipstream_sidecar.metrics import SidecarMetrics
+from slipstream_testbed.fleet.standin import Standin, StandinConfig, render_metrics
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from slipstream_cli.fleet.standin import Standin, StandinConfig
 from slipstream_operator.errors import SidecarError
 from slipstream_operator.sidecar_client import (
     GrpcSidecarControl,
@@ -24,6 +23,7 @@ from slipstream_operator.sidecar_client import (
 from slipstream_operator.statusfeed import StatusFeed, TickPacer
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 from slipstream_sidecar.watch import change_signature, paced_snapshots
+from slipstream_testbed.fleet.standin import Standin, StandinConfig
 
 pytestmark = pytest.mark.unit
 

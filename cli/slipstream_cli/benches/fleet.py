@@ -6,7 +6,7 @@ Two parts, each optional:
   cluster of that many kwok GPU nodes (own state dir and ports, so it never
   meets the test cluster), the issue's ratios of InferenceServices (4 pods
   each) and OfflineJobs (500 shards each), the real operator process and the
-  stand-in for the sidecars (:mod:`slipstream_cli.fleet`). Measures time to
+  stand-in for the sidecars (:mod:`slipstream_testbed.fleet`). Measures time to
   all Ready and all shards placed, status lag, the operator's CPU, RSS and API
   requests per second. A scale that fails (time-out) ends the escalation; the
   scales reached are reported as a trend.
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bumps", type=int, default=3, help="status-lag probes per scale")
     parser.add_argument("--lag-probe", choices=("watch", "list"), default="watch",
                         help="how the bench sees a status change: a watch (stamped on arrival) "
-                        "or LIST polling (earlier runs; adds up to one LIST period)")
+                        "or LIST polling (adds up to one LIST period)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds a scale may take to become ready")
     parser.add_argument("--state-dir", type=Path,
@@ -105,10 +105,10 @@ def _data_dir(args: argparse.Namespace) -> Path:
 
 
 def run_cluster(args: argparse.Namespace, on_scale: Any) -> list[dict[str, Any]]:
-    from slipstream_cli.cluster import ClusterConfig, ClusterError, Ports
-    from slipstream_cli.fleet.benchcluster import BenchCluster
-    from slipstream_cli.fleet.clusterrun import FleetRun, FleetRunError
-    from slipstream_cli.fleet.workload import plan_for_nodes
+    from slipstream_testbed.cluster import ClusterConfig, ClusterError, Ports
+    from slipstream_testbed.fleet.benchcluster import BenchCluster
+    from slipstream_testbed.fleet.clusterrun import FleetRun, FleetRunError
+    from slipstream_testbed.fleet.workload import plan_for_nodes
 
     results: list[dict[str, Any]] = []
     for nodes in [int(x) for x in str(args.nodes).split(",") if x.strip()]:

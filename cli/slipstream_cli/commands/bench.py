@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "sidecar": ("slipstream_cli.benches.sidecar", "the sidecar's proxy overhead and admission"),
     "fleet": ("slipstream_cli.benches.fleet", "shard placement across a fleet of pods"),
     "lengths": ("slipstream_cli.benches.lengths", "output-length predictor accuracy"),
+    "fidelity": ("slipstream_cli.benches.fidelity", "the engine model vs vLLM's own scheduler"),
 }
 
 
