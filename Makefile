@@ -92,11 +92,12 @@ test-fast: venv
 
 # The demo prints its own timeline: building, cluster, install, the two replays.
 ENGINE ?= model
+MODE   ?= sidecar
 demo:
 	@t0=$$(date +%s); echo "==> [0m00s] building: Python environment, Prometheus, local cluster binaries (the first time: about 12 minutes)"; \
-	  $(MAKE) --no-print-directory venv system-deps cluster-build || exit 1; \
-	  t=$$(( $$(date +%s) - t0 )); echo "==> [$$(( t / 60 ))m$$(printf %02d $$(( t % 60 )))s] built; starting the demo (ENGINE=$(ENGINE))"; \
-	  SLIPSTREAM_DEMO_T0=$$t0 $(BIN)/slipstream demo --engine $(ENGINE)
+	  $(MAKE) --no-print-directory venv system-deps cluster-build $(if $(filter vllm,$(ENGINE)),vllm-env) || exit 1; \
+	  t=$$(( $$(date +%s) - t0 )); echo "==> [$$(( t / 60 ))m$$(printf %02d $$(( t % 60 )))s] built; starting the demo (ENGINE=$(ENGINE) MODE=$(MODE))"; \
+	  SLIPSTREAM_DEMO_T0=$$t0 $(BIN)/slipstream demo --engine $(ENGINE) --mode $(MODE)
 
 # The simulator alone, on the shipped data slices (no cluster needed).
 demo-sim: venv

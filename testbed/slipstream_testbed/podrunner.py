@@ -132,12 +132,18 @@ def engine_command(container: Mapping[str, Any], ip: str, *, model: str, gpu: st
 
 
 def vllm_engine_command(container: Mapping[str, Any], ip: str, *, model: str, python: str,
-                        model_dir: Path) -> tuple[list[str], int, dict[str, str]]:
+                        model_dir: Path, mounts: Mapping[str, Path] | None = None
+                        ) -> tuple[list[str], int, dict[str, str]]:
     """Real ``vllm serve`` (on CPU, the tiny model in ``model_dir``) for a ``vllm`` container:
     argv, the port it listens on and the environment it adds. The container's
-    ``--max-num-seqs`` and ``--max-num-batched-tokens`` carry over; its model does not."""
+    ``--max-num-seqs``, ``--max-num-batched-tokens`` and ``--max-model-len`` (up to the tiny
+    model's 2,048 positions; 2,048 when unset) carry over; its model does not. In engine mode
+    the container's ``--scheduler-cls`` and ``--no-async-scheduling`` carry over too, with its
+    environment (``SLIPSTREAM_CHANNEL_DIR``) pointed at the local folders of ``mounts``."""
     from slipstream_testbed.vllm.server import VllmServerOptions, server_env
+    from slipstream_testbed.vllm.tiny_model import TinyModelSpec
 
+    tiny_context = TinyModelSpec().max_position_embeddings
     flags = split_flags([str(a) for a in container.get("args") or []])
     port = int(flags.get("--port") or 8000)
 
@@ -145,9 +151,17 @@ def vllm_engine_command(container: Mapping[str, Any], ip: str, *, model: str, py
         value = flags.get(flag)
         return int(value) if value and value.isdigit() else None
 
+    # The container's context, as far as the tiny model's positions reach.
+    context = min(number("--max-model-len") or tiny_context, tiny_context)
+    own_env = {str(e["name"]): _rewrite_path(str(e.get("value", "")), mounts or {})
+               for e in container.get("env") or [] if "value" in e}
     opts = VllmServerOptions(model_dir=model_dir, host=ip, port=port, served_model_name=model,
-                             max_num_seqs=number("--max-num-seqs"),
-                             max_num_batched_tokens=number("--max-num-batched-tokens"))
+                             max_model_len=context, max_num_seqs=number("--max-num-seqs"),
+                             max_num_batched_tokens=number("--max-num-batched-tokens"),
+                             scheduler_cls=flags.get("--scheduler-cls"),
+                             extra_args=tuple(f for f in ("--no-async-scheduling",)
+                                              if f in flags),
+                             env=own_env)
     env = {k: v for k, v in server_env(opts).items() if os.environ.get(k) != v}
     return [python, "-m", "slipstream_vllm.serve", *opts.argv(port)], port, env
 
@@ -168,6 +182,15 @@ def sidecar_environment(container: Mapping[str, Any], ip: str, engine_port: int,
         if value is not None:
             env.setdefault(f"SLIPSTREAM_SIDECAR_{field_name}", value)
     return env
+
+
+def sidecar_args(container: Mapping[str, Any], mounts: Mapping[str, Path]) -> list[str]:
+    """The sidecar container's arguments after ``sidecar`` (``--engine-channel DIR`` in engine
+    mode), with paths under a mount rewritten to its local folder."""
+    args = [str(a) for a in container.get("args") or []]
+    if args[:1] == ["sidecar"]:
+        args = args[1:]
+    return [_rewrite_path(a, mounts) for a in args]
 
 
 def _rewrite_path(value: str, mounts: Mapping[str, Path]) -> str:
@@ -252,8 +275,15 @@ class RunningPod:
     ip: str
     kind: str  # "inference" | "operator"
     processes: list[Process] = field(default_factory=list)
-    http_port: int = 0
+    http_port: int = 0  # the sidecar's HTTP port (its /metrics; online traffic in sidecar mode)
     service: str = ""
+    engine_port: int = 0
+    engine_mode: bool = False  # online traffic goes straight to the engine (the plugin decides)
+
+    @property
+    def online_port(self) -> int:
+        """Where the pod's Service sends online traffic: vLLM's port in engine mode."""
+        return self.engine_port if self.engine_mode else self.http_port
 
     @property
     def key(self) -> str:
@@ -383,7 +413,9 @@ class PodRunner:
         return self.workdir / f"{meta['namespace']}_{meta['name']}"
 
     def _volumes(self, pod: Pod, container: Mapping[str, Any]) -> dict[str, Path]:
-        """mountPath -> local folder holding the Secret/ConfigMap volume's files."""
+        """mountPath -> local folder holding the Secret/ConfigMap volume's files, or the
+        pod's folder for an ``emptyDir`` (one per pod and volume: every container that mounts
+        it shares it, as in a pod)."""
         namespace = str(pod["metadata"]["namespace"])
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
         mounts: dict[str, Path] = {}
@@ -400,6 +432,11 @@ class PodRunner:
             elif "configMap" in volume:
                 cm = self.core.read_namespaced_config_map(volume["configMap"]["name"], namespace)
                 data = {k: v.encode() for k, v in (cm.data or {}).items()}
+            elif "emptyDir" in volume:
+                folder.mkdir(parents=True, exist_ok=True)
+                folder.chmod(0o700)
+                mounts[str(mount["mountPath"])] = folder
+                continue
             else:
                 continue
             folder.mkdir(parents=True, exist_ok=True)
@@ -444,13 +481,19 @@ class PodRunner:
             gpu = "a100"
         seed = int(re.sub(r"\D", "", running.ip.replace(".", "")) or 0) % 100_000
         engine_env = dict(self.base_env)
+        engine_mode = "--scheduler-cls" in split_flags(
+            [str(a) for a in containers["vllm"].get("args") or []])
+        if engine_mode and self.engine != "vllm":
+            raise PodRunnerError(key, "engine mode (scheduling.enforcement: engine) runs "
+                                      "Slipstream's plugin inside vLLM: start the pod runner "
+                                      "with engine='vllm'")
         if self.engine == "vllm":
             from slipstream_testbed.vllm import ensure
             from slipstream_testbed.vllm.server import vllm_python
 
             engine_argv, engine_port, extra = vllm_engine_command(
                 containers["vllm"], running.ip, model=model, python=vllm_python(),
-                model_dir=ensure())
+                model_dir=ensure(), mounts=self._volumes(pod, containers["vllm"]))
             engine_env.update(extra)
         else:
             engine_argv, engine_port = engine_command(containers["vllm"], running.ip,
@@ -462,12 +505,15 @@ class PodRunner:
         env = sidecar_environment(sidecar, running.ip, engine_port, engine_flags, mounts)
         env.setdefault("SLIPSTREAM_SIDECAR_STATE_DIR", str(folder / "state"))
         running.http_port = int(env.get("SLIPSTREAM_SIDECAR_HTTP_PORT", "8000"))
+        running.engine_port = engine_port
+        running.engine_mode = engine_mode
         sidecar_env = {k: v for k, v in self.base_env.items()
                        if not k.startswith("SLIPSTREAM_SIDECAR_")}
         sidecar_env.update(env)
         return [
             Process("engine", engine_argv, engine_env, folder / "engine.log"),
-            Process("sidecar", [*SLIPSTREAM, "sidecar"], sidecar_env, folder / "sidecar.log"),
+            Process("sidecar", [*SLIPSTREAM, "sidecar", *sidecar_args(sidecar, mounts)],
+                    sidecar_env, folder / "sidecar.log"),
         ]
 
     def _operator(self, pod: Pod, containers: Mapping[str, Any], folder: Path,
