@@ -485,7 +485,11 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
     window = f"{max(30, int(replay_s))}s"
     offline_tokens = _scalar(prometheus, 'sum(increase(slipstream_output_tokens_total'
                              f'{{class="offline"}}[{window}]))')
-    preemptions = _scalar(prometheus, f"sum(increase(slipstream_preemptions_total[{window}]))")
+    # The sidecar's preemptions (it aborts offline work for online), and in engine mode the
+    # plugin's (vLLM preempting offline requests; a gauge of the engine process's total).
+    preemptions = _scalar(prometheus, f"(sum(increase(slipstream_preemptions_total[{window}]))"
+                          " or vector(0)) + (sum(increase(slipstream_engine_preemptions"
+                          f'{{class="offline"}}[{window}])) or vector(0))')
     status = _job_status(kube, job)
     service = json.loads(kube.kubectl("get", "-n", DEMO_NS, "inferenceservices.slipstream.dev",
                                       SERVICE, "-o", "json", check=False) or "{}")
