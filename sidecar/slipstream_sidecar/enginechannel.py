@@ -138,7 +138,8 @@ class EngineChannel:
     def report(self, *, fresh_only: bool = True) -> EngineReport | None:
         """The plugin's last status, or None when absent, unreadable or (``fresh_only``) stale.
 
-        The plugin writes its status while it schedules, so an idle engine's report ages too.
+        The plugin rewrites its status about twice a second, idle or not, so a stale report
+        means an engine that is down or hung.
         """
         try:
             doc = decode_report(self.status_path.read_text())
@@ -185,8 +186,8 @@ def control_document(
 class EngineReportCollector(Collector):
     """The plugin's :class:`EngineReport` as ``slipstream_engine_*`` gauges, read per scrape.
 
-    ``slipstream_engine_up`` is 1 while a fresh report is on disk (an idle engine's report
-    ages: the plugin writes while it schedules); the other families are present whenever a
+    ``slipstream_engine_up`` is 1 while a fresh report is on disk (the plugin rewrites it
+    while vLLM is idle too, so 0 means vLLM down or hung); the other families are present whenever a
     report is, with ``slipstream_engine_report_age_seconds``. Totals (steps, preemptions,
     tokens) are the plugin process's own and restart from zero with it, hence gauges.
     """

@@ -36,7 +36,10 @@ template or system prompt neighbours. It is fed by every request that finishes i
 Control. The sidecar writes ``control.json`` in the channel directory (the env var
 ``SLIPSTREAM_CHANNEL_DIR`` or ``additional_config["slipstream_channel_dir"]``); it is polled
 every :data:`CONTROL_POLL_S` and applied only when its generation is newer. The plugin writes
-``status.json`` (an ``EngineReport``) every :data:`STATUS_EVERY_S`. Without a channel, or
+``status.json`` (an ``EngineReport``) every :data:`STATUS_EVERY_S` while it schedules; while
+vLLM is idle (no step, so no call into the plugin) a heartbeat thread rewrites the last report
+with a new ``written_at`` at the same pace, so a fresh report means a live engine, busy or
+not (the heartbeat touches no scheduler state). Without a channel, or
 before the first control document, the plugin runs the ``naive`` policy: classes and order
 still hold, offline work is not budgeted.
 
@@ -65,6 +68,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -262,6 +266,12 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self._control_stat: tuple[int, int, int] | None = None
         self._next_poll = 0.0
         self._next_status = 0.0
+        self._last_report: EngineReport | None = None
+        self._status_lock = threading.Lock()
+        self._heartbeat_stop = threading.Event()
+        if self.channel_dir is not None:
+            threading.Thread(target=self._heartbeat, name="slipstream-status",
+                             daemon=True).start()
         self.control: EngineControl | None = None
         self.planner: TwoPhasePlanner = build_planner("naive", mode=PlannerMode.ITERATION)
         self.ordering: Ordering = make_ordering("fcfs")
@@ -812,12 +822,33 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         if not force and now < self._next_status:
             return
         self._next_status = now + STATUS_EVERY_S
-        try:
-            _atomic_write(self.channel_dir / STATUS_FILE, self.report().model_dump_json())
-        except OSError as exc:
-            logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
+        self._write_report(self.report())
+
+    def _write_report(self, rep: EngineReport, *, replacing: EngineReport | None = None) -> None:
+        """Write ``rep``; with ``replacing``, only if that is still the last report written
+        (the heartbeat never overwrites a newer report of a step)."""
+        if self.channel_dir is None:
+            return
+        with self._status_lock:
+            if replacing is not None and self._last_report is not replacing:
+                return
+            self._last_report = rep
+            try:
+                _atomic_write(self.channel_dir / STATUS_FILE, rep.model_dump_json())
+            except OSError as exc:
+                logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
+
+    def _heartbeat(self) -> None:
+        """While no step has written for a period (vLLM idle), rewrite the last report."""
+        while not self._heartbeat_stop.wait(STATUS_EVERY_S):
+            last = self._last_report
+            if last is None or time.monotonic() < self._next_status + STATUS_EVERY_S:
+                continue
+            self._write_report(last.model_copy(update={"written_at": time.time()}),
+                               replacing=last)
 
     def shutdown(self) -> None:
+        self._heartbeat_stop.set()
         self._maybe_write_status(force=True)
         super().shutdown()
 

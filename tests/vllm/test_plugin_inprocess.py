@@ -279,3 +279,30 @@ def test_an_older_generation_is_ignored_and_survives_a_restart(
     # A new engine process (a restart) finds generation 6 in force at once.
     again = _engine().scheduler
     assert again.control.generation == 6 and again.budget_s == 0.07
+
+
+def test_an_idle_engine_keeps_its_report_fresh(channel: Path) -> None:
+    """No step runs while vLLM is idle; the heartbeat rewrites the last report meanwhile, and
+    never overwrites a step's newer report with an older one."""
+    import time
+
+    from slipstream_scheduler.enginecontrol import EngineReport
+    from slipstream_vllm.scheduler import STATUS_EVERY_S, STATUS_FILE
+
+    eng = _engine()
+    _add(eng, "on0", 40, 3)
+    _run(eng)
+    path = channel / STATUS_FILE
+    first = EngineReport.model_validate_json(path.read_text())
+    assert first.online_waiting == 0 and first.online_running == 0
+    time.sleep(4 * STATUS_EVERY_S)  # idle: nothing calls into the scheduler
+    later = EngineReport.model_validate_json(path.read_text())
+    assert later.written_at > first.written_at
+    assert later.model_copy(update={"written_at": first.written_at}) == first
+    _add(eng, "on1", 40, 3)
+    _run(eng)
+    busy = EngineReport.model_validate_json(path.read_text())
+    assert busy.steps > first.steps  # the step's report, not the heartbeat's copy
+    time.sleep(4 * STATUS_EVERY_S)
+    assert EngineReport.model_validate_json(path.read_text()).steps == busy.steps
+    eng.scheduler.shutdown()
