@@ -139,7 +139,7 @@ class EngineChannel:
         """The plugin's last status, or None when absent, unreadable or (``fresh_only``) stale.
 
         The plugin rewrites its status about twice a second, idle or not, so a stale report
-        means an engine that is down or hung.
+        means an engine process that is down.
         """
         try:
             doc = decode_report(self.status_path.read_text())
@@ -187,9 +187,10 @@ class EngineReportCollector(Collector):
     """The plugin's :class:`EngineReport` as ``slipstream_engine_*`` gauges, read per scrape.
 
     ``slipstream_engine_up`` is 1 while a fresh report is on disk (the plugin rewrites it
-    while vLLM is idle too, so 0 means vLLM down or hung); the other families are present whenever a
-    report is, with ``slipstream_engine_report_age_seconds``. Totals (steps, preemptions,
-    tokens) are the plugin process's own and restart from zero with it, hence gauges.
+    while vLLM is idle too, so 0 means the engine process is down); the other families are
+    present whenever a report is, with ``slipstream_engine_report_age_seconds``. Totals
+    (steps, preemptions, tokens) are the plugin process's own and restart from zero with it,
+    hence gauges.
     """
 
     def __init__(self, channel: EngineChannel) -> None:
