@@ -103,7 +103,10 @@ def test_the_plugin_serves_both_classes_inside_vllm_serve(
     assert rep.online.samples == 4 and rep.online.ttft_mean_s is not None
     assert rep.vllm_version
     # A newer control document reaches the running engine; rewriting an older one does not.
+    # vLLM calls into the plugin only when it has work: the document is read at the first
+    # step past the poll interval, so the next request finds it.
     (channel / CONTROL_FILE).write_text(EngineControl(generation=4, policy="naive").encode())
+    time.sleep(0.5)
     _complete(srv, 4)
     _report(channel, lambda r: r.generation == 4)
     (channel / CONTROL_FILE).write_text(
