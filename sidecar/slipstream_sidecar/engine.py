@@ -128,6 +128,10 @@ class TokenRatio:
         self.observations += 1
 
 
+KEEPALIVE_S = 2.0
+"""Seconds an idle engine connection is kept for reuse (below vLLM's 5 s keep-alive)."""
+
+
 class EngineClient:
     """Pooled HTTP client to one engine."""
 
@@ -146,8 +150,14 @@ class EngineClient:
         self._link = EngineLink(self.base_url, idle_limit=connections, on_resend=on_resend)
 
     async def start(self) -> None:
+        # Idle connections are dropped after 2 s, below the engine's keep-alive (vLLM's
+        # uvicorn closes an idle connection after 5 s): a request sent on a connection the
+        # engine has just closed fails ("connection failed") without reaching it.
         connector = aiohttp.TCPConnector(
-            limit=self._connections, limit_per_host=self._connections, ttl_dns_cache=None
+            limit=self._connections,
+            limit_per_host=self._connections,
+            ttl_dns_cache=None,
+            keepalive_timeout=KEEPALIVE_S,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
