@@ -841,6 +841,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
     def _heartbeat(self) -> None:
         """While no step has written for a period (vLLM idle), rewrite the last report."""
         while not self._heartbeat_stop.wait(STATUS_EVERY_S):
+            if self.channel_dir is None or not self.channel_dir.is_dir():
+                return  # the channel is gone (the pod's emptyDir, a test's folder)
             last = self._last_report
             if last is None or time.monotonic() < self._next_status + STATUS_EVERY_S:
                 continue
