@@ -74,8 +74,8 @@ def runner(admin_api: client.ApiClient, namespace: str,
 
 
 def manifests(tmp_path: Path, namespace: str, requests: int) -> tuple[Path, Path, set[str]]:
-    """The example service in engine mode (one replica, generous SLO) and a job of real
-    MMLU prompts."""
+    """The example service in engine mode (one replica, generous SLO) and a job of the first
+    ``requests`` real MMLU prompts of the shipped sample."""
     import yaml
 
     service = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
@@ -91,7 +91,8 @@ def manifests(tmp_path: Path, namespace: str, requests: int) -> tuple[Path, Path
     out = tmp_path / "results" / "out.jsonl"
     out.parent.mkdir()
     job["spec"]["output"]["uri"] = f"file://{out}"
-    job["spec"]["requestDefaults"]["maxTokens"] = 24
+    # Enough work (60 prompts of up to 1,888 tokens, 128 tokens out) to be mid-job at the kill.
+    job["spec"]["requestDefaults"]["maxTokens"] = 128
     job["spec"]["shardSize"] = 8
     path = tmp_path / "manifests.yaml"
     path.write_text(yaml.safe_dump_all([service, job], sort_keys=False))
@@ -131,7 +132,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
         stdout=operator_log, stderr=subprocess.STDOUT, start_new_session=True)
     operator_log.close()
     try:
-        path, out, ids = manifests(tmp_path, namespace, requests=40)
+        path, out, ids = manifests(tmp_path, namespace, requests=60)
         kubectl("apply", "-n", namespace, "-f", str(path))
 
         def serving() -> RunningPod | None:
@@ -157,7 +158,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
 
         online: list[dict[str, Any]] = []
         url = f"http://{pod.ip}:{pod.online_port}"
-        before = threading.Thread(target=online_streams, args=(url, 12, online))
+        before = threading.Thread(target=online_streams, args=(url, 6, online))
         before.start()
 
         def progress() -> int:
