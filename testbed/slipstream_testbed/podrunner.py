@@ -34,7 +34,6 @@ import ipaddress
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -46,6 +45,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kubernetes import client
+
+from slipstream_testbed.procgroup import stop_group
 
 logger = logging.getLogger(__name__)
 
@@ -253,16 +254,7 @@ class Process:
 
     def stop(self, grace_s: float = 10.0) -> None:
         proc, self.popen = self.popen, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=grace_s)
-        except ProcessLookupError:
-            pass
+        stop_group(proc, grace_s)
 
 
 @dataclass

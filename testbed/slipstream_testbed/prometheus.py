@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -35,6 +34,8 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+
+from slipstream_testbed.procgroup import stop_group
 
 logger = logging.getLogger(__name__)
 
@@ -197,16 +198,7 @@ class LocalPrometheus:
 
     def stop(self, grace_s: float = 10.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=grace_s)
-        except ProcessLookupError:
-            pass
+        stop_group(proc, grace_s)
 
     def __enter__(self) -> LocalPrometheus:
         return self.start()
