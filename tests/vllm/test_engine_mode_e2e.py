@@ -23,13 +23,14 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from kubernetes import client
 
+from integration.helpers_procs import eventually
 from slipstream_testbed.cluster import LocalCluster
 from slipstream_testbed.podrunner import PodRunner, RunningPod
 
@@ -37,19 +38,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.cluster, pytest.mark.e2e, pytest.mar
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "data" / "offline-sample.jsonl"
-T = TypeVar("T")
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def eventually(what: str, probe: Callable[[], T | None], timeout: float = 300.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(1.0)
 
 
 def http_ok(url: str) -> bool:
@@ -142,7 +131,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
                     return pod
             return None
 
-        pod = eventually("vllm serve with the plugin and its sidecar serving", serving, 600)
+        pod = eventually("vllm serve with the plugin and its sidecar serving", serving, 600, 1.0)
         assert pod.engine_mode and pod.online_port == pod.engine_port
         svc = json.loads(kubectl("get", "-n", namespace, "service", "chat", "-o", "json"))
         assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["engine"], (
@@ -166,8 +155,9 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
                                         "mmlu-engine", "-o", "json")).get("status") or {}
             return int((status.get("requests") or {}).get("completed") or 0)
 
-        eventually("offline results before the kill", lambda: True if progress() > 0 else None)
-        eventually("the plugin running the sidecar's control document", plugin_configured, 120)
+        eventually("offline results before the kill", lambda: True if progress() > 0 else None,
+                   300, 1.0)
+        eventually("the plugin running the sidecar's control document", plugin_configured, 120, 1.0)
         before.join(timeout=300)
         assert online and all(r["ok"] for r in online), online
 
@@ -178,7 +168,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
         killed_at = time.monotonic()
         eventually("vLLM back after SIGKILL",
                    lambda: True if proc.restarts >= 1 and http_ok(
-                       f"http://{pod.ip}:{pod.engine_port}/health") else None, 600)
+                       f"http://{pod.ip}:{pod.engine_port}/health") else None, 600, 1.0)
         after: list[dict[str, Any]] = []
         online_streams(url, 6, after)
         assert all(r["ok"] for r in after), after
@@ -188,7 +178,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
                                         "mmlu-engine", "-o", "json")).get("status") or {}
             return status if status.get("phase") in ("Succeeded", "Failed") else None
 
-        status = eventually("the job to finish", done, 600)
+        status = eventually("the job to finish", done, 600, 1.0)
         assert status["phase"] == "Succeeded", status
         # Exactly once: every input custom_id in the output or the error file, once.
         out_ids = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
@@ -210,7 +200,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
         eventually("observed TTFT in the service status", lambda: (
             json.loads(kubectl("get", "-n", namespace, "inferenceservices.slipstream.dev",
                                "chat", "-o", "json")).get("status", {}).get("observed", {})
-            .get("ttftP99") or None), 120)
+            .get("ttftP99") or None), 120, 1.0)
         service = json.loads(kubectl("get", "-n", namespace, "inferenceservices.slipstream.dev",
                                      "chat", "-o", "json"))["status"]
         slo_met = {c["type"]: c for c in service["conditions"]}["SLOMet"]
