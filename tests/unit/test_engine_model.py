@@ -359,6 +359,9 @@ CONFIGS = [
     {"num_gpu_blocks": 30, "max_num_batched_tokens": 96, "max_num_seqs": 6, "policy": "fcfs"},
     {"num_gpu_blocks": 60, "max_num_batched_tokens": 64, "long_prefill_token_threshold": 24},
     {"num_gpu_blocks": 24, "max_num_batched_tokens": 256, "max_num_seqs": 16},  # KV-starved
+    # KV-starved, under vLLM 0.33's walk past a request that preempted itself
+    {"num_gpu_blocks": 24, "max_num_batched_tokens": 256, "max_num_seqs": 16,
+     "priority_walk_past_self_preemption": True},
 ]
 
 
@@ -385,6 +388,40 @@ def test_noise_is_seeded() -> None:
     quiet.add(req("a", 100, out=20))
     base = [quiet.step().duration_s for _ in range(20)]
     assert durations(1) != base
+
+
+def _staggered(path: str, policy: str, walk_past: bool) -> tuple[list[Any], int]:
+    """Arrivals every third step with mixed priorities: a better request admitted after a
+    worse one runs behind it in the running queue, so the worse one can be the victim of its
+    own allocation with better requests still to walk."""
+    eng = EngineModel(EngineConfig(
+        path=path, policy=policy, num_gpu_blocks=200, max_num_batched_tokens=1024,
+        max_num_seqs=64, long_prefill_token_threshold=256, noise_cv=0.0,
+        priority_walk_past_self_preemption=walk_past), seed=3)
+    log: list[Any] = []
+    i = k = 0
+    while i < 80 or eng.has_work():
+        if i < 80 and k % 3 == 0:
+            eng.add(EngineRequest(f"r{i}", 50 + (i * 53) % 300, 400, priority=(i * 7) % 3,
+                                  arrival_s=k, output_len=20 + (i * 37) % 200))
+            i += 1
+        r = eng.step(float(k))
+        k += 1
+        log.append((sorted(r.emitted), r.finished, r.preempted, r.num_tokens))
+    return log, eng.stats().preemptions
+
+
+def test_the_walk_past_self_preemption_is_a_different_schedule_under_priority_only() -> None:
+    """vLLM 0.33's rule changes the priority schedule under KV pressure, and every path
+    follows it alike. Under FCFS the victim is the last admitted, so nothing is left to walk
+    after a request that preempted itself and the rule changes nothing."""
+    old, _ = _staggered("reference", "priority", walk_past=False)
+    new, n_pre = _staggered("reference", "priority", walk_past=True)
+    assert n_pre > 20 and new != old
+    assert _staggered("walk", "priority", walk_past=True)[0] == new
+    assert _staggered("auto", "priority", walk_past=True)[0] == new
+    assert (_staggered("reference", "fcfs", walk_past=True)[0]
+            == _staggered("reference", "fcfs", walk_past=False)[0])
 
 
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])

