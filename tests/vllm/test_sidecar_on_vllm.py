@@ -523,8 +523,10 @@ def test_shard_errors_name_their_line_and_the_rest_finishes(stack4: Stack) -> No
 
 def test_kill_9_of_vllm_mid_shard_then_restart(vllm: VllmServer, tmp_path: Path) -> None:
     """Last in the module: it restarts the module's vLLM (same port)."""
-    n = 12
-    write_shard(tmp_path / "in.jsonl", [offline_body(i, 48) for i in range(n)])
+    # Seconds of work after the trigger (24 lines of 160 tokens, one at a time in vLLM): with
+    # 12 lines of 48 the whole shard once finished before the kill landed.
+    n, max_tokens = 24, 160
+    write_shard(tmp_path / "in.jsonl", [offline_body(i, max_tokens) for i in range(n)])
     s = start_sidecar(vllm, tmp_path, seqs=4)
     try:
         assign(s, "crash", n)
@@ -545,6 +547,6 @@ def test_kill_9_of_vllm_mid_shard_then_restart(vllm: VllmServer, tmp_path: Path)
     for r in records(tmp_path / "out.jsonl"):
         got = r["response"]["body"]
         i = int(r["custom_id"].removeprefix("req-"))
-        ref = post_json(vllm.url + "/v1/completions", offline_body(i, 48))
-        assert got["usage"]["completion_tokens"] == 48
+        ref = post_json(vllm.url + "/v1/completions", offline_body(i, max_tokens))
+        assert got["usage"]["completion_tokens"] == max_tokens
         assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], r["custom_id"]
