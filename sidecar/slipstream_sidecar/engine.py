@@ -129,7 +129,9 @@ class TokenRatio:
 
 
 KEEPALIVE_S = 2.0
-"""Seconds an idle engine connection is kept for reuse (below vLLM's 5 s keep-alive)."""
+"""Seconds an idle engine connection is kept for reuse. Below the engine's own keep-alive
+(vLLM's uvicorn closes an idle connection after 5 s): a request sent on a connection the
+engine has just closed fails ("connection failed") without reaching it."""
 
 
 class EngineClient:
@@ -150,9 +152,6 @@ class EngineClient:
         self._link = EngineLink(self.base_url, idle_limit=connections, on_resend=on_resend)
 
     async def start(self) -> None:
-        # Idle connections are dropped after 2 s, below the engine's keep-alive (vLLM's
-        # uvicorn closes an idle connection after 5 s): a request sent on a connection the
-        # engine has just closed fails ("connection failed") without reaching it.
         connector = aiohttp.TCPConnector(
             limit=self._connections,
             limit_per_host=self._connections,
