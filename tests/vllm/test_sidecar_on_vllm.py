@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -333,45 +334,91 @@ LONG = 2000  # tokens: seconds of decoding for the tiny model on this CPU
 
 
 class Blockers:
-    """Requests sent straight to vLLM at a priority above both classes (-5), each seconds of
-    decoding, kept topped up from a thread until :meth:`stop`: vLLM (one sequence at a
-    time) stays busy for as long as the test needs, however slow or fast the host is, so
-    whatever the sidecar sends meanwhile waits in vLLM's queue."""
+    """Streamed requests sent straight to vLLM at a priority above both classes (-5), each
+    seconds of decoding, kept topped up to ``outstanding`` from a thread. vLLM runs one
+    sequence at a time, so while they are held its slot is never free, however slow or fast
+    the host: whatever the sidecar sends meanwhile waits in vLLM's queue, for as long as the
+    test needs. :meth:`release` stops the top-ups and closes every blocker's stream; vLLM
+    aborts what a closed stream asked for, and the slot goes to what waits behind them, in
+    vLLM's own order."""
 
-    def __init__(self, url: str, outstanding: int = 4) -> None:
-        self.url, self.outstanding = url, outstanding
-        self.threads: list[threading.Thread] = []
+    def __init__(self, url: str, outstanding: int = 3) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port, self.outstanding = host, int(port), outstanding
         self.lock = threading.Lock()
-        self.done = threading.Event()
+        self.released = False
+        self.conns: set[http.client.HTTPConnection] = set()
+        self.threads: list[threading.Thread] = []
+        self.tokens: list[tuple[int, float]] = []  # (blocker, time of a chunk with tokens)
+        self.errors: list[str] = []  # what went wrong in a blocker's thread
+        self.holding = threading.Event()  # a blocker has produced a token: it holds the slot
         self.filler = threading.Thread(target=self._fill, daemon=True)
 
     def _fill(self) -> None:
-        while not self.done.is_set():
+        while True:
             with self.lock:
-                short = self.outstanding - self.alive()
-                for _ in range(short):
-                    t = threading.Thread(target=post, args=(self.url + "/v1/completions", {
-                        **COMPLETION, "max_tokens": LONG, "priority": -5}), daemon=True)
+                if self.released:
+                    return
+                for _ in range(self.outstanding - self.alive()):
+                    t = threading.Thread(target=self._one, args=(len(self.threads),), daemon=True)
                     t.start()
                     self.threads.append(t)
             time.sleep(0.05)
 
+    def _one(self, n: int) -> None:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=300)
+        with self.lock:
+            if self.released:
+                return
+            self.conns.add(conn)
+        body = {**COMPLETION, "max_tokens": LONG, "priority": -5, "stream": True}
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                self.errors.append(f"blocker {n}: {resp.status} {resp.read()!r}")
+                return
+            while piece := resp.read1(65536):
+                if b'"text"' in piece:
+                    self.tokens.append((n, time.monotonic()))
+                    self.holding.set()
+        except (OSError, http.client.HTTPException) as exc:
+            if not self.released:  # a released stream ends with a read error: expected
+                self.errors.append(f"blocker {n}: {exc!r}")
+        finally:
+            with self.lock:
+                self.conns.discard(conn)
+            conn.close()
+
     def alive(self) -> int:
+        """Blockers sent and not ended (some may not have reached vLLM's engine yet)."""
         return sum(t.is_alive() for t in self.threads)
 
     def start(self) -> Blockers:
         self.filler.start()
         return self
 
-    def stop(self) -> None:
-        self.done.set()
+    def release(self) -> None:
+        with self.lock:
+            self.released = True
+            for conn in self.conns:
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
         self.filler.join(30)
         for t in self.threads:
-            t.join(300)
+            t.join(60)
 
-
-class SetupNotReachedError(Exception):
-    """vLLM's gauges did not show the three requests waiting while blockers ran."""
+    def timeline(self) -> str:
+        """When each blocker streamed, for a failure message: vLLM serves one sequence at a
+        time, so a long pause between one blocker's last token and the next one's first means
+        something else held the slot."""
+        spans: dict[int, list[float]] = {}
+        for n, t in self.tokens:
+            spans.setdefault(n, []).append(t)
+        t0 = min((ts[0] for ts in spans.values()), default=0.0)
+        return ", ".join(f"#{n} {ts[0] - t0:.1f}-{ts[-1] - t0:.1f}s"
+                         for n, ts in sorted(spans.items(), key=lambda kv: kv[1][0]))
 
 
 @pytest.fixture
@@ -384,62 +431,38 @@ def long_stack4(shared_vllm: Any, tmp_path: Path) -> Iterator[Stack]:
     s.sidecar.stop()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="an attempt whose setup was seen has once found an offline line served before the "
-    "online request; the cause is not found (see docs/development.md)",
-)
 def test_vllm_serves_in_the_priority_the_sidecar_assigns(long_stack4: Stack) -> None:
-    """vLLM runs one request at a time: while blockers sent to it directly run, two offline
-    lines and then one online request wait in vLLM. The online one (priority 0) is served
-    before the offline ones (priority 100) that reached vLLM first.
+    """vLLM runs one request at a time. While blockers sent to it directly hold its slot, two
+    offline lines and then one online request, all through the sidecar, wait in vLLM; then
+    the blockers are released. The online request (priority 0) is served before the offline
+    lines (priority 100) that reached vLLM first: it is answered while no offline line has
+    finished (an offline line, once running, holds the slot for seconds).
 
-    The setup is read from vLLM's own gauges, which its API server updates; when that process
-    is starved of CPU they lag by seconds, and the engine may meanwhile serve the lines before
-    the test sees them wait. Such an attempt proves nothing either way, so it is run again
-    (at most three times); the order is asserted on the attempt whose setup was seen."""
-    for attempt in range(3):
-        try:
-            served_first = _priority_attempt(long_stack4, str(attempt))
-        except SetupNotReachedError as exc:
-            print(f"attempt {attempt}: setup not reached ({exc}); again")
-            continue
-        assert served_first, "an offline line was served before the online request"
-        progress = wait_shard(long_stack4, f"prio{attempt}")
-        assert progress.completed == 2 and progress.preemptions == 0
-        return
-    pytest.fail("vLLM's gauges never showed two offline lines and an online request waiting "
-                "behind the blockers in three attempts")
-
-
-def _priority_attempt(stack: Stack, stem: str) -> bool:
-    vllm = stack.vllm
-    # Offline lines long enough (seconds each in vLLM) that the online answer reaches the
-    # client and the output file is read before the first offline line can finish behind it.
-    write_shard(stack.tmp / f"in{stem}.jsonl", [offline_body(i, LONG) for i in range(2)])
-    out = stack.tmp / f"out{stem}.jsonl"
-    # The shared server must first be idle (an earlier test's or attempt's requests may still
-    # be draining).
-    wait_until(lambda: metric(vllm.url, "vllm:num_requests_running")
-               + metric(vllm.url, "vllm:num_requests_waiting") == 0, "vLLM idle", 300)
+    Each step of the setup is read twice: the sidecar's Status says it has sent the request,
+    and vLLM's own gauges show it queued beside the blockers. The gauges lag when vLLM's API
+    server is short of CPU, which only makes the test wait: the blockers hold the slot until
+    the setup is seen."""
+    stack, vllm = long_stack4, long_stack4.vllm
+    tmp = stack.tmp
+    # Offline lines of seconds each in vLLM, so that the online answer reaches the client and
+    # the output file is read before the first offline line could finish behind it.
+    write_shard(tmp / "in.jsonl", [offline_body(i, LONG) for i in range(2)])
+    out = tmp / "out.jsonl"
+    # The shared server must first be idle (an earlier test's requests may still be draining).
+    wait_until(lambda: gauges(vllm) == (0, 0), "vLLM idle", 300)
     blockers = Blockers(vllm.url).start()
 
     def beyond_blockers() -> float:
-        """Requests in vLLM besides the blockers. Taken under the filler's lock, and the live
-        blockers are counted first: one that ends meanwhile then only lowers the result."""
+        """Requests in vLLM besides the blockers. The live blockers are counted first, under
+        the filler's lock: one that ends meanwhile only lowers the result."""
         with blockers.lock:
             alive = blockers.alive()
-            return (metric(vllm.url, "vllm:num_requests_waiting")
-                    + metric(vllm.url, "vllm:num_requests_running") - alive)
+            return sum(gauges(vllm)) - alive
 
-    def until(cond: Any, what: str) -> None:
-        try:
-            wait_until(cond, what)
-        except TimeoutError as exc:
-            raise SetupNotReachedError(what) from exc
+    def sent(cls: str) -> int:
+        return int(getattr(stack.status(), cls).in_flight)
 
     late: list[int] = []
-    assigned = False
 
     def online() -> None:
         post_json(stack.sidecar.url + "/v1/completions", {**COMPLETION, "max_tokens": 8})
@@ -447,27 +470,31 @@ def _priority_attempt(stack: Stack, stem: str) -> bool:
 
     u = threading.Thread(target=online)
     try:
-        # Blockers waiting as well as running: a gap in them would let an offline line run.
-        until(lambda: metric(vllm.url, "vllm:num_requests_running") >= 1
-              and metric(vllm.url, "vllm:num_requests_waiting") >= 2, "blockers queued")
-        assign(stack, f"prio{stem}", 2, stem)
-        assigned = True
-        until(lambda: beyond_blockers() >= 2 and not records(out),
-              "offline lines waiting in vLLM")
+        # One blocker running and the rest queued behind it: the slot is never free.
+        wait_until(lambda: blockers.holding.is_set() and gauges(vllm)[1] >= 2,
+                   "blockers holding vLLM", 300)
+        assign(stack, "prio", 2)
+        wait_until(lambda: sent("offline") == 2 and beyond_blockers() >= 2,
+                   "offline lines waiting in vLLM", 300)
         u.start()
-        until(lambda: beyond_blockers() >= 3 and not records(out),
-              "online request waiting in vLLM")
-    except SetupNotReachedError:
-        blockers.stop()
-        if u.is_alive():
-            u.join(300)
-        if assigned:  # its lines finish before the next attempt starts
-            wait_shard(stack, f"prio{stem}")
-        raise
-    blockers.stop()
+        wait_until(lambda: sent("online") == 1 and beyond_blockers() >= 3,
+                   "online request waiting in vLLM", 300)
+        assert not records(out), f"an offline line ran past the blockers: {blockers.timeline()}"
+    finally:
+        blockers.release()
     u.join(300)
+    assert not blockers.errors, blockers.errors
     assert late, "the online request got no answer"
-    return late == [0]
+    assert late == [0], (
+        f"an offline line was served before the online request; blockers: {blockers.timeline()}")
+    progress = wait_shard(stack, "prio")
+    assert progress.completed == 2 and progress.preemptions == 0
+
+
+def gauges(vllm: VllmServer) -> tuple[float, float]:
+    """vLLM's (running, waiting) request gauges."""
+    return (metric(vllm.url, "vllm:num_requests_running"),
+            metric(vllm.url, "vllm:num_requests_waiting"))
 
 
 def test_online_burst_preempts_offline_and_continuations_keep_every_token(
