@@ -497,14 +497,27 @@ def gauges(vllm: VllmServer) -> tuple[float, float]:
             metric(vllm.url, "vllm:num_requests_waiting"))
 
 
+def chat_offline_body(i: int, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True,
+            "messages": [{"role": "user", "content": f"offline line {i} of the shard"}]}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_online_burst_preempts_offline_and_continuations_keep_every_token(
-    vllm: VllmServer, stack4: Stack
+    vllm: VllmServer, stack4: Stack, kind: str
 ) -> None:
+    """Every line of the shard is a completion, or every line a chat; the burst aborts some of
+    them, and each line's output is then compared on token ids with the same request asked of
+    vLLM directly, uninterrupted."""
     # Seconds of offline work in vLLM (it runs one request at a time), so that the burst finds
     # the sidecar's four slots full of it; the trigger reads vLLM's own gauges, which answer
-    # at once (the sidecar's /metrics also scrapes the engine, and can lag behind it).
-    n, max_tokens = 8, 480
-    bodies: list[dict[str, Any] | bytes] = [offline_body(i, max_tokens) for i in range(n)]
+    # at once (the sidecar's /metrics also scrapes the engine, and can lag behind it). A chat
+    # prompt is longer (the chat template), and the server's context is 512.
+    n = 8
+    line, max_tokens, path = ((offline_body, 480, "/v1/completions") if kind == "completion"
+                              else (chat_offline_body, 440, "/v1/chat/completions"))
+    bodies: list[dict[str, Any] | bytes] = [line(i, max_tokens) for i in range(n)]
     write_shard(stack4.tmp / "in.jsonl", bodies)
     sc = stack4.sidecar.url
     assign(stack4, "burst", n)
@@ -525,14 +538,21 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
     out = {r["custom_id"]: r for r in records(stack4.tmp / "out.jsonl")}
     assert sorted(out) == [f"req-{i}" for i in range(n)]
     for i in range(n):
-        ref = post_json(vllm.url + "/v1/completions", offline_body(i, max_tokens))
+        ref = post_json(vllm.url + path, line(i, max_tokens))
         got = out[f"req-{i}"]["response"]["body"]
+        assert got["object"] == ref["object"]
         for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert got["usage"][k] == ref["usage"][k], (i, k)
-        assert got["choices"][0]["prompt_token_ids"] == ref["choices"][0]["prompt_token_ids"]
-        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], i
-        assert got["choices"][0]["text"] == ref["choices"][0]["text"], i
-        assert got["choices"][0]["finish_reason"] == "length"
+        gc, rc = got["choices"][0], ref["choices"][0]
+        assert gc["token_ids"] == rc["token_ids"], i
+        assert gc["finish_reason"] == "length"
+        if kind == "completion":
+            assert gc["prompt_token_ids"] == rc["prompt_token_ids"]
+            assert gc["text"] == rc["text"], i
+        else:
+            assert got["prompt_token_ids"] == ref["prompt_token_ids"]
+            assert gc["message"]["content"] == rc["message"]["content"], i
+            assert gc["message"]["role"] == "assistant"
 
 
 def test_shard_errors_name_their_line_and_the_rest_finishes(stack4: Stack) -> None:
