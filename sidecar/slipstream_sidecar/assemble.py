@@ -8,7 +8,8 @@ submission and its continuations) and builds that body: text concatenated,
 ``usage.completion_tokens`` summed, ``usage.prompt_tokens`` the original
 prompt's, id/created/model from the first segment, finish reason from the last.
 Segments are asked for their token ids (``return_token_ids``), which are kept
-too: a completion resumes from the exact tokens (``ShardRunner``), and the
+too: a request resumes from the exact tokens (``ShardRunner``; a chat line's
+continuation is then a completion, whose chunks are read as such), and the
 body carries them when the line asked for them.
 
 The shapes follow vLLM's ``CompletionResponse`` and ``ChatCompletionResponse``
@@ -46,6 +47,9 @@ class Assembly:
     token_ids: list[int] = field(default_factory=list)  # output token ids, every segment
     held_back: bool = False  # the last token so far came without text (a partial character)
     cut: bool = False  # a segment ended inside a character: its text lacks those bytes
+    segment_chat: bool | None = None  # the current segment's chunk shape (None: the line's)
+    dropped: int = 0  # output tokens forgotten at segment ends (``drop_last``), all segments
+    checked_at: int = -1  # output tokens when the last boundary was checked (``ShardRunner``)
 
     @property
     def ids_complete(self) -> bool:
@@ -61,7 +65,22 @@ class Assembly:
         """Output tokens produced over all segments, the current one included."""
         return self.completion_tokens + self.segment_tokens
 
-    def begin_segment(self) -> None:
+    def drop_last(self, n: int) -> None:
+        """Forget the last ``n`` output tokens of finished segments: tokens the engine had
+        produced but held back as text (a character not yet complete) when the segment
+        ended. The continuation produces them again, after a clean character boundary."""
+        if n <= 0:
+            return
+        del self.token_ids[-n:]
+        self.completion_tokens -= n
+        self.dropped += n
+        self.held_back = False
+        self.cut = False
+
+    def begin_segment(self, *, chat: bool | None = None) -> None:
+        """A new segment starts; ``chat`` says whether its chunks are chat-shaped (a chat
+        line resumed from token ids streams as a completion). Default: the line's own kind."""
+        self.segment_chat = self.chat if chat is None else chat
         self.segments += 1
         self.segment_tokens = 0
         self.finish_reason = None
@@ -85,7 +104,8 @@ class Assembly:
         got_text = False
         for choice in doc.get("choices") or ():
             delta = choice.get("delta") or {}
-            piece = delta.get("content") if self.chat else choice.get("text")
+            chat = self.chat if self.segment_chat is None else self.segment_chat
+            piece = delta.get("content") if chat else choice.get("text")
             if piece:
                 self.text_parts.append(piece)
                 got_text = True

@@ -152,6 +152,13 @@ class SidecarMetrics:
             "Requests aborted by the dispatcher to make room (offline) or to reorder.",
             ["class"], registry=r,
         )
+        self.resumed_tokens = Counter(
+            "slipstream_offline_resumed_tokens_total",
+            "Output tokens offline requests had produced when they were resumed as "
+            "continuations (after a preemption or an engine restart): kept, not generated "
+            "again.",
+            registry=r,
+        )
         self.output_tokens = Counter(
             "slipstream_output_tokens_total",
             "Output tokens streamed from the engine, per class (offline rate = offline tok/s).",

@@ -15,11 +15,13 @@ One offline request, as carried out here:
 3. it streams from the engine with ``continuous_usage_stats`` (exact token
    counts) and accumulates the text (``assemble.py``);
 4. if the dispatcher aborts it (preemption) the stream is closed, the
-   dispatcher is told, and the next submit resumes it as a continuation: for a
-   completion, the prompt's token ids plus the output's (exact: text does not
-   always tokenize back to the tokens that wrote it), else the prompt plus the
-   text so far (for chat: a final assistant message with
-   ``continue_final_message``), ``max_tokens`` reduced by the tokens so far;
+   dispatcher is told, and the next submit resumes it as a continuation: the
+   prompt's token ids plus the output's, sent as a completion whether the line
+   is a completion or a chat (a chat prompt's ids are its chat template's
+   output), because text does not always tokenize back to the tokens that
+   wrote it; only where the engine gave no token ids, the prompt plus the text
+   so far (for chat: a final assistant message with
+   ``continue_final_message``); ``max_tokens`` reduced by the tokens so far;
 5. if the engine goes away mid-stream, what was received is kept, the request
    leaves the dispatcher, and it is registered again as a continuation once
    the engine is ready again;
@@ -459,6 +461,43 @@ class ShardRunner:
             self.metrics.batch_lines.labels("completed").inc()
             self.metrics.finished.labels("offline", "ok").inc()
 
+    async def _trim_to_character(self, asm: Assembly) -> None:
+        """Before a continuation from token ids: drop the output tokens at the end that the
+        engine held back because they end inside a character (their text never came).
+        Resumed after them, the engine would read a prompt that ends mid-character and
+        misplace the text it streams next; resumed before them, it produces them again and
+        streams their text with the character's last bytes, as an uninterrupted request
+        does. vLLM's ``/detokenize`` of the last few tokens tells where a character ends (a
+        character spans at most four byte-level tokens); if it cannot, nothing is dropped."""
+        ids = asm.token_ids
+        for drop in range(_CHAR_TOKENS):
+            window = ids[max(len(ids) - drop - _CHAR_TOKENS, 0):len(ids) - drop]
+            if not window:
+                return
+            text = await self._detokenize_ids(window)
+            if text is None:
+                return
+            if not text.endswith("\ufffd"):
+                asm.drop_last(drop)
+                return
+
+    async def _detokenize_ids(self, ids: list[int]) -> str | None:
+        """The engine's ``/detokenize`` of ``ids``, or None when it cannot answer."""
+        while True:
+            try:
+                resp = await self.engine.post("/detokenize", json.dumps({"tokens": ids}).encode())
+                async with resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        return None
+                text = json.loads(raw).get("prompt")
+                return text if isinstance(text, str) else None
+            except EngineUnavailableError:
+                self.watch.set(False)
+                await self.watch.wait()
+            except (ValueError, AttributeError, aiohttp.ClientError):
+                return None
+
     async def _detokenize(self, asm: Assembly) -> None:
         """Text of a resumed completion from its token ids, when a segment ended inside a
         character: vLLM held that character's first bytes back, so the texts lack them."""
@@ -487,7 +526,7 @@ class ShardRunner:
         """Serve every grant of one registration until done, engine loss or HTTP error."""
         while True:
             grant = await ticket.granted()
-            if base + grant.resume_from_tokens != asm.tokens:
+            if base + grant.resume_from_tokens != asm.tokens + asm.dropped:
                 log.warning(
                     "%s: dispatcher resumes from %d tokens, the stream gave %d",
                     ticket.request_id, base + grant.resume_from_tokens, asm.tokens,
@@ -516,16 +555,17 @@ class ShardRunner:
         body["max_tokens"] = max_tokens - done
         body.pop("max_completion_tokens", None)
         if done:
-            text = asm.text
-            if req.is_chat:
-                body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
-                body["continue_final_message"] = True
-                body["add_generation_prompt"] = False
-            elif asm.ids_complete and asm.prompt_ids:
+            if _resumes_from_ids(asm):
+                for key in _CHAT_ONLY_KEYS:
+                    body.pop(key, None)
                 body["prompt"] = [*asm.prompt_ids, *asm.token_ids]
                 body.pop("add_special_tokens", None)
+            elif req.is_chat:
+                body["messages"] = [*body["messages"], {"role": "assistant", "content": asm.text}]
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
             else:
-                body["prompt"] = body["prompt"] + text
+                body["prompt"] = body["prompt"] + asm.text
             if isinstance(body.get("min_tokens"), int):
                 body["min_tokens"] = max(body["min_tokens"] - done, 0)
         return json.dumps(body, separators=(",", ":")).encode()
@@ -538,21 +578,30 @@ class ShardRunner:
         if _used_up(asm, max_tokens):  # nothing left to ask for (see below)
             asm.finish_reason = asm.finish_reason or "length"
             return _Outcome.DONE, 200, b""
+        if asm.tokens and _resumes_from_ids(asm) and asm.checked_at != asm.tokens:
+            await self._trim_to_character(asm)
+            asm.checked_at = asm.tokens
         data = self._segment_body(req, asm, max_tokens, priority)
-        path = req.url
+        # A continuation from token ids is a completion, for a chat line too (its prompt ids
+        # are the chat template's output): the engine then sees exactly the tokens so far.
+        by_ids = asm.tokens > 0 and _resumes_from_ids(asm)
+        path = "/v1/completions" if by_ids else req.url
+        resumed = asm.tokens
         try:
             resp = await self.engine.post(path, data)
         except EngineUnavailableError:
             return _Outcome.ENGINE_DOWN, 0, b""
         label = "offline"
         tokens_metric = self.metrics.output_tokens.labels(label)
-        asm.begin_segment()
+        asm.begin_segment(chat=req.is_chat and not by_ids)
         complete = False
         try:
             if resp.status != 200:
                 body = await resp.read()
                 complete = True
                 return _Outcome.HTTP_ERROR, resp.status, body
+            if resumed:
+                self.metrics.resumed_tokens.inc(resumed)
             ticket.on_abort(resp.close)
             if ticket.aborting:
                 return _Outcome.ABORTED, 0, b""
@@ -593,6 +642,25 @@ class ShardRunner:
                 resp.release()
             else:
                 resp.close()  # the engine aborts the request when its connection drops
+
+
+# Fields of a chat request that a completion request does not take (a chat line resumed from
+# token ids is sent as a completion). Batch lines cannot ask for tools or logprobs.
+_CHAT_ONLY_KEYS = (
+    "messages", "add_generation_prompt", "continue_final_message", "chat_template",
+    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "documents",
+    "echo", "reasoning_effort", "include_reasoning", "mm_processor_kwargs",
+)
+
+
+_CHAR_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens
+
+
+def _resumes_from_ids(asm: Assembly) -> bool:
+    """Resume from the exact token ids (prompt and output so far), not from text: the engine
+    gave an id for every token, and the prompt's ids are known. Text does not always tokenize
+    back to the tokens that wrote it, so a text continuation can change what comes next."""
+    return asm.ids_complete and bool(asm.prompt_ids)
 
 
 def _used_up(asm: Assembly, max_tokens: int) -> bool:

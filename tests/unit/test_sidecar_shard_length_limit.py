@@ -91,15 +91,22 @@ class BreakingEngine:
 
 async def run_one_line(
     tmp_path: Path,
-    engine: BreakingEngine,
+    engine: Any,
     max_tokens: int,
     *,
     max_num_seqs: int = 4,
     meanwhile: Callable[[Controller], Awaitable[None]] | None = None,
+    url: str = "/v1/completions",
+    line_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Run one batch line (a completion of "one two three" unless ``line_body``) through a
+    ShardRunner against ``engine``'s routes (``engine.routes()``, else tokenize and
+    completions) on loopback, and return its output record."""
     app = web.Application()
-    app.router.add_post("/tokenize", engine.tokenize)
-    app.router.add_post("/v1/completions", engine.completions)
+    routes = getattr(engine, "routes", None)
+    for path, handler in (routes() if routes is not None else (
+            ("/tokenize", engine.tokenize), ("/v1/completions", engine.completions))):
+        app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -109,8 +116,8 @@ async def run_one_line(
     await client.start()
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({
-        "custom_id": "only", "method": "POST", "url": "/v1/completions",
-        "body": {"model": MODEL, "prompt": "one two three", "max_tokens": max_tokens},
+        "custom_id": "only", "method": "POST", "url": url,
+        "body": line_body or {"model": MODEL, "prompt": "one two three", "max_tokens": max_tokens},
     }) + "\n")
     settings = SidecarSettings(max_num_seqs=max_num_seqs, kv_blocks=10_000)
     metrics = SidecarMetrics()

@@ -503,40 +503,61 @@ def chat_offline_body(i: int, max_tokens: int) -> dict[str, Any]:
             "messages": [{"role": "user", "content": f"offline line {i} of the shard"}]}
 
 
+@pytest.fixture
+def stack1(vllm: VllmServer, tmp_path: Path) -> Iterator[Stack]:
+    """A sidecar that knows the engine runs one request at a time: its one offline request
+    is the one vLLM is decoding, so an online arrival aborts it mid-answer."""
+    s = start_sidecar(vllm, tmp_path, seqs=1)
+    yield s
+    s.sidecar.stop()
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_online_burst_preempts_offline_and_continuations_keep_every_token(
-    vllm: VllmServer, stack4: Stack, kind: str
+    vllm: VllmServer, stack1: Stack, kind: str
 ) -> None:
-    """Every line of the shard is a completion, or every line a chat; the burst aborts some of
-    them, and each line's output is then compared on token ids with the same request asked of
-    vLLM directly, uninterrupted."""
-    # Seconds of offline work in vLLM (it runs one request at a time), so that the burst finds
-    # the sidecar's four slots full of it; the trigger reads vLLM's own gauges, which answer
-    # at once (the sidecar's /metrics also scrapes the engine, and can lag behind it). A chat
-    # prompt is longer (the chat template), and the server's context is 512.
-    n = 8
+    """Every line of the shard is a completion, or every line a chat. Online requests arrive
+    while an offline line is decoding; the sidecar (one slot) aborts it mid-answer and later
+    resumes it as a continuation. Each line's output is then compared on token ids with the
+    same request asked of vLLM directly, uninterrupted."""
+    n = 12  # a chat prompt is longer (the chat template), and the server's context is 512
     line, max_tokens, path = ((offline_body, 480, "/v1/completions") if kind == "completion"
                               else (chat_offline_body, 440, "/v1/chat/completions"))
     bodies: list[dict[str, Any] | bytes] = [line(i, max_tokens) for i in range(n)]
-    write_shard(stack4.tmp / "in.jsonl", bodies)
-    sc = stack4.sidecar.url
-    assign(stack4, "burst", n)
-    wait_until(lambda: metric(vllm.url, "vllm:num_requests_running") >= 1
-               and metric(vllm.url, "vllm:num_requests_waiting") >= 3, "offline work in vLLM")
+    write_shard(stack1.tmp / "in.jsonl", bodies)
+    sc = stack1.sidecar.url
+    assign(stack1, "burst", n)
+
+    def decoding() -> bool:
+        """An offline line is mid-answer: it has produced tokens, and has hundreds to go
+        (every finished line has exactly ``max_tokens``: ``ignore_eos``). Also true once the
+        shard has ended."""
+        for p in stack1.status().shards:
+            if p.shard_id == "burst":
+                seen.append((p.output_tokens, p.completed, p.in_flight, p.preemptions))
+                return (p.completed == n
+                        or 8 < p.output_tokens - p.completed * max_tokens < max_tokens // 2)
+        return False
+
+    # Up to three online requests, one at a time, each sent while an offline line is
+    # mid-answer (on a slow host the shard may end first).
     results: list[Streamed] = []
-    burst = [threading.Thread(target=lambda i=i: results.append(stream(
-        sc + "/v1/completions", {**COMPLETION, "max_tokens": 16, "seed": i,
-                                 "return_token_ids": True}))) for i in range(3)]
-    for th in burst:
-        th.start()
-    for th in burst:
-        th.join(300)
-    assert len(results) == 3 and all(r.done for r in results)
-    progress = wait_shard(stack4, "burst")
+    seen: list[tuple[int, int, int, int]] = []  # (tokens, completed, in flight, preemptions)
+    for i in range(3):
+        wait_until(decoding, f"an offline line decoding before online request {i}; the "
+                   f"shard's (tokens, completed, in flight, preemptions): {seen[-3:]}")
+        if seen[-1][1] == n:
+            break
+        results.append(stream(sc + "/v1/completions", {
+            **COMPLETION, "max_tokens": 16, "seed": i, "return_token_ids": True}))
+    assert results and all(r.done for r in results)
+    progress = wait_shard(stack1, "burst")
     assert progress.state == pb.SHARD_STATE_SUCCEEDED and progress.completed == n
     assert progress.preemptions > 0, "the online burst must abort offline work"
-    out = {r["custom_id"]: r for r in records(stack4.tmp / "out.jsonl")}
-    assert sorted(out) == [f"req-{i}" for i in range(n)]
+    assert metric(sc, "slipstream_offline_resumed_tokens_total") > 0, (
+        "no offline line was resumed mid-answer")
+    out = {r["custom_id"]: r for r in records(stack1.tmp / "out.jsonl")}
+    assert set(out) == {f"req-{i}" for i in range(n)} and len(out) == n
     for i in range(n):
         ref = post_json(vllm.url + path, line(i, max_tokens))
         got = out[f"req-{i}"]["response"]["body"]
@@ -548,11 +569,19 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
         assert gc["finish_reason"] == "length"
         if kind == "completion":
             assert gc["prompt_token_ids"] == rc["prompt_token_ids"]
-            assert gc["text"] == rc["text"], i
+            assert gc["text"] == rc["text"], (i, first_difference(gc["text"], rc["text"]))
         else:
             assert got["prompt_token_ids"] == ref["prompt_token_ids"]
-            assert gc["message"]["content"] == rc["message"]["content"], i
+            assert gc["message"]["content"] == rc["message"]["content"], (
+                i, first_difference(gc["message"]["content"], rc["message"]["content"]))
             assert gc["message"]["role"] == "assistant"
+
+
+def first_difference(got: str, want: str) -> str:
+    """Where two texts part, with a little context, for an assertion message."""
+    k = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+             min(len(got), len(want)))
+    return f"at {k}: got {got[max(k - 20, 0):k + 20]!r}, want {want[max(k - 20, 0):k + 20]!r}"
 
 
 def test_shard_errors_name_their_line_and_the_rest_finishes(stack4: Stack) -> None:
