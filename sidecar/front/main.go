@@ -1,5 +1,5 @@
-// slipstream-front is the sidecar's compiled data path (`slipstream sidecar
-// --front compiled`, docs/sidecar.md). It serves the pod's OpenAI HTTP port:
+// slipstream-front is the sidecar's online data path (started by `slipstream
+// sidecar`, docs/sidecar.md). It serves the pod's OpenAI HTTP port:
 // for each generation request it asks the sidecar's Python process, over a
 // Unix socket, whether and with which vLLM priority to send it, or sends it at
 // once inside the allowance the sidecar's dispatcher gave it ahead of time
@@ -32,7 +32,7 @@ import (
 	"time"
 )
 
-// The largest request body taken, as the Python front door's client_max_size.
+// The largest request body taken (the sidecar's own routes take as much).
 const maxBody = 64 << 20
 
 const (

@@ -1,7 +1,8 @@
 """Slipstream sidecar: the in-pod enforcer in front of vLLM.
 
 Online clients reach the engine only through its OpenAI-compatible HTTP
-proxy; the operator drives it over authenticated gRPC. Scheduling decisions
+port, served by its compiled front (``slipstream-front``, ``front.py``); the
+operator drives it over authenticated gRPC. Scheduling decisions
 come from the core's ``Dispatcher``; this package is the asyncio shell that
 feeds it events and carries out its decisions. See ``docs/sidecar.md``.
 """

@@ -1,5 +1,8 @@
 """``slipstream sidecar``: run the in-pod sidecar (OpenAI HTTP proxy + control gRPC).
 
+The OpenAI HTTP port is served by the compiled front (``slipstream-front``,
+``front.py``), which this process starts and feeds; without the executable the
+sidecar refuses to start (exit status 2, one line naming ``make front``).
 Flags override ``SLIPSTREAM_SIDECAR_*`` environment variables (``settings.py``).
 The process serves until SIGTERM or SIGINT, then stops admitting, closes its
 streams (offline progress is durable) and exits 0.
@@ -50,11 +53,9 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--sync-prefill-limit": (
         "sync_prefill_limit", int, "grant online arrivals at once while at most this many "
         "granted requests await their first token (default 16; 0: never)"),
-    "--front": ("front", str, "python (default) | compiled: what serves the HTTP port"),
-    "--front-binary": ("front_binary", Path, "the slipstream-front executable (--front compiled)"),
-    "--yield-to-front": (
-        "yield_to_front", int, "niceness this process adds to itself under --front compiled "
-        "(default 5; 0: none)"),
+    "--front-binary": (
+        "front_binary", Path, "the slipstream-front executable that serves the HTTP port "
+        "(default: beside this Python, else on PATH)"),
     "--event-loop": ("event_loop", str, "auto (uvloop when installed) | uvloop | asyncio"),
     "--engine-channel": (
         "engine_channel", Path, "engine mode: directory shared with vLLM's scheduler plugin"),
@@ -65,7 +66,6 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
 _CHOICES: dict[str, tuple[str, ...]] = {
     "--online-prompt-tokens": ("tokenize", "estimate"),
     "--length-predictor": ("text", "semantic", "input"),
-    "--front": ("python", "compiled"),
     "--event-loop": ("auto", "uvloop", "asyncio"),
 }
 
@@ -128,50 +128,40 @@ def event_loop_runner(choice: str) -> Callable[[Coroutine[Any, Any, int]], int]:
 
 async def _serve(settings: Any) -> int:
     from slipstream_sidecar.app import Sidecar
+    from slipstream_sidecar.front import FrontMissingError, find_binary, start_front
     from slipstream_sidecar.grpc_server import serve_grpc
     from slipstream_sidecar.heap import freeze_startup_heap
-    from slipstream_sidecar.proxy import serve
 
+    try:
+        binary = find_binary(settings.front_binary)
+    except FrontMissingError as exc:
+        print(f"slipstream sidecar: {exc}", file=sys.stderr)
+        return 2
     sidecar = Sidecar(settings)
-    front = None
-    if settings.front == "compiled":
-        from slipstream_sidecar.front import find_binary
-
-        try:
-            binary = find_binary(settings.front_binary)
-        except FileNotFoundError as exc:
-            print(f"slipstream sidecar: {exc}", file=sys.stderr)
-            return 2
     await sidecar.start()
-    if settings.front == "compiled":
-        from slipstream_sidecar.front import start_front, yield_cpu
-
-        front = await start_front(
-            sidecar.proxy,
-            sidecar.proxy.app(),
-            engine=settings.engine,
-            host=settings.host,
-            port=settings.http_port,
-            binary=binary,
-            engine_connections=settings.engine_connections,
-        )
-        yield_cpu(settings.yield_to_front)
-        runner, http_port = None, front.port
-    else:
-        runner, http_port = await serve(sidecar.proxy.app(), settings.host, settings.http_port)
+    # The control port first: once the HTTP port answers, the whole sidecar does.
     grpc_server, grpc_port = await serve_grpc(sidecar, settings.host, settings.grpc_port)
+    front = await start_front(
+        sidecar.proxy,
+        sidecar.proxy.app(),
+        engine=settings.engine,
+        host=settings.host,
+        port=settings.http_port,
+        binary=binary,
+        engine_connections=settings.engine_connections,
+    )
     freeze_startup_heap()
     loop = asyncio.get_running_loop()
     loop_name = type(loop).__module__.split(".")[0]
     log.info(
         "sidecar serving: http %s:%d grpc %s:%d engine %s loop %s",
-        settings.host, http_port, settings.host, grpc_port, settings.engine, loop_name,
+        settings.host, front.port, settings.host, grpc_port, settings.engine, loop_name,
     )
     # "ready" only when /ready says so; else "serving" (/ready turns 200 once the engine is).
     ready = sidecar.proxy_state.engine_ready
     print(
-        f"sidecar {'ready' if ready else 'serving'} http={http_port} grpc={grpc_port} "
-        f"loop={loop_name} front={settings.front} engine={settings.engine}"
+        f"sidecar {'ready' if ready else 'serving'} http={front.port} grpc={grpc_port} "
+        f"loop={loop_name} engine={settings.engine}"
         + ("" if ready else " (engine not ready: /ready answers 503 until it is)"),
         flush=True,
     )
@@ -179,23 +169,17 @@ async def _serve(settings: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    stopped = loop.create_task(stop.wait())
+    front_gone = loop.create_task(front.wait_closed())
+    await asyncio.wait((stopped, front_gone), return_when=asyncio.FIRST_COMPLETED)
     status = 0
-    if front is None:
-        await stop.wait()
-    else:
-        stopped = loop.create_task(stop.wait())
-        front_gone = loop.create_task(front.wait_closed())
-        await asyncio.wait((stopped, front_gone), return_when=asyncio.FIRST_COMPLETED)
-        if front_gone.done():
-            log.error("the compiled front exited; the sidecar stops")
-            status = 1
-        stopped.cancel()
-        front_gone.cancel()
+    if front_gone.done():
+        log.error("the compiled front exited; the sidecar stops")
+        status = 1
+    stopped.cancel()
+    front_gone.cancel()
     sidecar.proxy_state.draining = True
     await grpc_server.stop(grace=1.0)
-    if front is not None:
-        await front.stop()
+    await front.stop()
     await sidecar.stop()
-    if runner is not None:
-        await runner.cleanup()
     return status

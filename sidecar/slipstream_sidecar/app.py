@@ -95,7 +95,6 @@ class Sidecar:
             settings.engine,
             connections=settings.engine_connections,
             timeout_s=settings.engine_timeout_s,
-            on_resend=self.metrics.engine_resent.inc,
         )
         model = None
         if settings.latency_model_file is not None:

@@ -9,8 +9,8 @@ offline request to abort to make room. This module only feeds it events on
   dispatcher submits it (the request is *held* in the sidecar until then).
   With ``grant_now`` (the proxy's online requests) an arrival that no held
   online request precedes and that fits the engine's free slots and KV is
-  decided at once, inside ``register``: its ticket comes back granted, so the
-  handler forwards it without yielding to the event loop, and the engine
+  decided at once, inside ``register``: its ticket comes back granted, so its
+  grant goes to the front without yielding to the event loop, and the engine
   starts on the first requests of a burst while the sidecar is still parsing
   the rest (``docs/benchmarks/sidecar.md``). It is the dispatcher's own
   ``decide``, so what it submits and in which order is what the coalesced

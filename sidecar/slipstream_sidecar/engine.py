@@ -1,9 +1,9 @@
 """The sidecar's client of the engine's public HTTP API (vLLM's OpenAI server).
 
-A lean link (:mod:`slipstream_sidecar.link`) carries the online requests, whose
-every streamed chunk the proxy relays; one pooled :class:`aiohttp.ClientSession`
-carries the rest (offline work, ``/tokenize`` for prompt lengths and
-prefix-block hashes, ``/health``, ``/v1/models``). Aborting a request is
+Online requests go to the engine from the compiled front (``front.py``); this
+process's requests (offline work, ``/tokenize`` for prompt lengths and
+prefix-block hashes, ``/health``, ``/v1/models`` and the other routes passed
+on) share one pooled :class:`aiohttp.ClientSession`. Aborting a request is
 closing its connection (vLLM cancels the request when the connection drops);
 the connection is then not reused.
 
@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from slipstream_sidecar.errors import EngineError, unreachable
-from slipstream_sidecar.link import Collector, EngineLink, Exchange, StreamSink
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +141,11 @@ class EngineClient:
         *,
         connections: int,
         timeout_s: float,
-        on_resend: Callable[[], None] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._connections = connections
         self._timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
-        self._link = EngineLink(self.base_url, idle_limit=connections, on_resend=on_resend)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -166,7 +162,6 @@ class EngineClient:
         )
 
     async def close(self) -> None:
-        await self._link.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -186,26 +181,6 @@ class EngineClient:
             return await self.session.post(self.url(path), data=body, headers=JSON_HEADERS)
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise unreachable(f"POST {path}", exc) from exc
-
-    async def stream(self, path: str, body: bytes, sink: StreamSink) -> Exchange:
-        """POST a request whose answer is handed to ``sink`` piece by piece as it is read.
-
-        No total timeout: the client of a streamed online request bounds its lifetime.
-        """
-        return await self._link.post(path, body, sink)
-
-    async def fetch(self, path: str, body: bytes) -> tuple[int, str | None, bytes]:
-        """POST over the lean link and return the whole answer: (status, content type, body).
-
-        For online requests (no total timeout: their client bounds them); cancelling the
-        caller aborts the engine's request.
-        """
-        sink = Collector()
-        exchange = await self._link.post(path, body, sink)
-        try:
-            return await sink.answer
-        finally:
-            exchange.abort()  # a no-op once the answer is complete
 
     async def health(self) -> bool:
         try:

@@ -1,18 +1,17 @@
 """The compiled front: the online data path in a Go process, the decisions here.
 
-With ``--front compiled`` the pod's OpenAI HTTP port is served by
-``slipstream-front`` (``sidecar/front``, Go standard library), which this
-module starts and feeds. For each generation request the front sends the
-client's body here over a Unix socket; this process decides exactly as the
-Python front door does (``Proxy.inspect`` / ``measure`` / ``register``: the
-same dispatcher, ordering and prompt-length rules) and answers with a grant
-(the vLLM priority, or the rewritten body) or a refusal (an error response).
-The front forwards the request, relays the answer byte for byte and reports
-tokens (TTFT, gaps, counts) and the end; this process turns those into the
-dispatcher's ``progress`` / ``finished`` / ``failed`` and the same metrics.
-Every other route (``/health``, ``/ready``, ``/metrics``, ``/v1/models``) the
-front passes to this process's own aiohttp application on a second Unix
-socket, so it answers exactly as without the front.
+The pod's OpenAI HTTP port is served by ``slipstream-front``
+(``sidecar/front``, Go standard library), which this module starts and feeds.
+For each generation request the front sends the client's body here over a
+Unix socket; this process decides (``Proxy.inspect`` / ``measure`` /
+``register``: the dispatcher, the ordering and the prompt-length rules) and
+answers with a grant (the vLLM priority, or the rewritten body) or a refusal
+(an error response). The front forwards the request, relays the answer byte
+for byte and reports tokens (TTFT, gaps, counts) and the end; this process
+turns those into the dispatcher's ``progress`` / ``finished`` / ``failed`` and
+the metrics. Every other route (``/health``, ``/ready``, ``/metrics``,
+``/v1/models``, the engine's routes the sidecar passes on) the front passes to
+this process's own aiohttp application (``Proxy.app``) on a second Unix socket.
 
 The allowance: while no online request is held, the dispatcher would submit
 any online arrival that finds a slot and KV blocks free
@@ -63,6 +62,7 @@ from typing import cast
 from aiohttp import web
 
 from slipstream_sidecar.controller import Grant, Ticket
+from slipstream_sidecar.logging_filters import install_payload_filter
 from slipstream_sidecar.proxy import Admission, Proxy, ProxyState, error_response
 
 log = logging.getLogger(__name__)
@@ -85,21 +85,29 @@ class FrontProtocolError(RuntimeError):
     """The front sent a frame this side cannot read."""
 
 
+class FrontMissingError(FileNotFoundError):
+    """The ``slipstream-front`` executable is not where the sidecar looks for it."""
+
+
 def find_binary(configured: Path | None) -> Path:
     """The front's executable: the configured path, else ``slipstream-front`` beside this
-    Python (a virtual environment's ``bin``) or on ``PATH``."""
+    Python (a virtual environment's ``bin``, where ``make front`` builds it) or on ``PATH``
+    (the image's ``/usr/local/bin``)."""
     if configured is not None:
-        if not os.access(configured, os.X_OK):
-            raise FileNotFoundError(f"front_binary {configured} is not an executable file")
+        if not (configured.is_file() and os.access(configured, os.X_OK)):
+            raise FrontMissingError(
+                f"--front-binary {configured} is not an executable file (build it with "
+                "`make front`)"
+            )
         return configured
     beside = Path(sys.executable).parent / BINARY
     if os.access(beside, os.X_OK):
         return beside
     found = shutil.which(BINARY)
     if found is None:
-        raise FileNotFoundError(
-            f"--front compiled needs the {BINARY} executable (build it with `make front`, "
-            "or give --front-binary)"
+        raise FrontMissingError(
+            f"the {BINARY} executable is neither beside {sys.executable} nor on PATH "
+            "(build it with `make front`, or give --front-binary)"
         )
     return Path(found)
 
@@ -143,6 +151,12 @@ class FrontLink(asyncio.Protocol):
     def open_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def allowance(self) -> tuple[int, int] | None:
+        """The allowance last sent to the front, (requests, KV blocks); None before the first."""
+        last = self._allowance
+        return None if last is None else (last[1], last[2])
+
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -152,6 +166,7 @@ class FrontLink(asyncio.Protocol):
         self._transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
         self.controller.on_change = self._schedule_refresh
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_periodically())
+        self._schedule_refresh()  # the first allowance at once, not at the first refresh
         if not self.connected.done():
             self.connected.set_result(None)
 
@@ -396,22 +411,6 @@ class CompiledFront:
         shutil.rmtree(self._workdir, ignore_errors=True)
 
 
-def yield_cpu(niceness: int) -> None:
-    """Lower every thread of this process by ``niceness`` (at most to 19), once the
-    front runs: on Linux a thread's niceness is its own, so each is set, and threads
-    started later inherit it from the thread that starts them. The front keeps its
-    own, so under contention its forwarding and relaying go first."""
-    if niceness <= 0:
-        return
-    tasks = Path("/proc/self/task")
-    tids = [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]
-    for tid in tids:
-        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
-            now = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + niceness))
-    log.info("compiled front: this process runs %d nicer than its front", niceness)
-
-
 async def start_front(
     proxy: Proxy,
     app: web.Application,
@@ -424,6 +423,7 @@ async def start_front(
 ) -> CompiledFront:
     """Serve ``app`` on a private Unix socket, open the control socket, start the front
     on ``host:port`` (0: any free port) and wait until it is connected and listening."""
+    install_payload_filter()  # aiohttp would log the bytes of a malformed request (a prompt)
     workdir = Path(tempfile.mkdtemp(prefix="slipstream-front-"))
     internal = workdir / "http.sock"
     control_path = workdir / "control.sock"

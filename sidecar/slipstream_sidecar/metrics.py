@@ -135,12 +135,6 @@ class SidecarMetrics:
             "slipstream_online_grants_at_arrival_total too).",
             registry=r,
         )
-        self.engine_resent = Counter(
-            "slipstream_engine_requests_resent_total",
-            "Requests sent to the engine a second time, on a new connection, because the engine "
-            "closed the reused keep-alive connection they were sent on before answering.",
-            registry=r,
-        )
         self.finished = Counter(
             "slipstream_requests_finished_total",
             "Requests that left the sidecar, by outcome (ok, client_error, engine_error, "

@@ -1,29 +1,28 @@
-"""The OpenAI-compatible HTTP front door of one pod (online traffic).
+"""The sidecar's online admission, and the routes it serves itself.
 
-Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming
-SSE and not), ``GET /v1/models``, ``GET /health`` (liveness: the process
+The pod's OpenAI HTTP port is served by the compiled front (``front.py``,
+``slipstream-front``). For each generation request the front hands the
+client's body to this process, where :class:`Proxy` reads what the dispatcher
+needs (``inspect``, ``measure``), registers it (``register``) and, once it is
+granted, tells the front the vLLM priority to send it with; the front
+forwards the request and relays the answer byte for byte.
+
+:meth:`Proxy.app` is the aiohttp application the front passes every other
+route to, on a private Unix socket: ``GET /health`` (liveness: the process
 answers), ``GET /ready`` (readiness: the engine's ``/health`` answered 200 at
-the last check and no Drain is in progress), ``GET /metrics``.
-
-A request is held in the sidecar until the dispatcher submits it, then sent
-to the engine with the priority the dispatcher chose. The engine's answer is
-passed through byte for byte (status, content type, body or SSE chunks); the
-sidecar only *reads* the stream to time tokens (TTFT, TBT) and count them.
+the last check and no Drain is in progress), ``GET /metrics``, and the
+engine's own routes, passed on as it answers them (``GET /v1/models``,
+``/v1/models/{id}``, ``/version``, ``POST /tokenize``, ``/detokenize``).
 
 Choices made here (``docs/sidecar.md``):
 
 * A client's ``priority`` field is removed and replaced: clients never choose
   their class or priority; both come from the operator's configuration. A body
   without one is forwarded as the client's bytes with ``"priority":N`` put in
-  front (``with_priority``), not decoded and encoded again.
+  front (by the front: a ``G`` grant), not decoded and encoded again.
 * An online request that fits the engine when it arrives is granted inside
-  ``Controller.register`` (``grant_now``), so its handler sends it to the
-  engine before yielding to the event loop.
-* A client's non-streaming request is sent upstream non-streaming and its
-  bytes passed through unchanged; its token count comes from ``usage`` at the
-  end (no TTFT/TBT samples for it). Streaming requests are forwarded as sent
-  (no ``stream_options`` injected, so the bytes are what vLLM would send the
-  client) and tokens are counted from the events (``sse.py``).
+  ``Controller.register`` (``grant_now``), so its grant goes back to the front
+  before this process yields to the event loop.
 * Prompt lengths come from the engine's ``/tokenize`` (setting
   ``online_prompt_tokens``), whose token ids also give the prefix-block hashes,
   whenever they can change a decision: while online requests are held (the
@@ -43,7 +42,6 @@ beyond ``priority``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -52,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp import HttpVersion11, web
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from slipstream_scheduler.dispatcher import Incoming
@@ -61,10 +59,8 @@ from slipstream_scheduler.types import RequestClass
 from slipstream_sidecar.controller import Controller, Grant, Ticket
 from slipstream_sidecar.engine import EngineClient, TokenRatio, completion_prompts, prompt_chars
 from slipstream_sidecar.errors import EngineError, EngineUnavailableError
-from slipstream_sidecar.logging_filters import install_payload_filter
 from slipstream_sidecar.metrics import EngineView, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, Vector, prompt_text
-from slipstream_sidecar.relay import CANCELLED, CLIENT_ERROR, ENGINE_ERROR, OK, Relay
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +72,11 @@ _DEFAULT_MAX_TOKENS = 256
 _CALIBRATION_MIN = 4
 _CALIBRATE_EVERY = 32
 _ABSENT = object()
+
+# Outcome labels of ``slipstream_requests_finished_total``.
+OK = "ok"
+ENGINE_ERROR = "engine_error"
+CLIENT_ERROR = "client_error"  # the request's own fault (4xx)
 
 
 def error_response(status: int, message: str, err_type: str = "Bad Request") -> web.Response:
@@ -92,11 +93,6 @@ def unavailable(exc: EngineUnavailableError) -> web.Response:
     """503 for an engine that cannot be reached: a clean message (the details are logged)."""
     log.warning("engine unreachable: %s", exc)
     return error_response(503, exc.public, "ServiceUnavailableError")
-
-
-def outcome_of(status: int) -> str:
-    """The outcome label of a request the engine answered with ``status`` (not 200)."""
-    return CLIENT_ERROR if 400 <= status < 500 else ENGINE_ERROR
 
 
 @dataclass(slots=True)
@@ -127,7 +123,7 @@ class ProxyState:
 
 
 class Proxy:
-    """The aiohttp application serving online clients."""
+    """Online admission for the compiled front, and the routes it passes on (``app``)."""
 
     def __init__(
         self,
@@ -147,12 +143,7 @@ class Proxy:
         self._tokenize = tokenize
         self._bs = block_size
         self.lengths = lengths
-        self._ttft = metrics.ttft.labels("online")
-        self._to_engine = metrics.proxy_overhead.labels("to_engine")
-        self._relay = metrics.proxy_overhead.labels("relay")
-        self._tbt = metrics.tbt.labels("online")
         self._e2e = metrics.e2e.labels("online")
-        self._tokens = metrics.output_tokens.labels("online")
         self.ratio = TokenRatio()
         self.estimated = 0  # online requests admitted on an estimated prompt length
         self._exact_pending = 0  # requests waiting for /tokenize before they arrive
@@ -160,9 +151,8 @@ class Proxy:
         self.engine_view = EngineView(self._engine_metrics)  # the picker's vllm: series
 
     def app(self) -> web.Application:
+        """The routes the front passes on (every one but the two generation routes)."""
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         # Served by the engine as by vLLM; passed through as they are.
         app.router.add_get("/v1/models/{model_id:.+}", self._forward)
@@ -218,44 +208,7 @@ class Proxy:
             return unavailable(exc)
         return _passthrough(status, data, ctype)
 
-    # -- generation ---------------------------------------------------------------------------
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "/v1/completions")
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "/v1/chat/completions")
-
-    async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
-        arrival = self.controller.now()
-        if self.state.draining:
-            return error_response(503, "the sidecar is draining", "ServiceUnavailableError")
-        adm = self.inspect(await request.read(), arrival)
-        if isinstance(adm, web.Response):
-            self.metrics.finished.labels("online", CLIENT_ERROR).inc()
-            return adm
-        if adm.exact:
-            refused = await self.measure(adm)
-            if refused is not None:
-                return refused
-        ticket = self.register(adm)
-        outcome = "cancelled"
-        try:
-            # Already granted when it fits at once (a done future: no loop turn here).
-            data = self.engine_body(adm, await ticket.granted())
-            self._to_engine.observe(self.controller.now() - arrival)
-            if adm.body.get("stream"):
-                resp, outcome = await self._stream(request, path, data, ticket)
-            else:
-                resp, outcome = await self._unary(path, data, ticket)
-            return resp
-        except EngineUnavailableError as exc:
-            outcome = ENGINE_ERROR
-            return unavailable(exc)
-        finally:
-            self.settle(adm, ticket, outcome, self.controller.now() - arrival)
-
-    # -- admission, shared with the compiled front (front.py) ---------------------------------
+    # -- admission (front.py) -----------------------------------------------------------------
 
     def inspect(self, raw: bytes, arrival: float) -> Admission | web.Response:
         """Read one generation request's body: what the dispatcher needs to know of it,
@@ -302,8 +255,8 @@ class Proxy:
         return adm
 
     def _admission(self, raw: bytes, body: dict[str, Any], arrival: float) -> Admission:
-        """What both front doors read of a body: the client's priority (removed), the
-        tokens asked for, the prompt's text when the length predictor reads it."""
+        """What is read of every body: the client's priority (removed), the tokens asked
+        for, the prompt's text when the length predictor reads it."""
         # NOTE: clients cannot raise their own priority; the dispatcher sets it.
         client_priority = body.pop("priority", _ABSENT) is not _ABSENT
         asked = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -366,14 +319,14 @@ class Proxy:
         )
 
     def engine_body(self, adm: Admission, grant: Grant) -> bytes:
-        """The body sent to the engine: the client's, with the dispatcher's priority."""
-        if adm.client_priority or not adm.body or not _spliceable(adm.raw):
-            adm.body["priority"] = grant.priority
-            return json.dumps(adm.body, separators=(",", ":")).encode()
-        return with_priority(adm.raw, grant.priority)
+        """The body for a grant the front cannot splice (``splices`` is false): the
+        client's, decoded, with the dispatcher's priority."""
+        adm.body["priority"] = grant.priority
+        return json.dumps(adm.body, separators=(",", ":")).encode()
 
     def splices(self, adm: Admission) -> bool:
-        """Whether :meth:`engine_body` would splice the priority into the client's bytes."""
+        """Whether the front may put the priority in front of the client's bytes as they are
+        (a ``G`` grant): a non-empty UTF-8 JSON object that sent no priority of its own."""
         return not adm.client_priority and bool(adm.body) and _spliceable(adm.raw)
 
     def settle(self, adm: Admission, ticket: Ticket, outcome: str, e2e_s: float) -> None:
@@ -455,84 +408,6 @@ class Proxy:
             self.ratio.observe(chars, tok.count)
         return max(tok.count, 1), block_hashes(tok.tokens, self._bs)
 
-    async def _unary(
-        self, path: str, data: bytes, ticket: Ticket
-    ) -> tuple[web.StreamResponse, str]:
-        status, content_type, body = await self.engine.fetch(path, data)
-        if status != 200:
-            return _passthrough(status, body, content_type), outcome_of(status)
-        tokens = 0
-        try:
-            usage = json.loads(body).get("usage") or {}
-            tokens = int(usage.get("completion_tokens") or 0)
-        except (ValueError, AttributeError, TypeError):
-            log.warning("engine answer without usage; counting 0 output tokens")
-        self._tokens.inc(tokens)
-        self.controller.finished(ticket, tokens)
-        return _passthrough(200, body, content_type), OK
-
-    async def _stream(
-        self, request: web.Request, path: str, data: bytes, ticket: Ticket
-    ) -> tuple[web.StreamResponse, str]:
-        relay = Relay(ticket, self.controller, self._ttft, self._tbt)
-        exchange = await self.engine.stream(path, data, relay)
-        relay.bind(exchange)
-        complete = False
-        try:
-            status, content_type = await relay.started
-            if status != 200:
-                await relay.done
-                complete = True
-                return _passthrough(status, relay.take_pending(), content_type), outcome_of(status)
-            resp = web.StreamResponse(status=200)
-            resp.headers["Content-Type"] = content_type or "text/event-stream; charset=utf-8"
-            if request.version >= HttpVersion11:
-                resp.enable_chunked_encoding()  # what aiohttp does anyway, but now it says so
-            await resp.prepare(request)
-            await relay.first
-            # The bytes read so far go through aiohttp's writer (which knows the head is out);
-            # the relay writes the rest from the engine connection's callbacks.
-            t = self.controller.now()
-            try:
-                await resp.write(relay.take_pending())
-            except ConnectionError:
-                return resp, CANCELLED  # the client went away; the engine's request is aborted
-            self._relay.observe(self.controller.now() - t)
-            transport = request.transport
-            if transport is None:
-                return resp, CANCELLED
-            relay.attach(transport, chunked=resp.chunked)
-            outcome = await relay.done
-            if outcome == ENGINE_ERROR:
-                log.warning(
-                    "engine stream of %s broke after %d events: %s",
-                    ticket.request_id,
-                    relay.counted,
-                    relay.reason,
-                )
-                # Tell the client in-band, in vLLM's error shape, rather than ending the stream
-                # cleanly: without [DONE] or an error a cut answer looks like a short one.
-                with contextlib.suppress(ConnectionError):
-                    await resp.write(_STREAM_BROKE)
-                return resp, ENGINE_ERROR
-            if outcome != OK:
-                return resp, outcome
-            complete = True
-            await resp.write_eof()
-            n = relay.tokens
-            self._tokens.inc(n)
-            self.controller.finished(ticket, n)
-            return resp, OK
-        finally:
-            if not complete:
-                exchange.abort()  # the engine aborts the request when its connection drops
-
-
-_STREAM_BROKE = (
-    b'data: {"error": {"message": "the inference engine stopped while streaming this answer; '
-    b'it is incomplete", "type": "EngineStreamError", "param": null, "code": 502}}\n\n'
-)
-
 
 def sequences(body: dict[str, Any]) -> int:
     """Sequences the engine runs for a request: its ``n`` choices of each of its prompts
@@ -541,14 +416,6 @@ def sequences(body: dict[str, Any]) -> int:
     choices = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
     prompts = completion_prompts(body["prompt"]) if "prompt" in body else None
     return choices * (len(prompts) if prompts else 1)
-
-
-def with_priority(raw: bytes, priority: int) -> bytes:
-    """``raw`` (a non-empty JSON object without a ``priority`` member) with ``priority`` as
-    its first member: the client's bytes otherwise unchanged, without re-encoding the
-    body (whose prompt may be large) for every request."""
-    start = raw.index(b"{") + 1
-    return b'{"priority":%d,%s' % (priority, raw[start:])
 
 
 def _spliceable(raw: bytes) -> bool:
@@ -563,19 +430,3 @@ def _passthrough(status: int, body: bytes, content_type: str | None) -> web.Resp
     resp = web.Response(status=status, body=body)
     resp.headers["Content-Type"] = content_type or "application/json"
     return resp
-
-
-async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start ``app`` on ``host:port`` (0: any free port); returns the runner and the port."""
-    install_payload_filter()  # aiohttp would log the bytes of a malformed request (a prompt)
-    # A client that hangs up cancels its handler: a held request leaves the queue at once,
-    # an in-flight one's engine request is aborted without waiting for its next token.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    bound = sockets[0].getsockname()[1] if sockets else port
-    await asyncio.sleep(0)
-    return runner, int(bound)

@@ -124,25 +124,10 @@ class SidecarSettings(BaseSettings):
         "[sidecar] extra installs it on Linux), 'asyncio' (the standard library's), or "
         "'auto': uvloop when it is installed, else asyncio.",
     )
-    front: Literal["python", "compiled"] = Field(
-        default="python",
-        description="What serves the OpenAI HTTP port: 'python' (this process's aiohttp "
-        "front door) or 'compiled' (the slipstream-front executable, started by this "
-        "process: it forwards and relays, this process still decides every request; "
-        "docs/sidecar.md).",
-    )
     front_binary: Path | None = Field(
         default=None,
-        description="The slipstream-front executable for front 'compiled' (default: beside "
-        "this Python, else on PATH).",
-    )
-    yield_to_front: int = Field(
-        default=5,
-        ge=0,
-        le=19,
-        description="With front 'compiled', the niceness this process adds to every one of "
-        "its threads once the front runs, so that when the pod's CPUs are contended the "
-        "front's forwarding and relaying go before this process's bookkeeping (0: equal).",
+        description="The slipstream-front executable, which serves the OpenAI HTTP port "
+        "(default: beside this Python, else on PATH; `make front` builds it into .venv/bin).",
     )
     status_interval_s: float = Field(
         default=1.0, gt=0, description="Default WatchStatus period (s)."

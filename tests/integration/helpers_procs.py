@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import pytest
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SLIPSTREAM = [sys.executable, "-m", "slipstream_cli.main"]
 MODEL = "llama-2-7b"
@@ -154,15 +152,6 @@ def sidecar_proc(
     ]
     env = dict(os.environ)
     return Proc(name, args, log_dir / f"{name}.log", http_port, {"grpc": grpc_port}, env)
-
-
-def front_args(front: str, request: pytest.FixtureRequest) -> list[str]:
-    """The sidecar's flags for ``front``: ``python`` (its own front door) or ``compiled``
-    (``slipstream-front``, the session's build from the ``front_binary`` fixture)."""
-    args = ["--front", front]
-    if front == "compiled":
-        args += ["--front-binary", str(request.getfixturevalue("front_binary"))]
-    return args
 
 
 def control_stub(grpc_port: int) -> tuple[object, object]:

@@ -111,11 +111,12 @@ def test_entry_point_and_user_match_the_chart_and_the_operator() -> None:
 
 def test_the_image_carries_the_compiled_front_on_path() -> None:
     # Built from the front's own sources in a Go stage (nothing downloaded), copied to a
-    # directory on PATH, where `--front compiled` finds it (front.find_binary).
+    # directory on PATH, where every sidecar finds it (front.find_binary).
     stages = [rest for op, rest in instructions() if op == "FROM"]
     assert any(rest.startswith("golang:") and rest.endswith(" AS front") for rest in stages)
     copies = [rest for op, rest in instructions() if op == "COPY"]
     assert "sidecar/front ./" in copies
     assert "--from=front /out/slipstream-front /usr/local/bin/slipstream-front" in copies
     build = next(rest for op, rest in instructions() if op == "RUN" and "go build" in rest)
-    assert "GOPROXY=off" in build and "-o /out/slipstream-front" in build
+    assert "GOPROXY=off" in build and "GOTOOLCHAIN=local" in build
+    assert "-o /out/slipstream-front" in build

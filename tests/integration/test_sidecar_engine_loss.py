@@ -7,18 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers_procs import MODEL, engine_proc, front_args, sidecar_proc
+from helpers_procs import MODEL, engine_proc, sidecar_proc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-@pytest.mark.parametrize("front", ["python", "compiled"])
-def test_engine_death_mid_stream_reaches_the_client_as_an_error(
-    tmp_path: Path, front: str, request: pytest.FixtureRequest
-) -> None:
-    extra = front_args(front, request)
+def test_engine_death_mid_stream_reaches_the_client_as_an_error(tmp_path: Path) -> None:
     eng = engine_proc(tmp_path).start()
-    sc = sidecar_proc(tmp_path, eng.url, extra=extra).start()
+    sc = sidecar_proc(tmp_path, eng.url).start()
     conn: http.client.HTTPConnection | None = None
     try:
         host, port = sc.url.removeprefix("http://").split(":")

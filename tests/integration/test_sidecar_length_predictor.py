@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers_procs import MODEL, engine_proc, front_args, sidecar_proc
+from helpers_procs import MODEL, engine_proc, sidecar_proc
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +41,9 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("front", ["python", "compiled"])
-def test_held_requests_are_keyed_by_similar_prompts_and_history_grows(
-    tmp_path: Path, front: str, request: pytest.FixtureRequest
-) -> None:
-    extra = front_args(front, request)
+def test_held_requests_are_keyed_by_similar_prompts_and_history_grows(tmp_path: Path) -> None:
     eng = engine_proc(tmp_path, max_num_seqs=2).start()
-    sc = sidecar_proc(tmp_path, eng.url, max_num_seqs=2, extra=extra).start()
+    sc = sidecar_proc(tmp_path, eng.url, max_num_seqs=2).start()
     try:
         prompts = [f"Tell me about {SECRET} number {i}, please." for i in range(12)]
         with ThreadPoolExecutor(12) as pool:

@@ -1,4 +1,4 @@
-"""The sidecar's OpenAI HTTP front door against a real engine model process (loopback)."""
+"""The sidecar's OpenAI HTTP port against a real engine model process (loopback)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_procs import MODEL, Proc, engine_proc, front_args, sidecar_proc
+from helpers_procs import MODEL, Proc, engine_proc, sidecar_proc
 
 from slipstream_sidecar.metrics import EPP_FAMILIES
 
@@ -53,21 +53,15 @@ def _has_uvloop() -> bool:
 
 
 # The [sidecar] extra installs uvloop, which "auto" then runs on; "asyncio" is the
-# fallback; "compiled" serves the HTTP port from the compiled front (front.py) with the
-# decisions still taken in Python. All three must serve the same bytes.
-@pytest.fixture(scope="module", params=["auto", "asyncio", "compiled"])
+# fallback. Either way the compiled front serves the port, with the same bytes.
+@pytest.fixture(scope="module", params=["auto", "asyncio"])
 def procs(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Proc, Proc]]:
     d = tmp_path_factory.mktemp(f"proxy-{request.param}")
-    if request.param == "compiled":
-        binary = request.getfixturevalue("front_binary")
-        extra = ["--front", "compiled", "--front-binary", str(binary)]
-        ready = b"front=compiled"
-    else:
-        extra = ["--event-loop", request.param]
-        expected = "uvloop" if request.param == "auto" and _has_uvloop() else "asyncio"
-        ready = f"loop={expected} front=python".encode()
+    extra = ["--event-loop", request.param]
+    expected = "uvloop" if request.param == "auto" and _has_uvloop() else "asyncio"
+    ready = f"loop={expected} engine=".encode()
     eng = engine_proc(d).start()
     sc = sidecar_proc(d, eng.url, extra=extra).start()
     deadline = time.monotonic() + 10
@@ -138,13 +132,9 @@ def test_models_health_and_metrics(procs: tuple[Proc, Proc]) -> None:
     assert "vllm:num_requests_waiting{" in text
 
 
-@pytest.mark.parametrize("front", ["python", "compiled"])
-def test_ready_follows_the_engine(
-    tmp_path: Path, front: str, request: pytest.FixtureRequest
-) -> None:
-    extra = front_args(front, request)
+def test_ready_follows_the_engine(tmp_path: Path) -> None:
     eng = engine_proc(tmp_path, name="engine-ready").start()
-    sc = sidecar_proc(tmp_path, eng.url, name="sidecar-ready", extra=extra).start()
+    sc = sidecar_proc(tmp_path, eng.url, name="sidecar-ready").start()
     try:
         # /health answers before the first engine check has finished on a loaded host.
         deadline = time.monotonic() + 10

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers_procs import MODEL, Proc, bearer, control_stub, engine_proc, front_args, sidecar_proc
+from helpers_procs import MODEL, Proc, bearer, control_stub, engine_proc, sidecar_proc
 
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 
@@ -126,12 +126,9 @@ def start_stack(
     return Stack(eng, sc, tmp)
 
 
-# The online streams reach the sidecar through its Python front door and through the
-# compiled front (front.py); the offline shard runs in the sidecar either way.
-@pytest.fixture(params=["python", "compiled"])
-def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    extra = front_args(request.param, request)
-    s = start_stack(tmp_path, sidecar_seqs=4, extra=extra)
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    s = start_stack(tmp_path, sidecar_seqs=4)
     yield s
     s.sidecar.stop()
     s.engine.stop()

@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +16,6 @@ from slipstream_cli.benches.sidecar import (
     BrokenAnswerError,
     _baseline_flags,
     _closed_loop,
-    _niced,
     _overhead_ms,
     _overhead_summary,
     _pin_layout,
@@ -284,18 +280,6 @@ def test_block_order_balances_positions_and_predecessors(n: int) -> None:
         # every ordered pair of different paths, each equally often
         assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
     assert block_order(names, len(rows)) == rows[0]  # cyclic beyond one design
-
-
-def test_hop_nice_prefix_lowers_the_started_process() -> None:
-    assert _niced(0) == []
-    # A real child started through the prefix reports its own niceness.
-    out = subprocess.run(
-        [*_niced(7), sys.executable, "-c", "import os; print(os.nice(0))"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    assert int(out.stdout) == os.nice(0) + 7
 
 
 def test_own_ms_takes_each_own_span_from_the_overhead_histograms() -> None:

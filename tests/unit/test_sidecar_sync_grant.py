@@ -1,15 +1,12 @@
-"""Granting an online request inside ``register`` when it fits, and forwarding its bytes."""
+"""Granting an online request inside ``register`` when it fits."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from pathlib import Path
 
-import aiohttp
 import pytest
-from aiohttp import web
 from pydantic import ValidationError
 
 from slipstream_scheduler.dispatcher import Incoming
@@ -18,9 +15,7 @@ from slipstream_sidecar import __main__ as sidecar_main
 from slipstream_sidecar.app import Sidecar
 from slipstream_sidecar.brain import BrainConfig, build_dispatcher
 from slipstream_sidecar.controller import Controller
-from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.metrics import SidecarMetrics
-from slipstream_sidecar.proxy import Proxy, ProxyState, serve, with_priority
 from slipstream_sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.unit
@@ -100,55 +95,6 @@ async def test_offline_arrivals_are_never_granted_inside_register() -> None:
     off = ctl.register(Incoming("f", RequestClass.OFFLINE, 64, 32, 100.0), grant_now=True)
     assert not off._fut.done() and ctl.sync_grants == 0
     await asyncio.wait_for(off.granted(), 1.0)
-
-
-def test_with_priority_puts_the_member_first_and_keeps_the_clients_bytes() -> None:
-    raw = b' {"model":"m","prompt":"caf\xc3\xa9 {x}","max_tokens":4}\n'
-    out = with_priority(raw, 7)
-    assert out == b'{"priority":7,"model":"m","prompt":"caf\xc3\xa9 {x}","max_tokens":4}\n'
-    assert json.loads(out) == {"priority": 7} | json.loads(raw)
-
-
-async def test_the_engine_gets_the_dispatchers_priority_in_the_clients_bytes() -> None:
-    seen: list[bytes] = []
-
-    async def engine_completions(request: web.Request) -> web.StreamResponse:
-        seen.append(await request.read())
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b'data: {"choices":[{"index":0,"text":" hi"}]}\n\n')
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    engine_app = web.Application()
-    engine_app.router.add_post("/v1/completions", engine_completions)
-    engine_runner, engine_port = await serve(engine_app, "127.0.0.1", 0)
-    engine = EngineClient(f"http://127.0.0.1:{engine_port}", connections=4, timeout_s=5.0)
-    await engine.start()
-    ctl = _controller(max_num_seqs=4)
-    proxy = Proxy(engine, ctl, ctl.metrics, ProxyState(), tokenize=False)
-    runner, port = await serve(proxy.app(), "127.0.0.1", 0)
-    try:
-        raw = b'{"model": "m", "prompt": "Hi", "max_tokens": 1, "stream": true}'
-        with_client_priority = b'{"model":"m","prompt":"Hi","max_tokens":1,"stream":true,'
-        with_client_priority += b'"priority":-5}'
-        async with aiohttp.ClientSession() as s:
-            for body in (raw, with_client_priority):
-                async with s.post(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                ) as r:
-                    assert r.status == 200
-                    assert (await r.read()).endswith(b"data: [DONE]\n\n")
-        assert seen[0] == b'{"priority":0,' + raw[1:]  # spliced: the client's bytes
-        assert json.loads(seen[1]) == json.loads(with_client_priority) | {"priority": 0}
-        assert ctl.sync_grants == 2 and ctl.in_flight["online"] == 0
-    finally:
-        await runner.cleanup()
-        await engine.close()
-        await engine_runner.cleanup()
 
 
 async def test_an_arrival_decided_at_once_preempts_offline_work_in_that_decision() -> None:

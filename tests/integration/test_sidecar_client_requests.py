@@ -1,30 +1,30 @@
-"""What an OpenAI client sends, through the sidecar to the engine model, both in this
-process on loopback: every prompt form, the routes vLLM serves, clean errors.
+"""What an OpenAI client sends, through the sidecar to the engine model on loopback:
+every prompt form, the routes vLLM serves, clean errors. The engine model and the
+sidecar's Python side run in this process, its compiled front as a child process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from helpers_front import sidecar_for
 
-from slipstream_sidecar.brain import BrainConfig, build_dispatcher
-from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
-from slipstream_sidecar.metrics import SidecarMetrics
-from slipstream_sidecar.proxy import Proxy, ProxyState, serve
-from slipstream_sidecar.settings import SidecarSettings
+from slipstream_sidecar.proxy import Proxy
 from slipstream_testbed.engine_server import RunningServer, ServeOptions
 from slipstream_testbed.engine_server import serve as serve_engine
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 MODEL = "llama-2-7b"
 
@@ -37,28 +37,18 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def _sidecar(engine_url: str, *, tokenize: bool = True) -> AsyncIterator[tuple[str, Proxy]]:
-    settings = SidecarSettings(max_num_seqs=64, kv_blocks=100_000)
-    metrics = SidecarMetrics()
-    ctl = Controller(build_dispatcher(settings, BrainConfig(None, "fcfs", None)), metrics)
-    client = EngineClient(engine_url, connections=8, timeout_s=30.0)
-    await client.start()
-    ctl.start()
-    proxy = Proxy(client, ctl, metrics, ProxyState(), tokenize=tokenize)
-    runner, port = await serve(proxy.app(), "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{port}", proxy
-    finally:
-        await runner.cleanup()
-        await ctl.stop()
-        await client.close()
+async def _sidecar(
+    engine_url: str, binary: Path, *, tokenize: bool = True
+) -> AsyncIterator[tuple[str, Proxy]]:
+    async with sidecar_for(engine_url, binary, tokenize=tokenize) as sc:
+        yield sc.url, sc.proxy
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
+async def pair(front_binary: Path) -> AsyncIterator[Pair]:
     eng: RunningServer = await serve_engine(ServeOptions(port=0, scheduling_policy="priority"))
     try:
-        async with _sidecar(eng.url) as (url, proxy):
+        async with _sidecar(eng.url, front_binary) as (url, proxy):
             yield Pair(eng.url, url, proxy)
     finally:
         await eng.close()
@@ -80,13 +70,24 @@ async def _call(
             return r.status, text
 
 
-def _outcomes(proxy: Proxy) -> dict[str, float]:
+def _outcomes_now(proxy: Proxy) -> dict[str, float]:
     out: dict[str, float] = {}
     for metric in proxy.metrics.registry.collect():
         for sample in metric.samples:
             if sample.name == "slipstream_requests_finished_total":
                 out[sample.labels["outcome"]] = sample.value
     return out
+
+
+async def _outcomes(proxy: Proxy, expected: dict[str, float]) -> dict[str, float]:
+    """The finished-request counts once they are ``expected``, or as they are after 5 s: the
+    front reports a request's end after its client has the answer."""
+    for _ in range(100):
+        got = _outcomes_now(proxy)
+        if got == expected:
+            break
+        await asyncio.sleep(0.05)
+    return got
 
 
 @pytest.mark.parametrize(
@@ -99,7 +100,7 @@ async def test_token_id_and_list_prompts_are_served(pair: Pair, prompt: Any, str
     via = await _call("POST", pair.sidecar + "/v1/completions", body)
     assert via[0] == direct[0], via
     if direct[0] == 200:
-        assert _outcomes(pair.proxy) == {"ok": 1.0}
+        assert await _outcomes(pair.proxy, {"ok": 1.0}) == {"ok": 1.0}
 
 
 @pytest.mark.parametrize(
@@ -130,7 +131,7 @@ async def test_a_tokenize_refusal_is_not_the_clients_answer(pair: Pair) -> None:
     via = await _call("POST", pair.sidecar + "/v1/completions", body)
     assert via == direct
     assert direct[0] == 404
-    assert _outcomes(pair.proxy) == {"client_error": 1.0}
+    assert await _outcomes(pair.proxy, {"client_error": 1.0}) == {"client_error": 1.0}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -138,7 +139,7 @@ async def test_engine_refusals_count_as_client_errors(pair: Pair, stream: bool) 
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": "many", "stream": stream}
     status, doc = await _call("POST", pair.sidecar + "/v1/completions", body)
     assert status == 400 and doc["error"]["code"] == 400
-    assert _outcomes(pair.proxy) == {"client_error": 1.0}
+    assert await _outcomes(pair.proxy, {"client_error": 1.0}) == {"client_error": 1.0}
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]"])
@@ -148,7 +149,7 @@ async def test_the_sidecars_own_errors_have_vllms_type(pair: Pair, raw: bytes) -
     assert via[0] == direct[0] == 400
     assert via[1]["error"]["type"] == direct[1]["error"]["type"] == "Bad Request"
     assert set(via[1]["error"]) == {"message", "type", "param", "code"}
-    assert _outcomes(pair.proxy) == {"client_error": 1.0}
+    assert await _outcomes(pair.proxy, {"client_error": 1.0}) == {"client_error": 1.0}
 
 
 @pytest.mark.parametrize(
@@ -200,9 +201,10 @@ _INTERNALS = ("ClientConnectorError", "ConnectionKey", "Errno", "127.0.0.1", "PO
     ],
 )
 async def test_an_engine_that_is_down_gets_a_clean_503(
-    tokenize: bool, method: str, path: str, body: Any
+    tokenize: bool, method: str, path: str, body: Any, front_binary: Path
 ) -> None:
-    async with _sidecar(f"http://127.0.0.1:{_closed_port()}", tokenize=tokenize) as (url, _):
+    engine = f"http://127.0.0.1:{_closed_port()}"
+    async with _sidecar(engine, front_binary, tokenize=tokenize) as (url, _):
         status, doc = await _call(method, url + path, body)
     assert status == 503
     err = doc["error"]

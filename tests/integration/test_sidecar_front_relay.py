@@ -1,7 +1,8 @@
 """Relaying a streamed answer: a slow client slows the engine's stream, a gone one aborts it.
 
-The proxy runs in this process in front of a real aiohttp server standing in for the
-engine; the client is aiohttp's, over loopback.
+The sidecar's Python side runs in this process and its compiled front as a child, in
+front of a real aiohttp server standing in for the engine; the client is aiohttp's, over
+loopback.
 """
 
 from __future__ import annotations
@@ -10,19 +11,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from helpers_front import loopback, sidecar_for
 
-from slipstream_sidecar.brain import BrainConfig, build_dispatcher
 from slipstream_sidecar.controller import Controller
-from slipstream_sidecar.engine import EngineClient
-from slipstream_sidecar.metrics import SidecarMetrics
-from slipstream_sidecar.proxy import Proxy, ProxyState, serve
-from slipstream_sidecar.settings import SidecarSettings
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 EVENT = b"data: " + b"x" * (16 * 1024 - 8) + b"\n\n"  # 16 KiB
 EVENTS = 3072  # 48 MiB: more than the kernel buffers on the way can hold
@@ -61,35 +59,25 @@ async def engine() -> AsyncIterator[Engine]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner, port = await serve(app, "127.0.0.1", 0)
-    eng.url = f"http://127.0.0.1:{port}"
-    yield eng
-    await runner.cleanup()
+    async with loopback(app) as url:
+        eng.url = url
+        yield eng
 
 
 @contextlib.asynccontextmanager
-async def _sidecar(engine: Engine, max_num_seqs: int) -> AsyncIterator[tuple[str, Controller]]:
-    """The proxy in front of ``engine``: (its completions URL, its controller)."""
-    settings = SidecarSettings(max_num_seqs=max_num_seqs, kv_blocks=100_000)
-    ctl = Controller(
-        build_dispatcher(settings, BrainConfig(None, "fcfs", None)), SidecarMetrics(), tick_s=1.0
-    )
-    client = EngineClient(engine.url, connections=4, timeout_s=30.0)
-    await client.start()
-    ctl.start()
-    proxy = Proxy(client, ctl, ctl.metrics, ProxyState(), tokenize=False)
-    runner, port = await serve(proxy.app(), "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{port}/v1/completions", ctl
-    finally:
-        await runner.cleanup()
-        await ctl.stop()
-        await client.close()
+async def _sidecar(
+    engine: Engine, binary: Path, max_num_seqs: int
+) -> AsyncIterator[tuple[str, Controller]]:
+    """The sidecar in front of ``engine``: (its completions URL, its controller)."""
+    async with sidecar_for(
+        engine.url, binary, max_num_seqs=max_num_seqs, tokenize=False, tick_s=1.0
+    ) as sc:
+        yield sc.url + "/v1/completions", sc.controller
 
 
 @pytest.fixture
-async def proxied(engine: Engine) -> AsyncIterator[tuple[str, Controller]]:
-    async with _sidecar(engine, max_num_seqs=8) as sidecar:
+async def proxied(engine: Engine, front_binary: Path) -> AsyncIterator[tuple[str, Controller]]:
+    async with _sidecar(engine, front_binary, max_num_seqs=8) as sidecar:
         yield sidecar
 
 
@@ -132,10 +120,12 @@ async def test_a_client_gone_mid_stream_aborts_the_engines_request(
     assert ctl.metrics.finished.labels("online", "cancelled")._value.get() == 1
 
 
-async def test_a_held_request_whose_client_hangs_up_leaves_the_queue(engine: Engine) -> None:
+async def test_a_held_request_whose_client_hangs_up_leaves_the_queue(
+    engine: Engine, front_binary: Path
+) -> None:
     engine.slow = True
     async with (
-        _sidecar(engine, max_num_seqs=1) as (url, ctl),
+        _sidecar(engine, front_binary, max_num_seqs=1) as (url, ctl),
         aiohttp.ClientSession() as s,
         s.post(url, json=BODY) as first,
     ):
