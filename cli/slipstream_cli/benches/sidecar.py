@@ -1,8 +1,11 @@
 """``slipstream bench sidecar``: the latency the sidecar adds, and its highest request rate.
 
 One run starts one engine model (``slipstream engine``) and two sidecars in front
-of it (prompt lengths by ``/tokenize``, the default, and by a bytes/4 estimate),
-all as subprocesses on loopback, and drives them with an aiohttp client:
+of it (prompt lengths by ``/tokenize``, the default, and by a bytes/4 estimate;
+each serves its port with its compiled front, ``slipstream-front``, built here
+from ``sidecar/front`` with the local go toolchain and passed with
+``--front-binary``), all as subprocesses on loopback, and drives them with an
+aiohttp client:
 
 * **added latency**: at 1, 64 and 256 concurrent streams (closed loop), the same
   requests (real Alpaca prompts from ``$SLIPSTREAM_DATA``; 16 output tokens
@@ -24,10 +27,7 @@ CPU milliseconds per request of the engine and of the path's sidecar;
 ``--pin`` gives the engine, the client and each sidecar a CPU of their own
 when the host has that many (else the engine on the first CPU and the sidecars
 and the client on the last; ``os.sched_setaffinity``; on a shared host this
-separates them from each other, not from other work). ``--hop-nice N`` starts
-every hop (each sidecar with its children, the reference proxy) N nicer, so the
-engine and the client run first, as on hosts where they have CPUs of their own;
-the direct path has no hop and is unchanged. ``--baseline-sidecar DIR`` adds one more
+separates them from each other, not from other work). ``--baseline-sidecar DIR`` adds one more
 path, a sidecar whose package is imported from ``DIR`` first on
 ``PYTHONPATH`` (an older checkout's ``sidecar/``), so before/after comparisons
 come from one run. The order of the paths changes from repeat to repeat
@@ -145,14 +145,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on the first, the rest on the last)",
     )
     parser.add_argument(
-        "--hop-nice",
-        type=int,
-        default=0,
-        help="start every hop (each sidecar with its children, the reference proxy) at "
-        "this niceness, so on a small host the engine and the client run first, as they "
-        "would on their own CPUs (default 0: no change)",
-    )
-    parser.add_argument(
         "--baseline-sidecar",
         type=Path,
         default=None,
@@ -191,13 +183,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the connections the client and the proxies dropped while other paths ran; the first "
         "is timed apart ('first_round': the burst after a lull) (default 1; 0: the first "
         "round of each block pays it)",
-    )
-    parser.add_argument(
-        "--compiled-front",
-        action="store_true",
-        help="also run a sidecar whose HTTP port is served by its compiled front (path "
-        "'sidecar_compiled': --front compiled, slipstream-front built here with the local go "
-        "toolchain; tokenize mode; its CPU includes the front's)",
     )
     parser.add_argument(
         "--reference-proxy",
@@ -243,7 +228,6 @@ async def _answer_lengths(
 
 
 REFERENCE = "proxy_reference"
-COMPILED = "sidecar_compiled"
 
 
 def _build_refproxy(into: Path) -> Path:
@@ -251,20 +235,12 @@ def _build_refproxy(into: Path) -> Path:
     return go_build(REFPROXY_SRC, into / "refproxy")
 
 
-def _niced(niceness: int) -> list[str]:
-    """The prefix that starts a command at ``niceness`` (its threads and children
-    inherit it): coreutils ``nice``, which execs the command, so the pid is the
-    command's; nothing when there is nothing to change."""
-    return ["nice", "-n", str(niceness)] if niceness else []
-
-
 def _start_refproxy(
-    binary: Path, engine_url: str, port: int, log: Path, niceness: int = 0
+    binary: Path, engine_url: str, port: int, log: Path
 ) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [
-                *_niced(niceness),
                 str(binary),
                 "--engine",
                 engine_url,
@@ -286,7 +262,7 @@ def _free_port() -> int:
 
 
 def _start(
-    args: list[str], url: str, log: Path, pythonpath: Path | None = None, niceness: int = 0
+    args: list[str], url: str, log: Path, pythonpath: Path | None = None
 ) -> subprocess.Popen[bytes]:
     env = None
     if pythonpath is not None:
@@ -296,7 +272,7 @@ def _start(
         )
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [*_niced(niceness), sys.executable, "-m", "slipstream_cli.main", *args],
+            [sys.executable, "-m", "slipstream_cli.main", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -754,7 +730,7 @@ async def _measure(
         # Rates in alternating slices (in the blocks' balanced order), averaged: one path measured
         # after the other would follow the host's load of that moment.
         rps_paths = [
-            n for n in ("direct", "sidecar", COMPILED, "sidecar_baseline", REFERENCE) if n in paths
+            n for n in ("direct", "sidecar", "sidecar_baseline", REFERENCE) if n in paths
         ]
         rates: dict[str, list[float]] = {n: [] for n in rps_paths}
         slices = max(1, args.rps_slices)
@@ -771,8 +747,6 @@ async def _measure(
             results["baseline_max_rps"] = statistics.fmean(rates["sidecar_baseline"])
         if REFERENCE in rates:
             results["reference_max_rps"] = statistics.fmean(rates[REFERENCE])
-        if COMPILED in rates:
-            results["compiled_max_rps"] = statistics.fmean(rates[COMPILED])
         if REFERENCE in paths:
             results["reference_broken"] = broken[REFERENCE]
             if broken[REFERENCE]:
@@ -800,7 +774,6 @@ def run(args: argparse.Namespace) -> int:
         or bool(args.baseline_arg)
     )
     hops = ["sidecar", "sidecar_estimate"] + (["sidecar_baseline"] if baseline else [])
-    hops += [COMPILED] if args.compiled_front else []
     hops += [REFERENCE] if args.reference_proxy else []
     pinned = _pin_layout(cpus, hops)
     try:
@@ -842,13 +815,10 @@ def run(args: argparse.Namespace) -> int:
         if baseline:
             where = args.baseline_sidecar.resolve() if args.baseline_sidecar else None
             sidecars.append(("sidecar_baseline", "tokenize", where))
-        if args.compiled_front:
-            sidecars.append((COMPILED, "tokenize", None))
-            front_flags = ["--front", "compiled", "--front-binary", str(build_front(tmp))]
+        # Every sidecar's front is built from this checkout's sidecar/front.
+        front_binary = str(build_front(tmp))
         for name, mode, pythonpath in sidecars:
-            loop_flag = _baseline_flags(args) if name == "sidecar_baseline" else []
-            if name == COMPILED:
-                loop_flag = front_flags
+            extra = _baseline_flags(args) if name == "sidecar_baseline" else []
             hp = _free_port()
             url = f"http://127.0.0.1:{hp}"
             procs.append(
@@ -869,12 +839,13 @@ def run(args: argparse.Namespace) -> int:
                         "65536",
                         "--online-prompt-tokens",
                         mode,
-                        *loop_flag,
+                        "--front-binary",
+                        front_binary,
+                        *extra,
                     ],
                     url,
                     tmp / f"{name}.log",
                     pythonpath,
-                    args.hop_nice,
                 )
             )
             paths[name] = url
@@ -886,9 +857,7 @@ def run(args: argparse.Namespace) -> int:
         if args.reference_proxy:
             rp = _free_port()
             procs.append(
-                _start_refproxy(
-                    _build_refproxy(tmp), engine_url, rp, tmp / f"{REFERENCE}.log", args.hop_nice
-                )
+                _start_refproxy(_build_refproxy(tmp), engine_url, rp, tmp / f"{REFERENCE}.log")
             )
             paths[REFERENCE] = f"http://127.0.0.1:{rp}"
             pids[REFERENCE] = procs[-1].pid
@@ -943,19 +912,6 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.reference_proxy
         else None,
-        "compiled_front": {
-            key: {c: conc[c][COMPILED][key] for c in conc}
-            for key in (
-                "added_ttft_p50_ms",
-                "added_ttft_p99_ms",
-                "added_ttft_p99_ms_per_repeat",
-                "added_e2e_p50_ms",
-                "added_e2e_p99_ms",
-            )
-        }
-        | {"max_rps": results.get("compiled_max_rps")}
-        if args.compiled_front
-        else None,
         "max_rps": results["max_rps"],
         "direct_max_rps": results["direct_max_rps"],
         "estimate_mode": {
@@ -1002,10 +958,8 @@ def run(args: argparse.Namespace) -> int:
             "baseline_args": list(args.baseline_arg),
             "control": args.control,
             "pinned": pinned if args.pin else None,
-            "hop_nice": args.hop_nice,
             "baseline_sidecar": str(args.baseline_sidecar) if args.baseline_sidecar else None,
             "reference_proxy": args.reference_proxy,
-            "compiled_front": args.compiled_front,
             "block_warmup": args.block_warmup,
             "load_average_1m_at_end": os.getloadavg()[0],
         },
