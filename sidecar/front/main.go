@@ -91,6 +91,7 @@ func main() {
 	}
 	sidecar := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: "sidecar"})
 	sidecar.FlushInterval = -1
+	sidecar.ErrorHandler = sidecarError
 	sidecar.Transport = &http.Transport{
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			var d net.Dialer
@@ -122,13 +123,28 @@ func main() {
 
 func seconds(d time.Duration) float64 { return d.Seconds() }
 
+// clientGone ends a request whose client has gone (or half-closed its
+// connection, which Go's server takes as gone): the connection is closed with
+// no answer, rather than an empty 200 or a proxy error the client never asked for.
+func clientGone() { panic(http.ErrAbortHandler) }
+
+// sidecarError answers a request the sidecar's own server could not: nothing
+// when the client has gone, else 502 in vLLM's error shape.
+func sidecarError(w http.ResponseWriter, r *http.Request, err error) {
+	if r.Context().Err() != nil {
+		clientGone()
+	}
+	log.Printf("slipstream-front: the sidecar's own server: %v", err)
+	writeError(w, http.StatusBadGateway, "the sidecar did not answer", "BadGatewayError")
+}
+
 // generate carries one completion or chat request: arrival, the sidecar's
 // decision, the engine's answer relayed, the end reported.
 func (f *front) generate(w http.ResponseWriter, r *http.Request, route byte, path string) {
 	start := time.Now()
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxBody+1))
 	if err != nil {
-		return // the client went away while sending
+		clientGone() // it went away while sending
 	}
 	if len(body) > maxBody {
 		writeError(w, http.StatusRequestEntityTooLarge, "request body is larger than 64 MiB", "Request Entity Too Large")
@@ -148,7 +164,7 @@ func (f *front) generate(w http.ResponseWriter, r *http.Request, route byte, pat
 	case <-r.Context().Done():
 		f.control.forget(id)
 		f.control.end(id, outcomeCancelled, 0, seconds(time.Since(start)), -1, -1)
-		return
+		clientGone()
 	}
 	var data []byte
 	switch rep.kind {
@@ -179,6 +195,9 @@ func (f *front) finish(w http.ResponseWriter, r *http.Request, path string, data
 	toEngine := seconds(time.Since(start))
 	outcome, tokens, relay := f.forward(w, r, path, data, id, start)
 	f.control.end(id, outcome, uint32(tokens), seconds(time.Since(start)), toEngine, relay)
+	if outcome == outcomeCancelled {
+		clientGone()
+	}
 }
 
 // sendable reports whether a body may go to the engine on arrival inside the
