@@ -500,25 +500,11 @@ class ShardRunner:
 
     async def _detokenize(self, asm: Assembly) -> None:
         """Text of a resumed completion from its token ids, when a segment ended inside a
-        character: vLLM held that character's first bytes back, so the texts lack them."""
-        while True:
-            try:
-                resp = await self.engine.post(
-                    "/detokenize", json.dumps({"tokens": asm.token_ids}).encode()
-                )
-                async with resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        return  # the segments' text stands
-                text = json.loads(raw).get("prompt")
-                if isinstance(text, str):
-                    asm.text_parts = [text]
-                return
-            except EngineUnavailableError:
-                self.watch.set(False)
-                await self.watch.wait()
-            except (ValueError, AttributeError, aiohttp.ClientError):
-                return
+        character: vLLM held that character's first bytes back, so the texts lack them.
+        If the engine cannot detokenize, the segments' text stands."""
+        text = await self._detokenize_ids(asm.token_ids)
+        if text is not None:
+            asm.text_parts = [text]
 
     async def _drive(
         self, ticket: Ticket, req: BatchRequest, asm: Assembly, max_tokens: int, base: int
@@ -541,7 +527,7 @@ class ShardRunner:
             return outcome, status, body
 
     def _segment_body(
-        self, req: BatchRequest, asm: Assembly, max_tokens: int, priority: int
+        self, req: BatchRequest, asm: Assembly, max_tokens: int, priority: int, *, by_ids: bool
     ) -> bytes:
         body = dict(req.body)
         body["stream"] = True
@@ -555,7 +541,7 @@ class ShardRunner:
         body["max_tokens"] = max_tokens - done
         body.pop("max_completion_tokens", None)
         if done:
-            if _resumes_from_ids(asm):
+            if by_ids:
                 for key in _CHAT_ONLY_KEYS:
                     body.pop(key, None)
                 body["prompt"] = [*asm.prompt_ids, *asm.token_ids]
@@ -581,10 +567,11 @@ class ShardRunner:
         if asm.tokens and _resumes_from_ids(asm) and asm.checked_at != asm.tokens:
             await self._trim_to_character(asm)
             asm.checked_at = asm.tokens
-        data = self._segment_body(req, asm, max_tokens, priority)
         # A continuation from token ids is a completion, for a chat line too (its prompt ids
         # are the chat template's output): the engine then sees exactly the tokens so far.
+        # Decided after the trim, which may have dropped every token produced.
         by_ids = asm.tokens > 0 and _resumes_from_ids(asm)
+        data = self._segment_body(req, asm, max_tokens, priority, by_ids=by_ids)
         path = "/v1/completions" if by_ids else req.url
         resumed = asm.tokens
         try:
