@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import select
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -186,49 +185,77 @@ def compare_all(vllm: VllmServer, engine: Proc, rec: Recorder) -> None:
         rec.check(case.removesuffix("-chat"), diff(json.loads(rb), json.loads(mb)))
 
 
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+def metric(url: str, *names: str) -> float:
+    """The sum of the named series, read in one scrape."""
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as resp:
         text = resp.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if line.split("{", 1)[0].split(" ", 1)[0] in names)
 
 
-def wait_metric(url: str, name: str, value: float, alive: threading.Thread) -> None:
-    deadline = time.monotonic() + 60
-    while metric(url, name) != value:
-        assert alive.is_alive(), "the blocking request ended too early"
-        assert time.monotonic() < deadline, f"{name} never reached {value}"
+def arrivals(url: str) -> float:
+    """Requests the engine has taken in: running, waiting and finished, read in one scrape
+    (so a request moving between them is never counted twice or missed)."""
+    return metric(url, "vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:request_success_total")
+
+
+def wait_arrivals(url: str, count: float) -> None:
+    deadline = time.monotonic() + 120
+    while (seen := arrivals(url)) != count:
+        assert seen < count, f"{seen} requests arrived, expected {count}"
+        assert time.monotonic() < deadline, f"only {seen} of {count} requests arrived"
         time.sleep(0.02)
+
+
+def open_stream(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """A streamed request sent on a socket of its own, its answer left unread."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=120)
+    sock.sendall(b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (path.encode(), len(data), data))
+    return sock
+
+
+# Long streamed completions queued ahead of the chat request. A scrape of /metrics can stall
+# for seconds on a loaded host, and the completions must outlast the scrapes that confirm the
+# setup; they are cut short (closed, so the server aborts them) once the read is done.
+BLOCKERS = 12
 
 
 def role_before_scheduled(url: str) -> bool:
     """Whether a chat stream's first event reaches the client while its request still waits
-    for the one slot (held by a long completion)."""
-    blocker = threading.Thread(target=post, args=(url + "/v1/completions",
-                                                  {**COMPLETION, "max_tokens": 450}))
-    blocker.start()
-    wait_metric(url, "vllm:num_requests_running", 1, blocker)
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({**CHAT, "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
-                     % (len(body), body))
-        wait_metric(url, "vllm:num_requests_waiting", 1, blocker)
-        got = b""
-        while select.select([sock], [], [], 0)[0]:
-            piece = sock.recv(65536)
-            if not piece:
-                break
-            got += piece
-        # Still waiting after that read: what arrived was sent before the request ran.
-        wait_metric(url, "vllm:num_requests_waiting", 1, blocker)
-        early = b"data: " in got
-        blocker.join(120)
-        while b"data: [DONE]" not in got:
-            piece = sock.recv(65536)
-            assert piece, got
-            got += piece
+    for the one slot.
+
+    The completions arrive first and the chat request waits behind all of them (first come,
+    first served, or equal priorities). After the read, the chat request must still be
+    waiting; that scrape is answered after the read, so it cannot report an older state."""
+    before = arrivals(url)
+    blockers = [open_stream(url, "/v1/completions", {**COMPLETION, "max_tokens": 450})
+                for _ in range(BLOCKERS)]
+    try:
+        wait_arrivals(url, before + BLOCKERS)
+        with open_stream(url, "/v1/chat/completions", CHAT) as sock:
+            wait_arrivals(url, before + BLOCKERS + 1)
+            got = b""
+            while select.select([sock], [], [], 0)[0]:
+                piece = sock.recv(65536)
+                if not piece:
+                    break
+                got += piece
+            # The chat request is last in the queue: any request waiting means it still waits.
+            assert metric(url, "vllm:num_requests_waiting") >= 1, "the completions ran out first"
+            early = b"data: " in got
+            for b in blockers:
+                b.close()
+            while b"data: [DONE]" not in got:
+                piece = sock.recv(65536)
+                assert piece, got
+                got += piece
+    finally:
+        for b in blockers:
+            b.close()
     return early
 
 
