@@ -39,3 +39,14 @@ def share(text: str) -> float:
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
     return value
+
+
+def nonnegative(text: str) -> float:
+    """A finite number of at least zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a number of at least 0: {text!r}")
+    return value

@@ -16,7 +16,9 @@ a warm-up), in microseconds. Inputs come from the real data in
 * ``length_predict_us``: ``SemanticHistoryPredictor.predict`` with its full
   10,000-record history filled from Alpaca prompts and their real answer
   lengths (cycled: the dev file holds 4,000), embedding excluded, timed while
-  ``--load-procs`` Python busy-loop processes (default 2) run beside it; as
+  ``--load-procs`` Python busy-loop processes (default 3) run beside it, started
+  ``--load-settle-s`` (default 60) before it so that the 1-minute load average
+  reaches the 2-4 the target names on an otherwise idle 2-core host; as
   extras the same call on the quiet host (``length_predict_quiet_us``), its
   CPU time and the median single call under that load (and the quiet
   median), the full-vector scan (``search_dim=None``) on the same history,
@@ -58,7 +60,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from slipstream_cli.argtypes import whole
+from slipstream_cli.argtypes import nonnegative, whole
 from slipstream_cli.workloads import data_root
 from slipstream_scheduler.admission import build_planner
 from slipstream_scheduler.latency import (
@@ -104,8 +106,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-procs",
         type=whole(0),
-        default=2,
-        help="busy-loop processes run beside the loaded length-prediction timing (default 2)",
+        default=3,
+        help="busy-loop processes run beside the loaded length-prediction timing (default 3)",
+    )
+    parser.add_argument(
+        "--load-settle-s",
+        type=nonnegative,
+        default=60.0,
+        help="seconds the busy loops run before that timing starts, so that the 1-minute "
+        "load average reflects them (default 60)",
     )
 
 
@@ -163,14 +172,15 @@ def time_each_median_call_us(fns: Sequence[Callable[[], object]], *, rounds: int
 
 
 @contextmanager
-def busy_load(procs: int) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``procs`` concurrent Python busy-loop processes for the duration of the block."""
+def busy_load(procs: int, settle_s: float = 0.5) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``procs`` concurrent Python busy-loop processes for the duration of the block, started
+    ``settle_s`` seconds before it (at least long enough to reach the loop)."""
     started = [
         subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
         for _ in range(procs)
     ]
     try:
-        time.sleep(0.5 if procs else 0.0)  # let them reach the loop
+        time.sleep(max(settle_s, 0.5) if procs else 0.0)
         yield started
     finally:
         for p in started:
@@ -617,12 +627,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         quiet = {k: time_each_us(fns, rounds=rounds) for k, fns in calls.items()}
         extra["length_load_avg_1m_before"] = os.getloadavg()[0]
-        with busy_load(args.load_procs):
+        with busy_load(args.load_procs, args.load_settle_s):
+            extra["length_load_avg_1m_start"] = os.getloadavg()[0]
             loaded = {k: time_each_us(fns, rounds=rounds) for k, fns in calls.items()}
             loaded_cpu = time_each_cpu_us(calls["compact"], rounds=rounds)
             loaded_median = time_each_median_call_us(calls["compact"], rounds=rounds)
             extra["length_load_avg_1m_during"] = os.getloadavg()[0]
         extra["length_load_procs"] = float(args.load_procs)
+        extra["length_load_settle_s"] = float(args.load_settle_s)
         results["length_predict_us"] = loaded["compact"]
         extra["length_predict_quiet_us"] = quiet["compact"]
         extra["length_predict_cpu_us"] = loaded_cpu

@@ -1,0 +1,39 @@
+"""The CLI's value converters: a bad value is a usage error that names it."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from slipstream_cli.argtypes import nonnegative, positive, share, whole
+from slipstream_cli.main import main
+
+
+@pytest.mark.parametrize(("convert", "text", "want"), [
+    (nonnegative, "0", 0.0), (nonnegative, "60", 60.0), (positive, "0.5", 0.5),
+    (share, "1", 1.0), (whole(1), "3", 3),
+])
+def test_good_values_convert(convert: object, text: str, want: float) -> None:
+    assert callable(convert) and convert(text) == want
+
+
+@pytest.mark.parametrize(("convert", "text", "says"), [
+    (nonnegative, "-1", "at least 0"), (nonnegative, "inf", "at least 0"),
+    (nonnegative, "nan", "at least 0"), (nonnegative, "soon", "not a number"),
+    (positive, "0", "positive"), (share, "1.5", "(0, 1]"), (whole(1), "0", "at least 1"),
+    (whole(1), "2.5", "not a whole number"),
+])
+def test_bad_values_are_usage_errors(convert: object, text: str, says: str) -> None:
+    assert callable(convert)
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+        convert(text)
+
+
+def test_a_bad_settle_time_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "core", "--load-settle-s", "-5"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--load-settle-s" in err and "at least 0" in err and "Traceback" not in err
