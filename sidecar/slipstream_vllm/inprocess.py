@@ -155,6 +155,8 @@ class VllmSchedulerSpec:
 
     @classmethod
     def of(cls, config: EngineConfig, num_gpu_blocks: int, **kw: Any) -> VllmSchedulerSpec:
+        """The spec for ``config`` over a pool of ``num_gpu_blocks`` (vLLM's null block
+        included)."""
         return cls(
             policy=config.policy,
             max_num_seqs=config.max_num_seqs,
@@ -165,7 +167,10 @@ class VllmSchedulerSpec:
             scheduler_reserve_full_isl=config.scheduler_reserve_full_isl,
             enable_prefix_caching=config.enable_prefix_caching,
             num_gpu_blocks=num_gpu_blocks,
-            max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN,
+            # No cap configured: the engine model bounds a request by the KV cache alone, and
+            # the largest context vLLM starts with is the one the cache holds (its blocks but
+            # the null block).
+            max_model_len=config.max_model_len or (num_gpu_blocks - 1) * config.block_size,
             **kw,
         )
 

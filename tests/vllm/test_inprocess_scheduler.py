@@ -65,3 +65,24 @@ def test_vllm_scheduler_preempts_under_kv_pressure(tiny_model: object) -> None:
     assert sorted(order) == sorted(r.request_id for r in reqs)
     assert vllm.stats().preemptions > 0
     assert vllm.stats().generation_tokens == 6 * 120
+
+
+def test_without_a_cap_the_kv_cache_bounds_a_prompt_as_in_the_engine_model(
+    tiny_model: object,
+) -> None:
+    """Long-context traces (Mooncake's prompts pass 80k tokens): with no max_model_len
+    configured both engines take any prompt the KV cache holds, and refuse the same ones."""
+    from slipstream_scheduler.engine.errors import RequestError
+    from slipstream_vllm.inprocess import VllmEngine
+
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=8192, num_gpu_blocks=3000,
+                       noise_cv=0.0)
+    room = 3000 * cfg.block_size
+    long = [EngineRequest("long", 40_000, 8, arrival_s=0.0, output_len=4)]
+    for engine in (EngineModel(cfg), VllmEngine(cfg)):
+        order, _ = _run(engine, long)
+        assert order == ["long"]
+        assert engine.stats().generation_tokens == 4
+        says = f"max_model_len {room}" if isinstance(engine, VllmEngine) else "the KV cache"
+        with pytest.raises(RequestError, match=says):
+            engine.add(EngineRequest("too-long", room, 8, arrival_s=1.0))
