@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,10 @@ def _online(
     return window(scale_rate(full, factor), start, dur)
 
 
+BUSY_TOLERANCE = 0.05
+"""How far the online-only busy fraction may land from the one asked for."""
+
+
 def find_rate_scale(
     full: tuple[SimRequest, ...],
     engine: EngineConfig,
@@ -165,6 +170,15 @@ def run(args: argparse.Namespace) -> int:
             loads.append((None, args.rate_scale, busy))
         else:
             f, busy = find_rate_scale(full, engine, args.start_s, dur, target, on=on)
+            if abs(busy - target) > BUSY_TOLERANCE:
+                print(
+                    f"slipstream bench colocation: error: no rate scale gives online-only busy "
+                    f"{target:.2f} in this window (closest: rate scale {f:.4f}, busy "
+                    f"{busy:.3f}); the requests at the window's start decide it whatever the "
+                    f"rate. Try a longer --duration-s or another --start-s.",
+                    file=sys.stderr,
+                )
+                return 2
             loads.append((target, f, busy))
         console.print(
             f"load {i}: target busy {target:.2f} -> rate scale {loads[-1][1]:.4f}, "
