@@ -22,12 +22,16 @@ def whole(minimum: int) -> Callable[[str], int]:
     return convert
 
 
-def positive(text: str) -> float:
-    """A finite number above zero."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def positive(text: str) -> float:
+    """A finite number above zero."""
+    value = _number(text)
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
     return value
@@ -43,10 +47,7 @@ def share(text: str) -> float:
 
 def nonnegative(text: str) -> float:
     """A finite number of at least zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = _number(text)
     if not value >= 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a number of at least 0: {text!r}")
     return value

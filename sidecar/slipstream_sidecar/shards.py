@@ -515,7 +515,7 @@ class ShardRunner:
             if base + grant.resume_from_tokens != asm.tokens + asm.dropped:
                 log.warning(
                     "%s: dispatcher resumes from %d tokens, the stream gave %d",
-                    ticket.request_id, base + grant.resume_from_tokens, asm.tokens,
+                    ticket.request_id, base + grant.resume_from_tokens, asm.tokens + asm.dropped,
                 )
             outcome, status, body = await self._segment(
                 ticket, req, asm, max_tokens, grant.priority

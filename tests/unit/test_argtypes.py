@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 
 import pytest
 
 from slipstream_cli.argtypes import nonnegative, positive, share, whole
 from slipstream_cli.main import main
 
+Convert = Callable[[str], float]
+
 
 @pytest.mark.parametrize(("convert", "text", "want"), [
     (nonnegative, "0", 0.0), (nonnegative, "60", 60.0), (positive, "0.5", 0.5),
     (share, "1", 1.0), (whole(1), "3", 3),
 ])
-def test_good_values_convert(convert: object, text: str, want: float) -> None:
-    assert callable(convert) and convert(text) == want
+def test_good_values_convert(convert: Convert, text: str, want: float) -> None:
+    assert convert(text) == want
 
 
 @pytest.mark.parametrize(("convert", "text", "says"), [
@@ -25,8 +28,7 @@ def test_good_values_convert(convert: object, text: str, want: float) -> None:
     (positive, "0", "positive"), (share, "1.5", "(0, 1]"), (whole(1), "0", "at least 1"),
     (whole(1), "2.5", "not a whole number"),
 ])
-def test_bad_values_are_usage_errors(convert: object, text: str, says: str) -> None:
-    assert callable(convert)
+def test_bad_values_are_usage_errors(convert: Convert, text: str, says: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
         convert(text)
 
