@@ -47,9 +47,12 @@ class Assembly:
     token_ids: list[int] = field(default_factory=list)  # output token ids, every segment
     held_back: bool = False  # the last token so far came without text (a partial character)
     cut: bool = False  # a segment ended inside a character: its text lacks those bytes
-    segment_chat: bool | None = None  # the current segment's chunk shape (None: the line's)
+    segment_chat: bool = field(init=False)  # the current segment's chunk shape
     dropped: int = 0  # output tokens forgotten at segment ends (``drop_last``), all segments
     checked_at: int = -1  # output tokens when the last boundary was checked (``ShardRunner``)
+
+    def __post_init__(self) -> None:
+        self.segment_chat = self.chat
 
     @property
     def ids_complete(self) -> bool:
@@ -102,9 +105,9 @@ class Assembly:
             self.created = doc.get("created")
             self.model = doc.get("model")
         got_text = False
+        chat = self.segment_chat
         for choice in doc.get("choices") or ():
             delta = choice.get("delta") or {}
-            chat = self.chat if self.segment_chat is None else self.segment_chat
             piece = delta.get("content") if chat else choice.get("text")
             if piece:
                 self.text_parts.append(piece)
