@@ -124,19 +124,27 @@ class NaiveParams(PolicyParams):
 
 
 class StaticCapParams(PolicyParams):
-    """``static-cap`` (HyGen*): naive plus a fixed cap on offline requests in flight."""
+    """``static-cap`` (HyGen*): naive plus a fixed cap on offline requests in flight, or
+    (inside the engine) on offline tokens per step."""
 
-    max_offline_in_flight: int = Field(
+    max_offline_in_flight: int | None = Field(
         default=16,
         ge=0,
-        description="offline requests running at once, at most; profiled so the SLO holds at "
-        "the trace's peak; default 16",
+        description="offline requests running at once, at most (null: no cap); profiled so "
+        "the SLO holds at the trace's peak; default 16",
+    )
+    max_offline_step_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="inside the engine (the plugin): offline tokens per step, at most; a "
+        "fixed cap with no latency model, profiled like the in-flight cap; default none",
     )
 
     def rules(self) -> FillRules:
         return FillRules(
             offline_budgeted=False,
             offline_cap=self.max_offline_in_flight,
+            offline_step_tokens=self.max_offline_step_tokens,
             queue_window=self.queue_window,
             min_new_prefill_tokens=self.min_new_prefill_tokens,
             max_preemptions=self.max_preemptions,

@@ -27,6 +27,12 @@ It walks the work in a fixed order and keeps a
     plan may exceed the budget; when it does it holds no offline work at all.
     In ITERATION mode a short budget never preempts: offline requests that do
     not fit are simply not scheduled this step and keep their KV.
+    ``offline_step_tokens`` caps the offline tokens of a step (HyGen*'s static
+    cap at step granularity: no latency model, a fixed token count). A lone
+    online request (no other online request running or waiting) may take the
+    whole token cap as its chunk, as vLLM gives a request with nobody to starve:
+    the chunk threshold protects other requests' decodes, and offline requests
+    have no latency to protect.
 
 ``PlannerMode.ADMISSION`` (the sidecar, outside the engine)
     The sidecar cannot choose chunks; it decides which queued requests to
@@ -128,6 +134,7 @@ class FillRules:
     online_chunks_in_budget: bool = False  # size online prefill chunks to the budget too
     online_min_chunk_tokens: int = 256  # floor for budget-sized online chunks, tokens
     offline_cap: int | None = None  # max offline requests in flight; None: no cap
+    offline_step_tokens: int | None = None  # ITERATION: offline tokens per step; None: no cap
     preempt_for_online: bool = True  # online may preempt running offline requests
     queue_window: int = 64  # queued requests looked at per queue and plan
     min_new_prefill_tokens: int = 16  # smallest first chunk worth admitting offline, tokens
@@ -317,16 +324,31 @@ class TwoPhasePlanner:
             fill.tokens_left -= 1
             scheduled.append(decode(r.request_id))
 
-        # Phase 1b, 1c: running online prefill chunks, then new online requests.
+        # Phase 1b, 1c: running online prefill chunks, then new online requests. A lone
+        # online request (no other online request running or waiting) may take the whole
+        # token cap, as vLLM gives a lone request: the chunk threshold protects other
+        # requests' decodes, and offline ones have no latency to protect.
+        online_waiting = len(s.online_queue) if rules.admit_online else 0
+        lone = len(online_prefilling) + online_waiting == 1 and not any(
+            r.cls is _ONLINE and r.computed_tokens >= r.prompt_tokens for r in running
+        )
+        if lone:
+            fill.chunk_limit = lim.max_num_batched_tokens
         self._fill_prefilling(fill, online_prefilling, online_budget, online=True)
         if rules.admit_online:
             self._fill_queue(fill, s.online_queue, online_budget, online=True)
+        fill.chunk_limit = _chunk_limit(lim)
 
         # Phase 2: offline work, only while the predicted step stays within budget.
         budget = offline_budget
         bounded = model is not None and budget < _INF
         if bounded and model is not None and model.predict_features(f) > budget:
             fill.tokens_left = 0  # online work alone fills (or overfills) the step
+        step_cap = rules.offline_step_tokens
+        tokens_after_offline = 0
+        if step_cap is not None and fill.tokens_left > step_cap:
+            tokens_after_offline = fill.tokens_left - step_cap
+            fill.tokens_left = step_cap
         if fill.tokens_left > 0:
             skip = set(room.preempted) if room.preempted else None
             # 2a: running offline decodes.
@@ -354,6 +376,7 @@ class TwoPhasePlanner:
             if rules.admit_offline:
                 fill.offline_in_flight = offline_running - len(room.preempted)
                 self._fill_queue(fill, s.offline_queue, budget, online=False)
+        fill.tokens_left += tokens_after_offline
 
         predicted = model.predict_features(f) if model is not None and f.tokens else 0.0
         if logger.isEnabledFor(logging.DEBUG):
@@ -421,6 +444,9 @@ class TwoPhasePlanner:
         f, room, bs = fill.f, fill.room, fill.room.bs
         preempt = online and rules.preempt_for_online
         cap = None if online else rules.offline_cap
+        min_first = rules.min_new_prefill_tokens  # a per-step cap below it still admits
+        if rules.offline_step_tokens is not None:
+            min_first = min(min_first, rules.offline_step_tokens)
         for q in islice(queue, rules.queue_window):
             if fill.tokens_left <= 0:
                 break
@@ -434,7 +460,7 @@ class TwoPhasePlanner:
             remaining = q.prompt_tokens - ctx0
             want = min(remaining, fill.chunk_limit, fill.tokens_left)
             x = self._chunk(f, ctx0, want, budget, online)
-            if not online and (x <= 0 or x < min(remaining, rules.min_new_prefill_tokens)):
+            if not online and (x <= 0 or x < min(remaining, min_first)):
                 break
             x = room.fit_chunk(x, ctx0, ctx0 // bs, preempt=preempt)
             if x <= 0:

@@ -196,6 +196,13 @@ class PsmQueue:
         self._cursor: list[Block] = []  # block keys of the last popped request
         self._pops = 0
         self._left: OrderedDict[str, int] = OrderedDict()  # id -> seq, for a re-entry
+        self._version = 0  # bumped by every change of entries or cursor
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a request enters or leaves (so the DFS order may change); a
+        caller may reuse a ``peek_window`` while it stands, up to the fairness rule's aging."""
+        return self._version
 
     # ------------------------------------------------------------------ queue API
 
@@ -232,6 +239,7 @@ class PsmQueue:
             request_id, node, arrival_s, seq, node.depth, tuple(path)
         )
         self._by_age.add((arrival_s, seq, request_id))
+        self._version += 1
 
     def remove(self, request_id: str) -> None:
         """Drop a queued request (cancelled, or admitted by other means); O(depth)."""
@@ -239,6 +247,7 @@ class PsmQueue:
         if entry is None:
             raise UnknownRequestError(request_id)
         self._by_age.remove((entry.arrival_s, entry.seq, request_id))
+        self._version += 1
         left = self._left
         left[request_id] = entry.seq
         if len(left) > SEQ_MEMORY:

@@ -130,6 +130,8 @@ STATUS_EVERY_S = 0.5
 EMBED_TOKENS = 512
 LATENCY_WINDOW = 2048
 """Samples kept per class and metric for the report's mean and p99."""
+PSM_ORDER_TTL_S = 0.5
+"""How long an unchanged PSM queue's order is reused (the fairness rule ages in minutes)."""
 
 _ONLINE = RequestClass.ONLINE
 _OFFLINE = RequestClass.OFFLINE
@@ -264,6 +266,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self._predictor = SemanticHistoryPredictor(self._embedder.dim)
         self._global = GlobalDistributionPredictor()
         self._psm = PsmQueue(PsmParams(block_size=self.block_size))
+        self._psm_cache: tuple[tuple[int, int, int], float, tuple[str, ...]] | None = None
         self._token: str | None = None
         self._token_stat: tuple[int, int] | None = None
         self._control_stat: tuple[int, int, int] | None = None
@@ -487,8 +490,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             for r in offline:  # a preempted offline request comes back into the trie
                 if r.request_id not in self._psm:
                     self._psm.push(r.request_id, r.prompt_token_ids or [], time.monotonic())
-            window = self.planner.rules.queue_window
-            order = self._psm.peek_order(min(window, len(self._psm)), time.monotonic())
+            order = self._psm_order(min(self.planner.rules.queue_window, len(self._psm)))
             picked = [by_id[rid] for rid in order if rid in by_id]
             in_order = set(order)
             rest = sorted(
@@ -499,6 +501,19 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         else:
             offline.sort(key=lambda r: (r.priority, r.arrival_time))
         return [t[2] for t in online], offline
+
+    def _psm_order(self, n: int) -> tuple[str, ...]:
+        """The PSM queue's next ``n`` picks, reused while the queue is unchanged and for at
+        most ``PSM_ORDER_TTL_S`` (the fairness rule ages waiting requests in seconds): a walk
+        of the trie costs O(picks x prompt blocks), too much for every step of a long queue."""
+        now = time.monotonic()
+        key = (id(self._psm), self._psm.version, n)
+        cached = self._psm_cache
+        if cached is not None and cached[0] == key and now - cached[1] < PSM_ORDER_TTL_S:
+            return cached[2]
+        order = self._psm.peek_order(n, now)
+        self._psm_cache = (key, now, order)
+        return order
 
     # ------------------------------------------------------------------ snapshot
 
@@ -581,6 +596,13 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         plan = self.planner.plan(snap)
         self.steps += 1
         if not plan.scheduled and not plan.admitted and not plan.preempted:
+            if self.planner.rules.offline_step_tokens == 0 and not online_q and not any(
+                self._class_of(r) is _ONLINE for r in self.running
+            ):
+                # A per-step offline cap of 0 holds offline work back on purpose: an empty
+                # step, not vLLM's own walk (which would run it all).
+                out = self._steer(plan, snap, waiting, throttle_prefills)
+                return self._finish_schedule(out, plan)
             if self.running or waiting:
                 self.fallback_steps += 1
             return self._finish_schedule(super().schedule(throttle_prefills), None)

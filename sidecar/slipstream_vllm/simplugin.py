@@ -95,7 +95,7 @@ def plugin_in_engine_factory(ordering: str = "fcfs") -> Callable[..., PluginEngi
     def make(config: EngineConfig, seed: int, spec: Any) -> PluginEngine:
         control = EngineControl(
             generation=1,
-            policy="budget",
+            policy=spec.policy,
             policy_params=dict(spec.params),
             budget_s=spec.budget_s,
             idle_budget_s=spec.idle_budget_s or None,  # 0: the budget always applies

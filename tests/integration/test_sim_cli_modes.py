@@ -39,9 +39,23 @@ def test_sim_in_engine_mode_reports_its_mode_and_planner_counters(tmp_path: Path
     assert srow["in_engine"] is None
 
 
-def test_sim_in_engine_mode_refuses_a_policy_without_a_budget(tmp_path: Path) -> None:
-    with pytest.raises(WorkloadError, match="budget policy"):
+def test_sim_in_engine_mode_refuses_a_policy_without_a_budget_or_cap(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="budget or static-cap policy"):
         main(["sim", *SHORT, "--policy", "naive", "--mode", "in-engine"])
+
+
+def test_sim_in_engine_static_cap_is_a_per_step_token_cap(tmp_path: Path) -> None:
+    offline: dict[int, float] = {}
+    for cap in (0, 32, 256):
+        out = tmp_path / f"cap{cap}.json"
+        args = ["sim", *SHORT, "--policy", "static-cap", "--mode", "in-engine"]
+        assert main([*args, "--static-cap", str(cap), "--json", str(out)]) == 0
+        row = json.loads(out.read_text())["summary"]
+        assert row["mode"] == "in-engine" and row["static_cap"] == cap
+        assert row["in_engine"]["plans"] > 0
+        offline[cap] = row["offline_tokens_per_s"]
+    assert offline[0] == 0.0
+    assert 0.0 < offline[32] < offline[256]
 
 
 def test_bench_colocation_labels_in_engine_rows_beside_the_sidecar_rows(tmp_path: Path) -> None:

@@ -246,6 +246,53 @@ def test_chunks_respect_the_long_prefill_threshold_and_the_prefix_cache() -> Non
     assert [a.tokens for a in plan.admitted] == [40, 256]
 
 
+def test_a_lone_online_request_takes_the_whole_token_cap_as_vllm_gives_it() -> None:
+    # vLLM lifts the chunk threshold for a request with nobody to starve; the planner does
+    # the same for an online request with no other online request beside it, since the
+    # offline requests it shares the step with have no latency to protect.
+    limits = EngineLimits(max_num_batched_tokens=2048, long_prefill_token_threshold=256)
+    alone = snap(
+        [decoding("off-run", OFF), prefilling("off-pre", OFF, 3000, done=512)],
+        online=[queued("on-1", ON, 1500)],
+        offline=[queued("off-1", OFF, 1000)],
+        limits=limits,
+    )
+    plan = build_planner("naive").plan(alone)
+    assert plan.admitted[0].request_id == "on-1" and plan.admitted[0].tokens == 1500
+    running_alone = snap([prefilling("on-pre", ON, 4000, done=1000)], limits=limits)
+    assert [a.tokens for a in build_planner("naive").plan(running_alone).scheduled] == [2048]
+    # Another online request, decoding or waiting, brings the threshold back.
+    beside_decode = replace(alone, running=(*alone.running, decoding("on-dec", ON)))
+    assert build_planner("naive").plan(beside_decode).admitted[0].tokens == 256
+    two_waiting = replace(alone, online_queue=(queued("on-1", ON, 1500), queued("on-2", ON)))
+    assert [a.tokens for a in build_planner("naive").plan(two_waiting).admitted[:2]] == [256, 256]
+    # Offline chunks keep the threshold whatever the online side does.
+    offline_alone = snap(offline=[queued("off-1", OFF, 1000)], limits=limits)
+    assert [a.tokens for a in build_planner("naive").plan(offline_alone).admitted] == [256]
+
+
+def test_static_cap_per_step_bounds_the_offline_tokens_of_a_step() -> None:
+    limits = EngineLimits(max_num_batched_tokens=2048, long_prefill_token_threshold=256)
+    s = snap(
+        [decoding("on-dec", ON), decoding("off-a", OFF), prefilling("off-pre", OFF, 900)],
+        offline=[queued(f"off-{i}", OFF, 300) for i in range(4)],
+        limits=limits,
+    )
+    params = StaticCapParams(max_offline_in_flight=None, max_offline_step_tokens=40)
+    plan = build_planner("static-cap", params).plan(s)
+    tokens = {a.request_id: a.tokens for a in (*plan.scheduled, *plan.admitted)}
+    assert tokens == {"on-dec": 1, "off-a": 1, "off-pre": 39}  # 40 offline tokens
+    none = build_planner("static-cap", {"max_offline_step_tokens": 0}).plan(s)
+    assert ids(none.scheduled) == ["on-dec"] and none.admitted == ()
+    # Online work is never held back by the offline cap.
+    online = replace(s, online_queue=(queued("on-1", ON, 600),))
+    plan = build_planner("static-cap", params).plan(online)
+    assert ("on-1", 256) in [(a.request_id, a.tokens) for a in plan.admitted]
+    # Without the per-step cap, offline work fills the step.
+    uncapped = build_planner("static-cap", {"max_offline_in_flight": None}).plan(s)
+    assert sum(a.tokens for a in (*uncapped.scheduled, *uncapped.admitted)) > 1000
+
+
 def test_queue_window_bounds_the_work() -> None:
     offline = [queued(f"off-{i}", OFF, 20) for i in range(1000)]
     plan = build_planner("naive", {"queue_window": 5}).plan(snap(offline=offline))
@@ -491,6 +538,14 @@ def check_iteration_plan(
     running = {r.request_id: r for r in s.running}
     queued_by_id = {q.request_id: q for q in (*s.online_queue, *s.offline_queue)}
     chunk_cap = lim.long_prefill_token_threshold or lim.max_num_batched_tokens
+    # A lone online request (no other online request running or waiting) may take the
+    # whole token cap, as vLLM gives a request with nobody to starve.
+    online_prefilling = [r for r in s.running if r.cls is ON and r.in_prefill]
+    online_decoding = [r for r in s.running if r.cls is ON and not r.in_prefill]
+    lone = len(online_prefilling) + len(s.online_queue) == 1 and not online_decoding
+
+    def cap_of(cls: RequestClass) -> int:
+        return lim.max_num_batched_tokens if lone and cls is ON else chunk_cap
 
     # Only running offline requests are preempted, and they are not also scheduled.
     for rid in plan.preempted:
@@ -512,7 +567,7 @@ def check_iteration_plan(
         cls_of[a.request_id] = r.cls
         assert a.tokens >= 1
         if r.in_prefill:
-            assert a.tokens <= min(r.prompt_tokens - r.computed_tokens, chunk_cap)
+            assert a.tokens <= min(r.prompt_tokens - r.computed_tokens, cap_of(r.cls))
             kv_used += _blocks(r.computed_tokens + a.tokens, bs) - _blocks(r.computed_tokens, bs)
             batch.append(BatchItem(Phase.PREFILL, a.tokens, r.computed_tokens))
         else:
@@ -523,7 +578,7 @@ def check_iteration_plan(
         q = queued_by_id[a.request_id]
         cls_of[a.request_id] = q.cls
         ctx0 = max(0, min(q.cached_tokens, q.prompt_tokens - 1))
-        assert 1 <= a.tokens <= min(q.prompt_tokens - ctx0, chunk_cap)
+        assert 1 <= a.tokens <= min(q.prompt_tokens - ctx0, cap_of(q.cls))
         kv_used += _blocks(ctx0 + a.tokens, bs) - ctx0 // bs
         batch.append(BatchItem(Phase.PREFILL, a.tokens, ctx0))
     freed = sum(_blocks(running[rid].context_tokens, bs) for rid in plan.preempted)

@@ -133,6 +133,27 @@ def test_peek_matches_pops_and_does_not_mutate() -> None:
     assert queue.peek_order(3, 9.0) == ()
 
 
+def test_version_moves_with_every_change_that_can_change_the_order() -> None:
+    queue = q()
+    v0 = queue.version
+    queue.push("a", prompt(1, 2), 0.0)
+    queue.push("b", prompt(1, 3), 1.0)
+    v1 = queue.version
+    assert v1 > v0
+    queue.peek_window(2, 5.0)
+    queue.cached_tokens("a")
+    assert queue.version == v1  # reading changes nothing
+    queue.take("a")  # moves the cursor too
+    v2 = queue.version
+    assert v2 > v1
+    queue.pop(6.0)
+    assert queue.version > v2
+    queue.push("c", prompt(2), 7.0)
+    v3 = queue.version
+    queue.remove("c")
+    assert queue.version > v3
+
+
 prompts_st = st.lists(
     st.tuples(
         st.lists(st.integers(0, 2), min_size=0, max_size=3),  # block ids

@@ -306,3 +306,68 @@ def test_an_idle_engine_keeps_its_report_fresh(channel: Path) -> None:
     time.sleep(4 * STATUS_EVERY_S)
     assert EngineReport.model_validate_json(path.read_text()).steps == busy.steps
     eng.scheduler.shutdown()
+
+
+def test_a_per_step_static_cap_bounds_offline_tokens_and_the_psm_walk_is_reused(
+    channel: Path,
+) -> None:
+    # HyGen* inside vLLM: a fixed count of offline tokens per step, no latency model.
+    token = _token(channel)
+    _control(
+        channel,
+        generation=1,
+        policy="static-cap",
+        policy_params={"max_offline_in_flight": None, "max_offline_step_tokens": 24},
+    )
+    eng = _engine()
+    for i in range(6):
+        _add(eng, f"off{i}", 300, 4, offline_token=token)
+    _add(eng, "on0", 200, 6)
+    sched = eng.scheduler
+    walks: list[int] = []
+    peek = sched._psm.peek_order
+
+    def counted(n: int, now_s: float) -> tuple[str, ...]:
+        walks.append(n)
+        return peek(n, now_s)
+
+    sched._psm.peek_order = counted
+    offline_ids = {f"off{i}" for i in range(6)}
+    steps = 0
+    while eng.has_work() and steps < 40:
+        eng.step()
+        out = sched._last_plan
+        assert out is not None
+        planned = {a.request_id: a.tokens for a in (*out.scheduled, *out.admitted)}
+        assert sum(n for rid, n in planned.items() if rid in offline_ids) <= 24, planned
+        steps += 1
+    # 24 tokens per step move the 300-token prompts slowly: most steps leave the waiting
+    # queue as it was, and then the trie is not walked again.
+    assert 0 < len(walks) < steps / 2, (len(walks), steps)
+    before = len(walks)
+    _add(eng, "off-late", 300, 4, offline_token=token)
+    eng.step()
+    assert len(walks) == before + 1  # a new arrival changes the queue: walked again
+
+
+def test_a_per_step_cap_of_zero_holds_offline_work_back_without_falling_back(
+    channel: Path,
+) -> None:
+    token = _token(channel)
+    _control(
+        channel,
+        generation=1,
+        policy="static-cap",
+        policy_params={"max_offline_in_flight": None, "max_offline_step_tokens": 0},
+    )
+    eng = _engine()
+    for i in range(3):
+        _add(eng, f"off{i}", 300, 4, offline_token=token)
+    for _ in range(5):
+        assert eng.step().num_tokens == 0  # an empty step, not vLLM's own walk
+    assert eng.scheduler.fallback_steps == 0
+    _add(eng, "on0", 200, 3)
+    emitted: set[str] = set()
+    for _ in range(10):
+        emitted |= {rid for rid, _ in eng.step().emitted}
+    assert emitted == {"on0"}

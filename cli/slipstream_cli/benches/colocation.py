@@ -53,7 +53,7 @@ from slipstream_cli.commands.sim import (
     summary_row,
 )
 from slipstream_scheduler.budget import parse_slo
-from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.engine.model import EngineConfig, EngineModel
 from slipstream_scheduler.sim.workload import SimRequest, scale_rate, window
 
 ORDER = ("online-only", "offline-only", "naive", "static-cap", "budget", "budget-psm")
@@ -79,6 +79,19 @@ def load_setting(
     return load_trace(args.trace), load_offline(args.offline, args.offline_path), engine
 
 
+def servable(
+    full: tuple[SimRequest, ...], engine: EngineConfig
+) -> tuple[tuple[SimRequest, ...], int]:
+    """The trace's requests whose prompt fits the engine's KV cache, and how many do not:
+    vLLM refuses those at the door (the prompt reaches ``max_model_len``, which the KV
+    cache bounds), so no scheduler could serve them (Mooncake has prompts of up to 125k
+    tokens against about 104k of KV on llama-2-7b / A100). Outputs that would overflow
+    the cache stop at its end, as in vLLM."""
+    cap = EngineModel(engine).pool.num_blocks * engine.block_size
+    kept = tuple(r for r in full if r.prompt_tokens < cap)
+    return kept, len(full) - len(kept)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(parser)
     add_engine_argument(parser)
@@ -90,6 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="more loads to report (busy fractions); none: only the target",
     )
     parser.add_argument("--policies", nargs="*", default=list(ORDER), help="subset to run")
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="profile the planner's latency model with the token-curve feature set as a "
+        "candidate, as the shipped profiles are (`slipstream profile latency --curve`); it "
+        "prices small mixed steps within a few %% where the hinge sets are off by up to 20 %%. "
+        "Every row uses the same model",
+    )
     parser.add_argument(
         "--in-engine",
         default="all",
@@ -150,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 140))
     t_start = time.perf_counter()
     full, offline, engine = load_setting(args)
+    full, refused = servable(full, engine)
+    if refused:
+        console.print(
+            f"{refused} online request(s) of the trace are left out: their prompts exceed the "
+            f"engine's KV cache, so vLLM would refuse them"
+        )
     on: dict[str, Any] = {
         "engine_name": args.engine,
         "engine_factory": engine_factory_from_args(
@@ -198,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             idle_budget_s=args.idle_budget,
             search_idle=not args.no_idle_search,
             label=args.trace or "azure-conv-dev",
+            latency_curve=args.curve,
             **on,
         )
         rows: list[dict[str, Any]] = []
@@ -227,6 +255,12 @@ def run(args: argparse.Namespace) -> int:
                 if pr.idle_search is not None:
                     searches["budget[in-engine]:idle"] = search_doc(pr.idle_search)
                 _keep_plots(li, "budget [in-engine]", pr, cdf_series, timelines)
+                if "static-cap" in args.policies:
+                    # HyGen* inside the engine: a fixed offline token count per step.
+                    pr = run_policy(scn, "static-cap", mode="in-engine")
+                    rows.append(summary_row(pr, scn))
+                    if pr.search is not None:
+                        searches["static-cap[in-engine]"] = search_doc(pr.search)
         console.print(
             rows_table(
                 rows,
@@ -258,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "gpu": args.gpu,
         "long_prefill_tokens": args.long_prefill_tokens,
+        "latency_curve": args.curve,
+        "online_refused": refused,
         "idle_budget_s": args.idle_budget,
         "idle_search": not args.no_idle_search,
         "engine": args.engine,
@@ -305,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
                             (
                                 x["offline_tokens_per_s"]
                                 for x in r["rows"]
-                                if x["mode"] in ("in-engine", "plugin")
+                                if x["mode"] in ("in-engine", "plugin") and x["policy"] == "budget"
                             ),
                             0.0,
                         )
@@ -345,7 +381,9 @@ def _keep_plots(
 
 def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by = {r["policy"]: r for r in rows if r.get("mode", "sidecar") == "sidecar"}
-    ie = next((r for r in rows if r.get("mode") in ("in-engine", "plugin")), None)
+    inside = [r for r in rows if r.get("mode") in ("in-engine", "plugin")]
+    ie = next((r for r in inside if r["policy"] == "budget"), None)
+    ics = next((r for r in inside if r["policy"] == "static-cap"), None)
     vals: dict[str, Any] = {}
     lines: list[str] = []
     b, n, c, o = by.get("budget"), by.get("naive"), by.get("static-cap"), by.get("offline-only")
@@ -374,5 +412,12 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         lines.append(
             f"in-engine budget (what a plugin would add, not the sidecar): SLOs met "
             f"{ie['slo_met']}, offline / offline-only {frac:.1%}"
+        )
+    if ics and o and o["offline_tokens_per_s"]:
+        frac = ics["offline_tokens_per_s"] / o["offline_tokens_per_s"]
+        vals["in_engine_static_cap_over_offline_only"] = frac
+        lines.append(
+            f"in-engine static cap ({ics['static_cap']} offline tokens per step): SLOs met "
+            f"{ics['slo_met']}, offline / offline-only {frac:.1%}"
         )
     return {"values": vals, "lines": lines}

@@ -33,6 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from slipstream_cli import plots
+from slipstream_cli.argtypes import whole
 from slipstream_cli.workloads import WorkloadError, arxiv, azure, mmlu, mooncake
 from slipstream_scheduler.budget import (
     Observed,
@@ -134,6 +135,8 @@ class Scenario:
     baseline: SimResult | None = None
     progress: Callable[[str, float, float], None] | None = None
     cache: dict[tuple[Any, ...], SimResult] = field(default_factory=dict)
+    latency_curve: bool = False
+    """Profile the planner's latency model with the token-curve feature set as a candidate."""
     engine_name: str = "model"
     """What chooses every batch: ``model`` (the engine model) or ``vllm`` (vLLM's scheduler)."""
     engine_factory: EngineFactory | None = None
@@ -142,7 +145,9 @@ class Scenario:
 
     def model(self) -> LinearLatencyModel:
         if self.latency_model is None:
-            self.latency_model = profile_latency_model(self.engine, seed=self.seed)
+            self.latency_model = profile_latency_model(
+                self.engine, seed=self.seed, curve=self.latency_curve
+            )
         return self.latency_model
 
     def workload(
@@ -198,7 +203,8 @@ class Scenario:
             def cb(t: float) -> None:
                 prog(label, t, span)
 
-        model = self.model() if POLICIES[policy].admission == "budget" else None
+        needs_model = POLICIES[policy].admission == "budget" or mode == "in-engine"
+        model = self.model() if needs_model else None
         res = simulate(
             wl,
             cfg,
@@ -251,21 +257,34 @@ def _num(x: float) -> float | None:
     return None if x is None or math.isnan(x) else float(x)
 
 
-def search_static_cap(scn: Scenario, hi: int = 64) -> SearchResult:
-    """The largest offline in-flight cap meeting every SLO on the trace's busiest window."""
+def search_static_cap(scn: Scenario, hi: int | None = None, mode: Mode = "sidecar") -> SearchResult:
+    """The largest static cap meeting every SLO on the trace's busiest window.
+
+    Sidecar: offline requests in flight, 0..64. In-engine (the plugin): offline tokens
+    per step, 0..the token cap, a granularity where a cap can be non-zero under a tight
+    TBT SLO (one offline request in flight is already a whole prefill chunk per step).
+    """
+    if hi is None:
+        hi = scn.engine.max_num_batched_tokens if mode == "in-engine" else 64
     length = min(scn.profile_window_s, scn.duration_s)
     start = peak_window(scn.online, length)
     peak = window(scn.online, start, length)
     base_peak = scn.run("online-only", online=peak, horizon=length, tag=" (peak)").observed()
+    unit = " tokens/step" if mode == "in-engine" else ""
     return bisect_largest(
         lambda c: scn.run(
-            "static-cap", static_cap=int(c), online=peak, horizon=length, tag=f" cap={int(c)}"
+            "static-cap",
+            static_cap=int(c),
+            online=peak,
+            horizon=length,
+            tag=f" cap={int(c)}{unit}",
+            mode=mode,
         ).observed(),
         scn.slos,
         0,
         hi,
         baseline=base_peak,
-        iterations=8,
+        iterations=12 if mode == "in-engine" else 8,
         integer=True,
     )
 
@@ -341,7 +360,7 @@ def run_policy(
     With ``scn.search_idle`` a budget policy's idle budget is searched first
     (:func:`search_idle_budget`), then its online budget with that idle budget
     (:func:`search_policy_budget`); ``idle_budget_s`` given skips the first.
-    ``mode="in-engine"`` (budget policies only) runs and searches the planner's
+    ``mode="in-engine"`` (budget and static-cap policies) runs and searches the planner's
     ITERATION mode inside the engine (:mod:`slipstream_scheduler.sim.inengine`):
     what an engine plugin would add, never a sidecar figure.
     """
@@ -349,8 +368,8 @@ def run_policy(
     search: SearchResult | None = None
     idle_search: SearchResult | None = None
     spec = POLICIES[policy]
-    if mode != "sidecar" and spec.admission != "budget":
-        raise WorkloadError(f"--mode {mode} needs a budget policy, not {policy}")
+    if mode != "sidecar" and spec.admission not in ("budget", "static-cap"):
+        raise WorkloadError(f"--mode {mode} needs a budget or static-cap policy, not {policy}")
     idle = idle_budget_s if idle_budget_s is not None else scn.idle_budget_s
     if spec.admission == "budget" and scn.search_idle and idle is None:
         if not scn.slos:
@@ -365,7 +384,7 @@ def run_policy(
     if policy == "static-cap" and static_cap is None:
         if not scn.slos:
             raise WorkloadError("static-cap needs --static-cap or at least one --slo")
-        search = search_static_cap(scn)
+        search = search_static_cap(scn, mode=mode)
         static_cap = int(search.value) if search.value is not None else 0
     is_budget = spec.admission == "budget"
     res = scn.run(
@@ -482,7 +501,15 @@ def rows_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
             f"budget {r['budget_s'] * 1000:.1f} ms"
             + (f", idle {r['idle_budget_s'] * 1000:.0f} ms" if r.get("idle_budget_s") else "")
             if r.get("budget_s")
-            else (f"cap {r['static_cap']}" if r.get("static_cap") is not None else "")
+            else (
+                (
+                    f"{r['static_cap']} tok/step"
+                    if r.get("mode") in ("in-engine", "plugin")
+                    else f"cap {r['static_cap']}"
+                )
+                if r.get("static_cap") is not None
+                else ""
+            )
         )
         met = r["slo_met"]
         t.add_row(
@@ -647,11 +674,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=MODES,
         help="sidecar (default): what Slipstream ships, the dispatcher in front of vLLM. "
         "in-engine: the planner picks every iteration's batch inside the engine (budget "
-        "policies only; never a sidecar figure): with --engine vllm that is Slipstream's "
+        "and static-cap only; never a sidecar figure): with --engine vllm that is Slipstream's "
         "vLLM plugin inside vLLM's scheduler, with --engine model the engine model's stand-in",
     )
     parser.add_argument("--budget", type=float, help="per-iteration budget, s (budget policies)")
-    parser.add_argument("--static-cap", type=int, help="offline in-flight cap (static-cap)")
+    parser.add_argument(
+        "--static-cap",
+        type=whole(0),
+        help="static-cap: offline requests in flight at most (--mode in-engine: offline "
+        "tokens per step at most)",
+    )
     parser.add_argument("--json", type=Path, help="write the JSON report here")
     parser.add_argument("--plots", type=Path, help="folder for PNGs (default: beside --json)")
 

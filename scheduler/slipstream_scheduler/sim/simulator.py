@@ -55,7 +55,7 @@ from slipstream_scheduler.engine.model import (
     RequestView,
     StepResult,
 )
-from slipstream_scheduler.latency import LinearLatencyModel, fit
+from slipstream_scheduler.latency import DEFAULT_FEATURE_SETS, FeatureSet, LinearLatencyModel, fit
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.psm import PsmParams, PsmQueue
@@ -108,6 +108,8 @@ class InEngineSpec:
     budget_s: float | None
     idle_budget_s: float | None
     offline_priority: int
+    policy: str = "budget"
+    """The admission policy the in-engine planner runs (``budget`` or ``static-cap``)."""
 
 
 InEngineFactory = Callable[[EngineConfig, int, InEngineSpec], SimEngine]
@@ -161,7 +163,10 @@ class SimConfig(BaseModel):
         description="Per-iteration budget, seconds (budget policies); None: unbounded.",
     )
     static_cap: int = Field(
-        default=16, ge=0, description="Offline requests in flight at most (static-cap); default 16."
+        default=16,
+        ge=0,
+        description="static-cap: offline requests in flight at most (in-engine mode: offline "
+        "tokens per step at most); default 16.",
     )
     dispatcher: DispatcherConfig = Field(
         default_factory=DispatcherConfig, description="The sidecar's dispatcher knobs."
@@ -178,8 +183,8 @@ class SimConfig(BaseModel):
         description="sidecar (default): the dispatcher in front of vLLM's scheduler, what "
         "Slipstream ships. in-engine: the planner's ITERATION mode picks each iteration's "
         "batch inside the engine, the budget while online work is in it and the dispatcher's "
-        "idle_budget_s otherwise (what an engine plugin would add; budget policies only; "
-        "never a sidecar figure).",
+        "idle_budget_s otherwise (what an engine plugin would add; budget and static-cap "
+        "policies only; never a sidecar figure).",
     )
     in_engine_offline_window: int = Field(
         default=32,
@@ -234,12 +239,14 @@ Progress = Callable[[float], None]
 
 
 def profile_latency_model(
-    engine: EngineConfig, *, samples: int = 1500, seed: int = 0
+    engine: EngineConfig, *, samples: int = 1500, seed: int = 0, curve: bool = False
 ) -> LinearLatencyModel:
     """Fit the planner's latency model on random batches timed by the engine's GPU model.
 
     This is the simulator's stand-in for profiling a real GPU: batches mix
     decodes (contexts up to 4k) and prefill chunks under the engine's token cap.
+    ``curve``: the token-curve feature set is a candidate too (``slipstream profile
+    latency --curve``), which follows the GPU's step-wise cost of small batches.
     """
     timing = EngineModel(engine, seed=seed).timing
     rng = random.Random(seed)
@@ -261,7 +268,8 @@ def profile_latency_model(
         if not batch:
             batch.append(BatchItem(Phase.DECODE, 1, rng.randint(16, 4096)))
         rows.append((batch, timing.predict(batch)))
-    return fit(rows, seed=seed).model
+    sets = [*DEFAULT_FEATURE_SETS, FeatureSet.CONTEXT_CHUNK_CURVE] if curve else None
+    return fit(rows, seed=seed, feature_sets=sets).model
 
 
 def online_only_step_s(engine: EngineConfig, model: LinearLatencyModel) -> float:
@@ -317,9 +325,14 @@ class Simulator:
         self.workload = workload
         self.config = config
         params: dict[str, Any] = dict(config.planner_params)
-        if spec.admission == "static-cap":
+        in_engine = config.mode == "in-engine"
+        if spec.admission == "static-cap" and in_engine:
+            # Inside the engine the static cap is per step: offline tokens, no model.
+            params.setdefault("max_offline_step_tokens", config.static_cap)
+            params.setdefault("max_offline_in_flight", None)
+        elif spec.admission == "static-cap":
             params.setdefault("max_offline_in_flight", config.static_cap)
-        needs_model = ADMISSION_POLICIES[spec.admission].needs_latency_model
+        needs_model = ADMISSION_POLICIES[spec.admission].needs_latency_model or in_engine
         if needs_model and latency_model is None:
             latency_model = profile_latency_model(config.engine, seed=config.seed)
         admission = spec.admission
@@ -328,8 +341,9 @@ class Simulator:
         if config.mode == "in-engine":
             if engine_factory is not None and in_engine_factory is None:
                 raise SimError("in-engine mode runs the engine model's planner", config.policy)
-            if spec.admission != "budget" or latency_model is None:
-                raise SimError("in-engine mode needs a budget policy", config.policy)
+            if spec.admission not in ("budget", "static-cap") or latency_model is None:
+                raise SimError("in-engine mode needs a budget or static-cap policy", config.policy)
+            step_budget = config.budget_s if spec.admission == "budget" else None
             # The real planner in ITERATION mode picks each iteration's batch inside
             # the engine; the dispatcher only keeps a window of offline work in it.
             if in_engine_factory is not None:
@@ -339,14 +353,15 @@ class Simulator:
                     InEngineSpec(
                         latency_model,
                         dict(params),
-                        config.budget_s,
-                        config.dispatcher.idle_budget_s,
+                        step_budget,
+                        config.dispatcher.idle_budget_s if step_budget is not None else None,
                         config.dispatcher.offline_priority,
+                        spec.admission,
                     ),
                 )
             else:
                 inner = build_planner(
-                    "budget",
+                    spec.admission,
                     params or None,
                     latency_model=latency_model,
                     mode=PlannerMode.ITERATION,
@@ -355,12 +370,18 @@ class Simulator:
                     config.engine,
                     config.seed,
                     planner=inner,
-                    budget_s=config.budget_s,
-                    idle_budget_s=config.dispatcher.idle_budget_s,
+                    budget_s=step_budget,
+                    idle_budget_s=(
+                        config.dispatcher.idle_budget_s if step_budget is not None else None
+                    ),
                     offline_priority=config.dispatcher.offline_priority,
                 )
+            # A per-step cap of 0 holds every offline request back: the sidecar sends none.
+            window = config.in_engine_offline_window
+            if spec.admission == "static-cap" and params.get("max_offline_step_tokens") == 0:
+                window = 0
             admission, needs_model, dispatcher_budget = "static-cap", False, None
-            params = {"max_offline_in_flight": config.in_engine_offline_window}
+            params = {"max_offline_in_flight": window}
         elif engine_factory is not None:
             self.engine = engine_factory(config.engine, config.seed)
         else:
