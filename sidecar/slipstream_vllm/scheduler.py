@@ -653,6 +653,19 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         admitted_ids = {a.request_id for a in plan.admitted}
         rest = [r for r in waiting if r.request_id not in admitted_ids]
         saved_waiting, saved_cap = self.waiting, self.max_num_scheduled_tokens
+        # A lone online request may be planned a chunk past the threshold (the planner lifts
+        # it as vLLM does for a request with nobody to starve); vLLM would cut it back as soon
+        # as offline work shares the step, so the threshold follows the plan for this walk.
+        sc = self.scheduler_config
+        saved_threshold = sc.long_prefill_token_threshold
+        widest = max(
+            (n for rid, n in planned.items() if self._is_online_id(rid)), default=0
+        )
+        widest = max(
+            [widest, *(a.tokens for a in plan.admitted if self._is_online_id(a.request_id))]
+        )
+        if 0 < saved_threshold < widest:
+            sc.long_prefill_token_threshold = widest
         self.waiting = queue
         self.max_num_scheduled_tokens = max(min(cap, saved_cap), 1)
         try:
@@ -661,11 +674,16 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             left = list(self.waiting)  # admissions not taken, and the walk's own preemptions
             self.waiting = saved_waiting
             self.max_num_scheduled_tokens = saved_cap
+            sc.long_prefill_token_threshold = saved_threshold
         self.running.extend(hidden)
         for req in out.num_scheduled_tokens:
             self._psm_taken(req)
         self._rebuild_waiting(left, rest)
         return out
+
+    def _is_online_id(self, request_id: str) -> bool:
+        meta = self._meta.get(request_id)
+        return meta is None or meta.cls is _ONLINE
 
     def _psm_taken(self, request_id: str) -> None:
         if request_id in self._psm:

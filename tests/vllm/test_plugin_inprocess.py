@@ -371,3 +371,40 @@ def test_a_per_step_cap_of_zero_holds_offline_work_back_without_falling_back(
     for _ in range(10):
         emitted |= {rid for rid, _ in eng.step().emitted}
     assert emitted == {"on0"}
+
+
+def test_a_lone_online_prompt_takes_the_token_cap_beside_offline_work(channel: Path) -> None:
+    # vLLM lifts long_prefill_token_threshold only when one request is running or waiting;
+    # the plugin plans the lift for a lone online request even with offline work in the step,
+    # and vLLM's walk must follow the plan rather than cut the chunk back to the threshold.
+    token = _token(channel)
+    _control(
+        channel,
+        generation=1,
+        policy="static-cap",
+        policy_params={"max_offline_in_flight": None, "max_offline_step_tokens": 8},
+    )
+    cfg = EngineConfig(
+        max_num_seqs=32,
+        max_num_batched_tokens=1024,
+        long_prefill_token_threshold=128,
+        num_gpu_blocks=400,
+        noise_cv=0.0,
+    )
+    eng = _engine(cfg)
+    for i in range(2):
+        _add(eng, f"off{i}", 300, 4, offline_token=token)
+    eng.step()
+    _add(eng, "on0", 2500, 3)
+    offline: list[int] = []
+    for _ in range(3):
+        step = eng.step()
+        plan = eng.scheduler._last_plan
+        offline.append(
+            sum(a.tokens for a in (*plan.scheduled, *plan.admitted) if a.request_id != "on0")
+        )
+    # 1,024 + 1,024 (the whole token cap) + 452 tokens beside 8 offline ones: the first token
+    # comes out of the third step, not of the sixth (128 at a time once offline work shares
+    # the step, which is when vLLM by itself brings its threshold back).
+    assert offline[:2] == [0, 0] and offline[2] > 0
+    assert "on0" in {rid for rid, _ in step.emitted}
