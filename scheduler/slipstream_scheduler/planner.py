@@ -298,6 +298,7 @@ class TwoPhasePlanner:
         online_prefilling: list[RunningRequest] = []
         offline_prefilling: list[RunningRequest] = []
         offline_running = 0
+        online_decoding = 0
         decode = self._decode
         scheduled = fill.scheduled
 
@@ -311,6 +312,7 @@ class TwoPhasePlanner:
             if r.computed_tokens < r.prompt_tokens:
                 online_prefilling.append(r)
                 continue
+            online_decoding += 1
             if fill.tokens_left <= 0:
                 continue
             ctx = r.computed_tokens + r.generated_tokens
@@ -329,10 +331,7 @@ class TwoPhasePlanner:
         # token cap, as vLLM gives a lone request: the chunk threshold protects other
         # requests' decodes, and offline ones have no latency to protect.
         online_waiting = len(s.online_queue) if rules.admit_online else 0
-        lone = len(online_prefilling) + online_waiting == 1 and not any(
-            r.cls is _ONLINE and r.computed_tokens >= r.prompt_tokens for r in running
-        )
-        if lone:
+        if not online_decoding and len(online_prefilling) + online_waiting == 1:
             fill.chunk_limit = lim.max_num_batched_tokens
         self._fill_prefilling(fill, online_prefilling, online_budget, online=True)
         if rules.admit_online:

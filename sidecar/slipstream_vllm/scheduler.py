@@ -659,10 +659,12 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         sc = self.scheduler_config
         saved_threshold = sc.long_prefill_token_threshold
         widest = max(
-            (n for rid, n in planned.items() if self._is_online_id(rid)), default=0
-        )
-        widest = max(
-            [widest, *(a.tokens for a in plan.admitted if self._is_online_id(a.request_id))]
+            (
+                a.tokens
+                for a in (*plan.scheduled, *plan.admitted)
+                if self._is_online_id(a.request_id)
+            ),
+            default=0,
         )
         if 0 < saved_threshold < widest:
             sc.long_prefill_token_threshold = widest

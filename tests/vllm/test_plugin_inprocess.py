@@ -308,18 +308,23 @@ def test_an_idle_engine_keeps_its_report_fresh(channel: Path) -> None:
     eng.scheduler.shutdown()
 
 
-def test_a_per_step_static_cap_bounds_offline_tokens_and_the_psm_walk_is_reused(
-    channel: Path,
-) -> None:
-    # HyGen* inside vLLM: a fixed count of offline tokens per step, no latency model.
-    token = _token(channel)
+def _static_cap(channel: Path, step_tokens: int, cfg: EngineConfig = CFG) -> tuple[Any, str]:
+    """A plugin engine under ``static-cap`` with ``step_tokens`` offline tokens per step and no
+    in-flight cap, and the pod's offline token."""
     _control(
         channel,
         generation=1,
         policy="static-cap",
-        policy_params={"max_offline_in_flight": None, "max_offline_step_tokens": 24},
+        policy_params={"max_offline_in_flight": None, "max_offline_step_tokens": step_tokens},
     )
-    eng = _engine()
+    return _engine(cfg), _token(channel)
+
+
+def test_a_per_step_static_cap_bounds_offline_tokens_and_the_psm_walk_is_reused(
+    channel: Path,
+) -> None:
+    # HyGen* inside vLLM: a fixed count of offline tokens per step, no latency model.
+    eng, token = _static_cap(channel, 24)
     for i in range(6):
         _add(eng, f"off{i}", 300, 4, offline_token=token)
     _add(eng, "on0", 200, 6)
@@ -353,14 +358,7 @@ def test_a_per_step_static_cap_bounds_offline_tokens_and_the_psm_walk_is_reused(
 def test_a_per_step_cap_of_zero_holds_offline_work_back_without_falling_back(
     channel: Path,
 ) -> None:
-    token = _token(channel)
-    _control(
-        channel,
-        generation=1,
-        policy="static-cap",
-        policy_params={"max_offline_in_flight": None, "max_offline_step_tokens": 0},
-    )
-    eng = _engine()
+    eng, token = _static_cap(channel, 0)
     for i in range(3):
         _add(eng, f"off{i}", 300, 4, offline_token=token)
     for _ in range(5):
@@ -377,13 +375,6 @@ def test_a_lone_online_prompt_takes_the_token_cap_beside_offline_work(channel: P
     # vLLM lifts long_prefill_token_threshold only when one request is running or waiting;
     # the plugin plans the lift for a lone online request even with offline work in the step,
     # and vLLM's walk must follow the plan rather than cut the chunk back to the threshold.
-    token = _token(channel)
-    _control(
-        channel,
-        generation=1,
-        policy="static-cap",
-        policy_params={"max_offline_in_flight": None, "max_offline_step_tokens": 8},
-    )
     cfg = EngineConfig(
         max_num_seqs=32,
         max_num_batched_tokens=1024,
@@ -391,7 +382,7 @@ def test_a_lone_online_prompt_takes_the_token_cap_beside_offline_work(channel: P
         num_gpu_blocks=400,
         noise_cv=0.0,
     )
-    eng = _engine(cfg)
+    eng, token = _static_cap(channel, 8, cfg)
     for i in range(2):
         _add(eng, f"off{i}", 300, 4, offline_token=token)
     eng.step()
