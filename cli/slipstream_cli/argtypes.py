@@ -51,3 +51,11 @@ def nonnegative(text: str) -> float:
     if not value >= 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a number of at least 0: {text!r}")
     return value
+
+
+def below_one(text: str) -> float:
+    """A number in [0, 1)."""
+    value = nonnegative(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1): {text!r}")
+    return value

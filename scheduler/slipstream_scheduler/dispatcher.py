@@ -110,6 +110,11 @@ class DispatcherConfig(BaseModel):
         description="Offline requests in flight at most (None: the planner decides).",
     )
     admit_offline: bool = Field(default=True, description="False: never submit offline work.")
+    online_passthrough: bool = Field(
+        default=False,
+        description="Engine mode: every online request is submitted on arrival, unplanned "
+        "and uncapped (the engine's own queue holds it, and the plugin orders it there).",
+    )
     preempt_offline: bool = Field(
         default=True, description="Abort running offline requests when the planner asks to."
     )
@@ -752,6 +757,13 @@ class Dispatcher:
         off_room = self.limits.max_num_seqs
         if cfg.max_offline_inflight is not None:
             off_room = cfg.max_offline_inflight - self._n_inflight[RequestClass.OFFLINE]
+        passed: list[Submit] = []
+        if cfg.online_passthrough and n_on > 0:
+            passed = self._pass_online(now_s)
+            n_on = 0
+            if n_off == 0:
+                self._dirty = True
+                return Decisions(tuple(passed))
         reorder_abort: Abort | None = None
         if self._reorder is not None and n_on > 0 and on_room <= 0:
             victim = self._reorder.reorder_victim()
@@ -770,9 +782,9 @@ class Dispatcher:
             else []
         )
         if not online_ids and not offline_ids:
-            if reorder_abort is not None:
+            if reorder_abort is not None or passed:
                 self._dirty = True
-                return Decisions((), (reorder_abort,))
+                return Decisions(tuple(passed), () if reorder_abort is None else (reorder_abort,))
             return Decisions()
         budget = self._budget_s
         if (
@@ -819,7 +831,7 @@ class Dispatcher:
                 self._mark_aborting(rec)
                 self._preemptions += 1
                 aborts.append(Abort(rid, "preempt"))
-        submits: list[Submit] = []
+        submits: list[Submit] = passed
         for adm in plan.admitted:
             rec = self._recs.get(adm.request_id)
             if rec is None or rec.inflight:
@@ -848,6 +860,24 @@ class Dispatcher:
                 self._n_inflight[RequestClass.OFFLINE],
             )
         return Decisions(tuple(submits), tuple(aborts))
+
+    def _pass_online(self, now_s: float) -> list[Submit]:
+        """``online_passthrough``: submit every queued online request, in queue order."""
+        out: list[Submit] = []
+        prio = self.config.online_priority
+        while len(self.online_queue):
+            (rid,) = self.online_queue.head(1, now_s)
+            rec = self._recs[rid]
+            self.online_queue.take(rid, now_s)
+            if rec.inflight:
+                continue
+            rec.cached = self._queued_view(rec).cached_tokens
+            self._take(rec)
+            out.append(Submit(rid, prio, rec.generated))
+            self._submitted += 1
+            if rec.generated:
+                self._resumed += 1
+        return out
 
     # ---- views -------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,6 +281,7 @@ class VllmEngine:
         num_gpu_blocks: int | None = None,
         scheduler_cls: str | None = None,
         model_dir: Path | None = None,
+        prompts: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         from slipstream_scheduler.engine.model import EngineModel
 
@@ -299,6 +300,9 @@ class VllmEngine:
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(config.block_size, sha256)
         self.synth = TokenSynth(config.block_size)
+        self.prompts: Mapping[str, Sequence[int]] = prompts or {}
+        """Real token ids by request id (used when at least the prompt's length); every other
+        prompt is synthesised from its block keys."""
         self._live: dict[str, _Live] = {}
         self._pending_finished: list[tuple[str, FinishReason]] = []
         self._steps = self._finished = self._preemptions = 0
@@ -344,7 +348,12 @@ class VllmEngine:
         if request.prompt_len >= cap:
             raise RequestError(rid, f"prompt of {request.prompt_len} >= max_model_len {cap}")
         limit = min(limit, cap - request.prompt_len)
-        ids = self.synth.prompt(rid, request.prompt_len, request.block_hashes)
+        real = self.prompts.get(rid) if self.prompts else None
+        ids = (
+            list(real[: request.prompt_len])
+            if real is not None and len(real) >= request.prompt_len
+            else self.synth.prompt(rid, request.prompt_len, request.block_hashes)
+        )
         self.add_tokens(
             rid, ids, limit, priority=request.priority, arrival_s=request.arrival_s, reason=reason
         )

@@ -62,6 +62,7 @@ async scheduling (the plugin refuses async scheduling at start).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hmac
 import itertools
 import json
@@ -72,7 +73,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,11 +131,15 @@ STATUS_EVERY_S = 0.5
 EMBED_TOKENS = 512
 LATENCY_WINDOW = 2048
 """Samples kept per class and metric for the report's mean and p99."""
+FALLBACK_EVERY = 64
+"""The outliving fallback (the global length distribution) is refreshed every this many
+finishes."""
 PSM_ORDER_TTL_S = 0.5
 """How long an unchanged PSM queue's order is reused (the fairness rule ages in minutes)."""
 
 _ONLINE = RequestClass.ONLINE
 _OFFLINE = RequestClass.OFFLINE
+_NO_LENGTHS = np.zeros(0, dtype=np.float64)
 
 
 def _vllm_version() -> str:
@@ -265,6 +270,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self._embedder = HashingEmbedder()
         self._predictor = SemanticHistoryPredictor(self._embedder.dim)
         self._global = GlobalDistributionPredictor()
+        self._global_finished = 0
+        self._fallback: tuple[int, Any] | None = None
         self._psm = PsmQueue(PsmParams(block_size=self.block_size))
         self._psm_cache: tuple[tuple[int, int, int], float, tuple[str, ...]] | None = None
         self._token: str | None = None
@@ -291,6 +298,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self.offline_deferred_chunks = 0
         self.offline_preemptions = 0
         self.online_preemptions = 0
+        self.online_displacements = 0
+        self.online_recomputed_tokens = 0
         self.forged_offline_tags = 0
         self.max_offline_over_budget_s: float | None = None
         self._predicted = _Window()
@@ -443,34 +452,45 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ ordering
 
-    def _online_key(self, req: Request, meta: _Meta) -> float:
-        generated = req.num_output_tokens
+    def _online_view(self, req: Request, meta: _Meta) -> RequestView:
+        """What the ordering sees of an online request now (its predicted lengths are drawn
+        once, on first sight; the outliving fallback is the global distribution)."""
         if meta.lengths is None:
-            meta.lengths = self._predictor.predict(meta.vector, req.num_prompt_tokens)
-        view = RequestView.create(
+            meta.lengths = np.sort(
+                np.asarray(
+                    self._predictor.predict(meta.vector, req.num_prompt_tokens), dtype=np.float64
+                )
+            )
+        return RequestView(
             req.request_id,
             req.arrival_time,
             req.num_prompt_tokens,
             meta.lengths,
-            fallback=self._global.predict(None, req.num_prompt_tokens),
-            generated_tokens=generated,
+            req.num_output_tokens,
+            self._global_fallback(),
+            meta.keyed_at,
+            int(getattr(req, "num_preemptions", 0)),
         )
-        if meta.keyed_at < 0 or (
-            generated != meta.keyed_at
-            and self.ordering.refresh_needed(
-                RequestView(
-                    view.request_id,
-                    view.arrival_s,
-                    view.input_tokens,
-                    view.lengths,
-                    generated,
-                    view.fallback,
-                    meta.keyed_at,
-                )
-            )
-        ):
-            meta.key = self.ordering.key(view)
-            meta.keyed_at = generated
+
+    def _global_fallback(self) -> Any:
+        """The global length distribution, sorted, refreshed every ``FALLBACK_EVERY`` finishes."""
+        n = self._global_finished
+        if self._fallback is None or n - self._fallback[0] >= FALLBACK_EVERY:
+            sample = np.asarray(self._global.predict(None, 0), dtype=np.float64)
+            self._fallback = (n, np.sort(sample))
+        return self._fallback[1]
+
+    def _online_key(self, req: Request, meta: _Meta) -> float:
+        """The request's ordering key, recomputed only when the ordering asks (a new request,
+        or one that crossed its re-ranking bucket of output tokens)."""
+        generated = req.num_output_tokens
+        if meta.keyed_at >= 0 and (generated == meta.keyed_at or not self.ordering.refresh_needed(
+            RequestView(req.request_id, req.arrival_time, req.num_prompt_tokens, _NO_LENGTHS,
+                        generated, _NO_LENGTHS, meta.keyed_at)
+        )):
+            return meta.key
+        meta.key = self.ordering.key(self._online_view(req, meta))
+        meta.keyed_at = generated
         return meta.key
 
     def _ordered_queues(self, waiting: list[Request]) -> tuple[list[Request], list[Request]]:
@@ -594,6 +614,11 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         online_q, offline_q = self._ordered_queues(waiting)
         snap = self._snapshot(online_q, offline_q)
         plan = self.planner.plan(snap)
+        if online_q and self.ordering.preemptive and self._displace_for(online_q[0], snap, plan):
+            waiting = list(self.waiting)
+            online_q, offline_q = self._ordered_queues(waiting)
+            snap = self._snapshot(online_q, offline_q)
+            plan = self.planner.plan(snap)
         self.steps += 1
         if not plan.scheduled and not plan.admitted and not plan.preempted:
             if self.planner.rules.offline_step_tokens == 0 and not online_q and not any(
@@ -605,8 +630,89 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
                 return self._finish_schedule(out, plan)
             if self.running or waiting:
                 self.fallback_steps += 1
-            return self._finish_schedule(super().schedule(throttle_prefills), None)
+            with self._ranked_online():
+                out = super().schedule(throttle_prefills)
+            return self._finish_schedule(out, None)
         return self._finish_schedule(self._steer(plan, snap, waiting, throttle_prefills), plan)
+
+    # ------------------------------------------------------------------ online preemption
+
+    def _displace_for(self, head: Request, snap: Snapshot, plan: StepPlan) -> bool:
+        """A preemptive ordering's displacement: when the best waiting online request is held
+        out by KV blocks or slots (not by this step's tokens), preempt the running online
+        requests it outranks (``Ordering.may_preempt``, worst key first) if together they free
+        enough for its first chunk; recompute, as vLLM preempts. True if any was preempted."""
+        rid = head.request_id
+        if any(a.request_id == rid for a in plan.admitted) or not snap.online_queue:
+            return False
+        q = snap.online_queue[0]
+        if q.request_id != rid:
+            return False
+        bs = self.block_size
+        ctx0 = min(q.cached_tokens, q.prompt_tokens - 1)
+        limit = self.limits.long_prefill_token_threshold or self.limits.max_num_batched_tokens
+        chunk = min(q.prompt_tokens - ctx0, limit, self.limits.max_num_batched_tokens)
+        need = -(-(ctx0 + chunk) // bs) - ctx0 // bs
+        free = snap.free_kv_blocks
+        slot_short = len(self.running) >= self.max_num_running_reqs
+        if free >= need and not slot_short:
+            return False  # held back by the step's tokens or budget: it runs soon anyway
+        meta = self._meta.get(rid)
+        if meta is None:
+            return False
+        head_key = self._online_key(head, meta)
+        ranked = sorted(
+            (
+                (self._online_key(r, m), r, m)
+                for r in self.running
+                if (m := self._meta.get(r.request_id)) is not None and m.cls is _ONLINE
+            ),
+            key=lambda t: (-t[0], -t[1].arrival_time),
+        )
+        victims: list[Request] = []
+        freed = 0
+        for key, r, m in ranked:
+            if free + freed >= need and (victims or not slot_short):
+                break
+            if not self.ordering.may_preempt(head_key, self._online_view(r, m), key):
+                continue
+            victims.append(r)
+            freed += -(-r.num_computed_tokens // bs)
+        if not victims or free + freed < need:
+            return False
+        now = time.monotonic()
+        for r in victims:
+            self.online_recomputed_tokens += int(r.num_computed_tokens)
+            self.running.remove(r)
+            self._preempt_request(r, now)
+            self.online_displacements += 1
+        return True
+
+    @contextlib.contextmanager
+    def _ranked_online(self) -> Iterator[None]:
+        """For one walk of vLLM's, running online requests carry their rank in the ordering
+        as their priority (client priority first, then key, then arrival), so the request
+        vLLM preempts when KV runs out (the largest priority) is the ordering's last, and the
+        walk gives blocks in rank order. Priorities are restored afterwards."""
+        online = [
+            (int(r.priority), self._online_key(r, m), r.arrival_time, r)
+            for r in self.running
+            if (m := self._meta.get(r.request_id)) is not None and m.cls is _ONLINE
+        ]
+        if len(online) < 2:
+            yield
+            return
+        online.sort(key=lambda t: t[:3])
+        saved = [(r, r.priority) for *_, r in online]
+        rank_of = {id(r): i for i, (*_, r) in enumerate(online)}
+        for i, (*_, r) in enumerate(online):
+            r.priority = i
+        self.running.sort(key=lambda r: rank_of.get(id(r), len(rank_of)))
+        try:
+            yield
+        finally:
+            for r, p in saved:
+                r.priority = p
 
     def _steer(
         self, plan: StepPlan, snap: Snapshot, waiting: list[Request], throttle: bool
@@ -671,7 +777,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self.waiting = queue
         self.max_num_scheduled_tokens = max(min(cap, saved_cap), 1)
         try:
-            out = super().schedule(throttle)
+            with self._ranked_online():
+                out = super().schedule(throttle)
         finally:
             left = list(self.waiting)  # admissions not taken, and the walk's own preemptions
             self.waiting = saved_waiting
@@ -800,6 +907,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         if meta.vector is not None:
             self._predictor.observe(meta.vector, inp, meta.seen_tokens)
         self._global.observe(None, inp, meta.seen_tokens)
+        self._global_finished += 1
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus

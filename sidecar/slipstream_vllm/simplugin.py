@@ -12,13 +12,14 @@ vLLM's real scheduler, with the engine model's GPU timing giving each step its d
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from vllm.v1.request import Request
 
-from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.engine.model import EngineConfig, FinishReason
 from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, EngineControl
 from slipstream_vllm.inprocess import VllmEngine
 
@@ -39,6 +40,8 @@ class PluginEngine(VllmEngine):
         offline_priority: int,
         num_gpu_blocks: int | None = None,
         model_dir: Path | None = None,
+        prompts: Mapping[str, Sequence[int]] | None = None,
+        oracle_lengths: bool = False,
     ) -> None:
         super().__init__(
             config,
@@ -46,6 +49,7 @@ class PluginEngine(VllmEngine):
             num_gpu_blocks=num_gpu_blocks,
             scheduler_cls=PLUGIN_CLS,
             model_dir=model_dir,
+            prompts=prompts,
         )
         self.offline_priority = offline_priority
         self._token = secrets.token_hex(16)
@@ -54,6 +58,34 @@ class PluginEngine(VllmEngine):
         if not sched.apply(control):
             raise ValueError(f"the plugin refused control generation {control.generation}")
         self.plugin: Any = sched
+        self.oracle_lengths = oracle_lengths
+        """An upper bound for the ordering bench, not a deployable setting: every online
+        request's predicted output length is its true one."""
+
+    def add_tokens(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_len: int,
+        *,
+        priority: int = 0,
+        arrival_s: float = 0.0,
+        reason: FinishReason = "stop",
+        extra_args: dict[str, Any] | None = None,
+    ) -> Request:
+        req = super().add_tokens(
+            request_id,
+            prompt_token_ids,
+            output_len,
+            priority=priority,
+            arrival_s=arrival_s,
+            reason=reason,
+            extra_args=extra_args,
+        )
+        meta = self.plugin._meta.get(request_id) if self.oracle_lengths else None
+        if meta is not None:
+            meta.lengths = np.array([float(output_len)], dtype=np.float64)
+        return req
 
     def make_request(
         self,
@@ -84,6 +116,9 @@ class PluginEngine(VllmEngine):
             "fallback_steps": p.fallback_steps,
             "offline_deferred_chunks": p.offline_deferred_chunks,
             "offline_preemptions": p.offline_preemptions,
+            "online_preemptions": p.online_preemptions,
+            "online_displacements": p.online_displacements,
+            "online_recomputed_tokens": p.online_recomputed_tokens,
             "max_offline_step_over_budget_s": p.max_offline_over_budget_s,
         }
 

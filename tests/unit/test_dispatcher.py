@@ -515,3 +515,24 @@ def test_a_burst_sent_on_arrival_is_decided_in_lookahead_windows_not_one_by_one(
     st = d.stats()
     assert (st.online_inflight, st.online_queued, st.submitted) == (70, 0, 70)
     assert st.plans == 3  # windows of 32: 32 + 32 + 6
+
+
+def test_online_passthrough_submits_every_online_request_past_kv_and_slots() -> None:
+    # Engine mode: the engine's own queue holds online requests; the dispatcher gates none.
+    cfg = DispatcherConfig(online_passthrough=True, max_online_inflight=1)
+    d = _disp(seqs=2, kv=20, cfg=cfg)  # 20 blocks: a 100-token prompt takes 7
+    for i in range(5):
+        d.arrive(_inc(f"on{i}", ON, t=float(i)), float(i))
+    d.arrive(_inc("off1", OFF), 0.0)
+    dec = d.decide(5.0)
+    assert [s.request_id for s in dec.submit if s.request_id.startswith("on")] == [
+        f"on{i}" for i in range(5)
+    ]
+    assert all(s.priority == 0 for s in dec.submit if s.request_id.startswith("on"))
+    st = d.stats()
+    assert (st.online_inflight, st.online_queued) == (5, 0)
+    # Without it, the same dispatcher holds them back (the slot cap of 1).
+    held = _disp(seqs=2, kv=20, cfg=DispatcherConfig(max_online_inflight=1))
+    for i in range(5):
+        held.arrive(_inc(f"on{i}", ON, t=float(i)), float(i))
+    assert len([s for s in held.decide(5.0).submit if s.request_id.startswith("on")]) == 1

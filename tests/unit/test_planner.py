@@ -542,7 +542,9 @@ def check_iteration_plan(
     # whole token cap, as vLLM gives a request with nobody to starve.
     online_prefilling = [r for r in s.running if r.cls is ON and r.in_prefill]
     online_decoding = [r for r in s.running if r.cls is ON and not r.in_prefill]
-    lone = len(online_prefilling) + len(s.online_queue) == 1 and not online_decoding
+    # (Online requests a policy does not admit, offline-only's, starve nobody.)
+    waiting = len(s.online_queue) if planner.rules.admit_online else 0
+    lone = len(online_prefilling) + waiting == 1 and not online_decoding
 
     def cap_of(cls: RequestClass) -> int:
         return lim.max_num_batched_tokens if lone and cls is ON else chunk_cap

@@ -9,12 +9,20 @@ stream in a seeded random order. The length predictor is SageSched's
 semantic history (hashing embedder, cosine >= 0.8), fed only by requests as
 they complete, as in production; it starts empty.
 
-As the sidecar ships it: the dispatcher holds online requests in the
-ordering's order and keeps at most ``--inflight`` in the engine (a cap below
-``max_num_seqs``, or the ordering could not matter); preemptive orderings
-(TRAIL-like, Gittins) displace an in-flight request by abort and resume.
+Two regimes. ``--engine model`` (the default) is sidecar mode: the
+dispatcher holds online requests in the ordering's order and keeps at most
+``--inflight`` in the engine model (a cap below ``max_num_seqs``, or the
+ordering could not matter); preemptive orderings (TRAIL-like, Gittins) displace
+an in-flight request by abort and resume. ``--engine vllm`` is engine mode:
+every request goes straight into vLLM's real scheduler, the plugin orders
+vLLM's waiting queue and preempts by the ordering (``ordering_vllm``), and KV
+blocks (``--kv-blocks``), not a request cap, bound the batch. ``--long-share``
+mixes in arXiv-summarisation requests (long prompts, long-tailed outputs), and
+``--arrivals azure`` replays the Azure conversation trace's inter-arrival gaps,
+rescaled to the load, instead of a Poisson stream.
+
 Load = arrival rate / capacity, where capacity is the completion rate of a
-FCFS run with every request queued at t = 0 under the same cap.
+FCFS run with every request queued at t = 0 in the same regime.
 
 Deliberately left out: offline work (see ``bench colocation``).
 """
@@ -38,12 +46,13 @@ from rich.console import Console
 from rich.table import Table
 
 from slipstream_cli import plots
+from slipstream_cli.argtypes import below_one, whole
 from slipstream_cli.commands.sim import (
     RichProgress,
     add_engine_argument,
     engine_factory_from_args,
 )
-from slipstream_cli.workloads import alpaca_eval
+from slipstream_cli.workloads import WorkloadError, alpaca_eval, arxiv, azure
 from slipstream_scheduler.dispatcher import DispatcherConfig, OrderingQueue
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.lengths import HashingEmbedder, SemanticHistoryPredictor
@@ -118,6 +127,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs simulated at once in worker processes (default 1); results are the same "
         "whatever the count (every run is seeded)",
     )
+    parser.add_argument(
+        "--kv-blocks",
+        type=whole(1),
+        help="KV cache blocks of the engine (default: what the model and GPU leave); fewer "
+        "makes KV memory, not max_num_seqs, bound the batch",
+    )
+    parser.add_argument(
+        "--long-share",
+        type=below_one,
+        default=0.0,
+        help="share of requests that are arXiv summarisations (real prompt and output "
+        "lengths, Vidur's Llama-2 counts): long prompts and long-tailed outputs (default 0)",
+    )
+    parser.add_argument(
+        "--arrivals",
+        choices=["poisson", "azure"],
+        default="poisson",
+        help="poisson, or azure: the Azure conversation trace's inter-arrival gaps from a "
+        "seeded offset, scaled to the load's rate (bursty)",
+    )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
     add_engine_argument(parser)
@@ -126,16 +155,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_requests(path: Path | None, n: int, seed: int) -> list[SimRequest]:
-    """(prompt, generator) answers as requests with real lengths and prompt vectors."""
+def build_requests(
+    path: Path | None, n: int, seed: int, *, long_share: float = 0.0
+) -> list[SimRequest]:
+    """(prompt, generator) answers as requests with real lengths and prompt vectors, and
+    ``long_share`` of them arXiv summarisations (``build_prompts`` gives their token ids)."""
     rows = alpaca_eval.load_rows(path)
     count = alpaca_eval.make_token_counter("regex")
     emb = HashingEmbedder()
     rng = random.Random(seed)
     rng.shuffle(rows)
+    n_long = round(n * long_share)
     vectors: dict[str, Any] = {}
     out: list[SimRequest] = []
-    for i, row in enumerate(rows[:n]):
+    for i, row in enumerate(rows[: n - n_long]):
         vec = vectors.get(row.instruction)
         if vec is None:
             vec = vectors[row.instruction] = emb.embed_one(row.instruction)
@@ -150,12 +183,80 @@ def build_requests(path: Path | None, n: int, seed: int) -> list[SimRequest]:
                 vector=vec,
             )
         )
+    if n_long:
+        docs = list(arxiv.load())
+        rng.shuffle(docs)
+        if len(docs) < n_long:
+            raise WorkloadError(f"--long-share needs {n_long} arXiv rows; the file has {len(docs)}")
+        for j, d in enumerate(docs[:n_long]):
+            rid = f"ax-{j}"
+            ids = long_prompt_ids(rid, d.prompt_tokens)
+            out.append(
+                SimRequest(
+                    rid,
+                    RequestClass.ONLINE,
+                    0.0,
+                    d.prompt_tokens,
+                    d.output_tokens,
+                    group="arxiv",
+                    vector=emb.embed_one(" ".join(map(str, ids[:EMBED_TOKENS]))),
+                )
+            )
+        rng.shuffle(out)
     return out
 
 
-def _with_arrivals(reqs: list[SimRequest], rate: float, seed: int) -> tuple[SimRequest, ...]:
+EMBED_TOKENS = 512
+"""Leading token ids a prompt without text is embedded by (as the plugin embeds prompts)."""
+
+
+def long_prompt_ids(request_id: str, n: int) -> list[int]:
+    """Token ids for a prompt known only by its length (seeded by the id: none recurs)."""
+    rng = random.Random(request_id)
+    return [rng.randrange(8, 1000) for _ in range(n)]
+
+
+def build_prompts(path: Path | None, reqs: list[SimRequest], seed: int) -> dict[str, list[int]]:
+    """Every request's prompt token ids (``--engine vllm``): its text's, or a seeded draw."""
+    from slipstream_cli.benches.ordering_vllm import text_token_ids
+
+    rows = alpaca_eval.load_rows(path)
+    random.Random(seed).shuffle(rows)
+    out: dict[str, list[int]] = {}
+    for r in reqs:
+        if r.request_id.startswith("ae-"):
+            ids = text_token_ids(rows[int(r.request_id[3:])].instruction)
+            if len(ids) != r.prompt_tokens:
+                raise WorkloadError(f"{r.request_id}: {len(ids)} token ids for {r.prompt_tokens}")
+        else:
+            ids = long_prompt_ids(r.request_id, r.prompt_tokens)
+        out[r.request_id] = ids
+    return out
+
+
+def azure_gaps() -> FloatArray:
+    """Inter-arrival gaps (s) of the Azure conversation trace (the shared dev file)."""
+    t = np.array([r.arrival_s for r in azure.load()], dtype=np.float64)
+    return np.diff(np.sort(t))
+
+
+def arrival_times(
+    n: int, rate: float, seed: int, gaps: FloatArray | None = None
+) -> FloatArray:
+    """``n`` arrival times at ``rate`` per second: Poisson, or the trace's ``gaps`` taken in
+    order from a seeded offset (wrapping) and scaled so that their mean is ``1 / rate``."""
     rng = np.random.default_rng(seed)
-    t = np.cumsum(rng.exponential(1.0 / rate, size=len(reqs)))
+    if gaps is None or gaps.size == 0:
+        return np.cumsum(rng.exponential(1.0 / rate, size=n))
+    start = int(rng.integers(gaps.size))
+    take = np.take(gaps, np.arange(start, start + n), mode="wrap")
+    return np.cumsum(take * (1.0 / rate) / take.mean())
+
+
+def _with_arrivals(
+    reqs: list[SimRequest], rate: float, seed: int, gaps: FloatArray | None = None
+) -> tuple[SimRequest, ...]:
+    t = arrival_times(len(reqs), rate, seed, gaps)
     return tuple(
         SimRequest(
             r.request_id,
@@ -220,23 +321,26 @@ def _run(  # noqa: PLR0917
     oracle: bool = False,
     queue_options: dict[str, int] | None = None,
     engine_name: str = "model",
+    prompts: dict[str, list[int]] | None = None,
+    ordering_spec: tuple[str, dict[str, object]] | None = None,
 ) -> SimResult:
     predictor: LengthPredictor = (
         OracleLengths() if oracle else SemanticHistoryPredictor(HashingEmbedder().dim)
     )
-    queue = OrderingQueue(ordering, predictor, **(queue_options or {}))
-    cfg = SimConfig(
-        engine=engine,
-        policy="online-only",
-        seed=seed,
-        dispatcher=DispatcherConfig(max_online_inflight=cap, admit_offline=False),
-    )
     span = online[-1].arrival_s if online else 1.0
     factory = None
     if engine_name == "vllm":
-        from slipstream_cli.benches.fidelity_vllm import vllm_engine_factory
+        # Engine mode: vLLM's waiting queue is the queue; the plugin orders it.
+        from slipstream_cli.benches.ordering_vllm import plugin_ordering_factory
 
-        factory = vllm_engine_factory()
+        name, params = ordering_spec or ("fcfs", {})
+        factory = plugin_ordering_factory(name, params, prompts or {}, oracle=oracle)
+        queue = OrderingQueue(make_ordering("fcfs"), predictor)
+        dispatcher = DispatcherConfig(online_passthrough=True, admit_offline=False)
+    else:
+        queue = OrderingQueue(ordering, predictor, **(queue_options or {}))
+        dispatcher = DispatcherConfig(max_online_inflight=cap, admit_offline=False)
+    cfg = SimConfig(engine=engine, policy="online-only", seed=seed, dispatcher=dispatcher)
     return simulate(
         Workload(online=online),
         cfg,
@@ -261,6 +365,13 @@ class _Task:
     cap: int
     oracle: bool = False
     engine_name: str = "model"
+    prompts: dict[str, list[int]] | None = None
+    regime: str = "slot-cap"
+
+
+def _spec(name: str, cost: str) -> tuple[str, dict[str, object]]:
+    base, params, _ = VARIANTS[name]
+    return base, dict(params) if base == "fcfs" else {**params, "cost": cost}
 
 
 def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
@@ -278,11 +389,15 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
         oracle=task.oracle,
         queue_options=VARIANTS[task.name][2],
         engine_name=task.engine_name,
+        prompts=task.prompts,
+        ordering_spec=_spec(task.name, task.cost),
     )
     on = res.metrics.online
+    st = res.engine
     return {
         "ordering": task.name,
         "engine": task.engine_name,
+        "regime": task.regime,
         "cost": "-" if task.name == "fcfs" else task.cost,
         "seed": task.seed,
         "load": task.load,
@@ -291,10 +406,34 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
         "p99_ttlt_s": on.ttlt.p99,
         "ttft_p99_s": on.ttft.p99,
         "ttft_mean_s": on.ttft.mean,
+        "max_wait_s": on.ttft.max,
         "finished": on.finished,
         "reorders": res.dispatcher.reorders,
+        "preemptions": on.preemptions,
+        "displacements": (
+            int(res.in_engine.get("online_displacements") or 0)
+            if task.engine_name == "vllm"
+            else res.dispatcher.reorders
+        ),
+        "displaced_tokens": int(res.in_engine.get("online_recomputed_tokens") or 0),
+        "prompt_tokens": st.prompt_tokens,
+        "prefill_computed_tokens": st.computed_prefill_tokens,
+        "prefix_hit_tokens": st.prefix_cache_hits,
         "wall_s": time.perf_counter() - tw,
     }
+
+
+def saturated_rate(sat: SimResult) -> float:
+    """Completions per second between the 10th and the 90th percentile finish of a run with
+    every request queued at t = 0: the engine's rate while work waits, without the drain at
+    the end (hundreds in flight in engine mode make that tail long: the last requests finish
+    alone, and counting them would put the load's 1.0 far below saturation)."""
+    done = np.sort(sat.metrics.samples.get("online_ttlt", np.zeros(0)))
+    if done.size < 10:
+        return sat.metrics.online.finished / sat.metrics.duration_s
+    lo, hi = np.percentile(done, [10.0, 90.0])
+    inside = np.count_nonzero((done > lo) & (done <= hi))
+    return float(inside / (hi - lo)) if hi > lo else float(done.size / done[-1])
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -315,7 +454,17 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "seeds": len(group),
                 **{
                     k: float(np.mean([r[k] for r in group]))
-                    for k in ("mean_ttlt_s", "p99_ttlt_s", "ttft_p99_s", "ttft_mean_s", "reorders")
+                    for k in (
+                        "mean_ttlt_s",
+                        "p99_ttlt_s",
+                        "ttft_p99_s",
+                        "ttft_mean_s",
+                        "max_wait_s",
+                        "reorders",
+                        "preemptions",
+                        "displacements",
+                    )
+                    if all(k in r for r in group)
                 },
             }
         )
@@ -331,6 +480,7 @@ def verdicts(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not others:
             continue
         best = min(others, key=lambda r: r["mean_ttlt_s"])
+        fcfs = next((r for r in at if r["ordering"] == "fcfs"), None)
         for r in at:
             if r["ordering"].startswith("gittins"):
                 out.append(
@@ -341,6 +491,9 @@ def verdicts(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "best_other": _label(best),
                         "gittins_vs_best_other_mean_ttlt": 1.0
                         - r["mean_ttlt_s"] / best["mean_ttlt_s"],
+                        "ttft_p99_over_fcfs": (
+                            r["ttft_p99_s"] / fcfs["ttft_p99_s"] if fcfs is not None else None
+                        ),
                     }
                 )
     return out
@@ -349,12 +502,15 @@ def verdicts(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 120))
     t0 = time.perf_counter()
-    engine = EngineConfig(model=args.model, gpu=args.gpu)
+    engine = EngineConfig(model=args.model, gpu=args.gpu, num_gpu_blocks=args.kv_blocks)
     engine_factory_from_args(args, "slipstream bench ordering", ["bench", "ordering"])
     seeds = args.seeds
-    reqs = build_requests(args.prompts, args.requests, args.seed)
+    reqs = build_requests(args.prompts, args.requests, args.seed, long_share=args.long_share)
+    prompts = build_prompts(args.prompts, reqs, args.seed) if args.engine == "vllm" else None
     if args.oracle:
         reqs = oracle_requests(reqs)
+    gaps = azure_gaps() if args.arrivals == "azure" else None
+    regime = "in-engine" if args.engine == "vllm" else f"{args.inflight} in flight"
     rows: list[dict[str, Any]] = []
     with RichProgress(console) as bar:
         sat = _run(
@@ -367,12 +523,15 @@ def run(args: argparse.Namespace) -> int:
             "capacity (fcfs, all at t=0)",
             oracle=args.oracle,
             engine_name=args.engine,
+            prompts=prompts,
         )
-        capacity = sat.metrics.online.finished / sat.metrics.duration_s
-        console.print(f"capacity with {args.inflight} in flight: {capacity:.2f} req/s")
+        capacity = saturated_rate(sat) if args.engine == "vllm" else (
+            sat.metrics.online.finished / sat.metrics.duration_s
+        )
+        console.print(f"capacity ({regime}): {capacity:.2f} req/s")
         tasks: list[_Task] = []
         for seed, load, cost in itertools.product(seeds, args.loads, args.costs):
-            online = _with_arrivals(reqs, load * capacity, seed)
+            online = _with_arrivals(reqs, load * capacity, seed, gaps)
             for name in args.orderings:
                 if name == "fcfs" and cost != args.costs[0]:
                     continue  # FCFS ignores the cost: one run per load and seed
@@ -389,6 +548,8 @@ def run(args: argparse.Namespace) -> int:
                         args.inflight,
                         args.oracle,
                         args.engine,
+                        prompts,
+                        regime,
                     )
                 )
         if args.jobs <= 1:
@@ -403,7 +564,7 @@ def run(args: argparse.Namespace) -> int:
                         f"in {row['wall_s']:.0f} s"
                     )
                     rows.append(row)
-    table = Table(title=f"online ordering, AlpacaEval answers, {args.inflight} in flight")
+    table = Table(title=f"online ordering, {regime}, {args.arrivals} arrivals")
     for col in (
         "load",
         "ordering",
@@ -412,7 +573,8 @@ def run(args: argparse.Namespace) -> int:
         "mean TTLT s",
         "p99 TTLT s",
         "p99 TTFT s",
-        "reorders",
+        "max wait s",
+        "preemptions",
     ):
         table.add_column(col, justify="right")
     for r in rows:
@@ -424,7 +586,8 @@ def run(args: argparse.Namespace) -> int:
             f"{r['mean_ttlt_s']:.2f}",
             f"{r['p99_ttlt_s']:.2f}",
             f"{r['ttft_p99_s']:.2f}",
-            str(r["reorders"]),
+            f"{r['max_wait_s']:.2f}",
+            str(r["preemptions"]),
         )
     console.print(table)
     summary = summarise(rows)
@@ -438,9 +601,14 @@ def run(args: argparse.Namespace) -> int:
         "schema": "slipstream.bench.ordering/v1",
         "prompts": str(args.prompts or alpaca_eval.ALPACA_EVAL_FILE),
         "requests": len(reqs),
-        "inflight_cap": args.inflight,
+        "inflight_cap": args.inflight if args.engine == "model" else None,
         "capacity_req_per_s": capacity,
         "engine": args.engine,
+        "regime": regime,
+        "kv_blocks": sat.engine.kv_blocks_total,
+        "max_num_seqs": engine.limits().max_num_seqs,
+        "long_share": args.long_share,
+        "arrivals": args.arrivals,
         "model": args.model,
         "gpu": args.gpu,
         "seeds": seeds,

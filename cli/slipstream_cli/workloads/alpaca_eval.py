@@ -37,6 +37,7 @@ __all__ = [
     "load_rows",
     "make_token_counter",
     "regex_token_count",
+    "token_words",
 ]
 
 ALPACA_EVAL_FILE = "prompts/alpaca_eval_model_outputs.dev.jsonl.gz"
@@ -91,6 +92,11 @@ def _parse(lines: Iterable[str]) -> Iterable[AlpacaEvalRow]:
             instruction=str(rec["instruction"]),
             output=str(rec["output"]),
         )
+
+
+def token_words(text: str) -> list[str]:
+    """The words and punctuation marks ``regex_token_count`` counts, in order."""
+    return _TOKEN.findall(text)
 
 
 def regex_token_count(text: str) -> int:

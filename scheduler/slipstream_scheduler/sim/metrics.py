@@ -38,12 +38,13 @@ FloatArray = npt.NDArray[np.float64]
 
 @dataclass(frozen=True, slots=True)
 class Dist:
-    """Mean, median and 99th percentile of a sample (NaN when empty), in seconds."""
+    """Mean, median, 99th percentile and maximum of a sample (NaN when empty), in seconds."""
 
     mean: float
     p50: float
     p99: float
     count: int
+    max: float = math.nan
 
     @staticmethod
     def of(values: FloatArray | list[float]) -> Dist:
@@ -51,7 +52,7 @@ class Dist:
         if a.size == 0:
             return Dist(math.nan, math.nan, math.nan, 0)
         p50, p99 = np.percentile(a, [50.0, 99.0])
-        return Dist(float(a.mean()), float(p50), float(p99), int(a.size))
+        return Dist(float(a.mean()), float(p50), float(p99), int(a.size), float(a.max()))
 
 
 @dataclass(frozen=True, slots=True)
