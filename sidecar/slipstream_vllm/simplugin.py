@@ -21,6 +21,7 @@ from vllm.v1.request import Request
 
 from slipstream_scheduler.engine.model import EngineConfig, FinishReason
 from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, EngineControl
+from slipstream_scheduler.lengths import GlobalDistributionPredictor
 from slipstream_vllm.inprocess import VllmEngine
 
 __all__ = ["PLUGIN_CLS", "PluginEngine", "plugin_in_engine_factory"]
@@ -42,6 +43,7 @@ class PluginEngine(VllmEngine):
         model_dir: Path | None = None,
         prompts: Mapping[str, Sequence[int]] | None = None,
         oracle_lengths: bool = False,
+        global_lengths: bool = False,
     ) -> None:
         super().__init__(
             config,
@@ -61,6 +63,10 @@ class PluginEngine(VllmEngine):
         self.oracle_lengths = oracle_lengths
         """An upper bound for the ordering bench, not a deployable setting: every online
         request's predicted output length is its true one."""
+        if global_lengths:
+            # The baseline a semantic predictor must beat: every request is predicted the
+            # same distribution, every finished request's length.
+            self.plugin._predictor = GlobalDistributionPredictor()
 
     def add_tokens(
         self,

@@ -125,3 +125,39 @@ def test_when_kv_runs_out_vllm_preempts_the_orderings_last(ordering: str, victim
     first = next(res.preempted for res in _drain(eng) if res.preempted)
     assert first == (victim,)
     assert eng.stats().generation_tokens == 700
+
+
+@pytest.mark.parametrize(
+    ("global_lengths", "expected"),
+    [(False, ["s1", "s2", "l1", "l2"]), (True, ["l1", "s1", "l2", "s2"])],
+)
+def test_the_plugins_predictor_tells_templates_apart_and_the_global_one_does_not(
+    global_lengths: bool, expected: list[str]
+) -> None:
+    from slipstream_vllm.simplugin import PluginEngine
+
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, num_gpu_blocks=400,
+                       noise_cv=0.0)
+    control = EngineControl(generation=1, policy="naive", ordering="sjf",
+                            ordering_params={"cost": "output"})
+    eng = PluginEngine(cfg, control=control, offline_priority=OFFLINE_PRIORITY,
+                       global_lengths=global_lengths)
+    short = eng.synth.prompt("template-short", 64, ())
+    long = eng.synth.prompt("template-long", 64, ())
+    for i in range(10):
+        eng.add_tokens(f"hs{i}", short, 4)
+        eng.add_tokens(f"hl{i}", long, 100)
+    _drain(eng)
+    eng.add_tokens("blocker", long, 50, arrival_s=100.0)
+    eng.step()
+    for i, (rid, ids) in enumerate([("l1", long), ("s1", short), ("l2", long), ("s2", short)]):
+        # A new first block each: no prefix-cache hit, the template's embedding.
+        tail = eng.synth.prompt(rid, 8, ()) + ids[8:]
+        eng.add_tokens(rid, tail, 4 if rid.startswith("s") else 100, arrival_s=101.0 + i)
+    order: list[str] = []
+    while eng.has_work():
+        eng.step()
+        for r in eng.scheduler.running:
+            if r.request_id != "blocker" and r.request_id not in order:
+                order.append(r.request_id)
+    assert order == expected

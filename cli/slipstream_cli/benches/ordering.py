@@ -55,7 +55,11 @@ from slipstream_cli.commands.sim import (
 from slipstream_cli.workloads import WorkloadError, alpaca_eval, arxiv, azure
 from slipstream_scheduler.dispatcher import DispatcherConfig, OrderingQueue
 from slipstream_scheduler.engine.model import EngineConfig
-from slipstream_scheduler.lengths import HashingEmbedder, SemanticHistoryPredictor
+from slipstream_scheduler.lengths import (
+    GlobalDistributionPredictor,
+    HashingEmbedder,
+    SemanticHistoryPredictor,
+)
 from slipstream_scheduler.ordering import Ordering, make_ordering
 from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.sim.simulator import SimConfig, SimResult, simulate
@@ -119,6 +123,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="an upper bound, not a deployable setting: every ordering is told each "
         "request's true output length instead of the semantic predictor's sample",
+    )
+    parser.add_argument(
+        "--predictor",
+        choices=["semantic", "global"],
+        default="semantic",
+        help="semantic (default): SageSched's history of similar prompts; global: every "
+        "request predicted the distribution of all finished lengths (the baseline the "
+        "semantic predictor must beat)",
     )
     parser.add_argument(
         "--jobs",
@@ -323,9 +335,14 @@ def _run(  # noqa: PLR0917
     engine_name: str = "model",
     prompts: dict[str, list[int]] | None = None,
     ordering_spec: tuple[str, dict[str, object]] | None = None,
+    global_lengths: bool = False,
 ) -> SimResult:
     predictor: LengthPredictor = (
-        OracleLengths() if oracle else SemanticHistoryPredictor(HashingEmbedder().dim)
+        OracleLengths()
+        if oracle
+        else GlobalDistributionPredictor()
+        if global_lengths
+        else SemanticHistoryPredictor(HashingEmbedder().dim)
     )
     span = online[-1].arrival_s if online else 1.0
     factory = None
@@ -334,7 +351,9 @@ def _run(  # noqa: PLR0917
         from slipstream_cli.benches.ordering_vllm import plugin_ordering_factory
 
         name, params = ordering_spec or ("fcfs", {})
-        factory = plugin_ordering_factory(name, params, prompts or {}, oracle=oracle)
+        factory = plugin_ordering_factory(
+            name, params, prompts or {}, oracle=oracle, global_lengths=global_lengths
+        )
         queue = OrderingQueue(make_ordering("fcfs"), predictor)
         dispatcher = DispatcherConfig(online_passthrough=True, admit_offline=False)
     else:
@@ -367,6 +386,7 @@ class _Task:
     engine_name: str = "model"
     prompts: dict[str, list[int]] | None = None
     regime: str = "slot-cap"
+    global_lengths: bool = False
 
 
 def _spec(name: str, cost: str) -> tuple[str, dict[str, object]]:
@@ -391,6 +411,7 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
         engine_name=task.engine_name,
         prompts=task.prompts,
         ordering_spec=_spec(task.name, task.cost),
+        global_lengths=task.global_lengths,
     )
     on = res.metrics.online
     st = res.engine
@@ -550,6 +571,7 @@ def run(args: argparse.Namespace) -> int:
                         args.engine,
                         prompts,
                         regime,
+                        args.predictor == "global",
                     )
                 )
         if args.jobs <= 1:
@@ -612,7 +634,13 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "gpu": args.gpu,
         "seeds": seeds,
-        "predictor": "oracle (true lengths)" if args.oracle else "semantic history (hashing)",
+        "predictor": (
+            "oracle (true lengths)"
+            if args.oracle
+            else "global distribution"
+            if args.predictor == "global"
+            else "semantic history (hashing)"
+        ),
         "costs": args.costs,
         "rows": rows,
         "summary": summary,

@@ -49,6 +49,7 @@ def plugin_ordering_factory(
     prompts: Mapping[str, Sequence[int]],
     *,
     oracle: bool = False,
+    global_lengths: bool = False,
 ) -> Callable[[EngineConfig, int], Any]:
     """``(EngineConfig, seed) -> PluginEngine`` ordering online requests with ``ordering``
     (the control document a sidecar would write: naive policy, no offline budget)."""
@@ -68,6 +69,7 @@ def plugin_ordering_factory(
             offline_priority=offline_priority,
             prompts=prompts,
             oracle_lengths=oracle,
+            global_lengths=global_lengths,
         )
 
     return make
