@@ -7,6 +7,7 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from slipstream_scheduler.enginecontrol import (
@@ -15,7 +16,13 @@ from slipstream_scheduler.enginecontrol import (
     EngineReport,
     decode_control,
 )
-from slipstream_sidecar.enginechannel import EngineChannel, EngineReportCollector, control_document
+from slipstream_scheduler.ordering import make_ordering
+from slipstream_sidecar.enginechannel import (
+    EngineChannel,
+    EngineReportCollector,
+    control_document,
+    engine_ordering_params,
+)
 
 
 def test_token_is_created_once_private_and_reused(tmp_path: Path) -> None:
@@ -124,7 +131,6 @@ def test_the_plugin_builds_its_planner_from_the_sidecars_document(tmp_path: Path
     """What the plugin does with control.json (``SlipstreamScheduler.apply``), minus vLLM."""
     from slipstream_scheduler.admission import build_planner
     from slipstream_scheduler.latency import FEATURE_NAMES, FeatureSet, LinearLatencyModel
-    from slipstream_scheduler.ordering import make_ordering
     from slipstream_scheduler.planner import PlannerMode
 
     model = LinearLatencyModel(
@@ -142,4 +148,16 @@ def test_the_plugin_builds_its_planner_from_the_sidecars_document(tmp_path: Path
     planner = build_planner(doc.policy, doc.policy_params, latency_model=back,
                             mode=PlannerMode.ITERATION)
     assert planner is not None and doc.policy == "budget"
-    assert make_ordering(doc.ordering, doc.ordering_params or None) is not None
+    ordering = make_ordering(doc.ordering, doc.ordering_params or None)
+    # Inside vLLM KV bounds the batch: the size-based orderings rank by SageSched's memory
+    # cost there (the core's preemptive default, the output cost, suits a slot cap).
+    assert doc.ordering_params == {"cost": "memory"}
+    assert ordering.params.cost == "memory" and ordering.preemptive  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("name", "params"), [("fcfs", {}), ("sjf", {"cost": "memory"}),
+                                              ("trail", {"cost": "memory"}),
+                                              ("gittins", {"cost": "memory"})])
+def test_engine_mode_orderings_rank_by_the_memory_cost(name: str, params: dict[str, str]) -> None:
+    assert engine_ordering_params(name) == params
+    assert make_ordering(name, params or None) is not None
