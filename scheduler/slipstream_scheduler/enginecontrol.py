@@ -194,6 +194,12 @@ class EngineReport(BaseModel):
     """Largest (predicted step − budget) over steps that ran offline work (≤ 0: within)."""
     offline_preemptions: int = 0
     online_preemptions: int = 0
+    online_displacements: int = 0
+    """Online requests preempted by the plugin for a better-ranked waiting one (a preemptive
+    ordering's displacement; also counted in ``online_preemptions``)."""
+    online_displaced_tokens: int = 0
+    """Computed tokens those displacements dropped (recomputed, or found in the prefix cache,
+    when the request resumes)."""
     forged_offline_tags: int = 0
     """Requests that carried an offline tag without the pod's token (served as online)."""
     online: ClassLatency = ClassLatency()

@@ -281,6 +281,16 @@ class EngineReportCollector(Collector):
         preempt.add_metric(["online"], rep.online_preemptions)
         preempt.add_metric(["offline"], rep.offline_preemptions)
         yield preempt
+        yield GaugeMetricFamily(
+            "slipstream_engine_online_displacements",
+            "Online requests the plugin preempted for a better-ranked waiting one.",
+            value=rep.online_displacements,
+        )
+        yield GaugeMetricFamily(
+            "slipstream_engine_online_displaced_tokens",
+            "Computed tokens those displacements dropped (recomputed or re-found on resume).",
+            value=rep.online_displaced_tokens,
+        )
         tokens = GaugeMetricFamily(
             "slipstream_engine_output_tokens", "Output tokens the engine produced, per class.",
             labels=["class"],

@@ -959,6 +959,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             max_offline_over_budget_s=self.max_offline_over_budget_s,
             offline_preemptions=self.offline_preemptions,
             online_preemptions=self.online_preemptions,
+            online_displacements=self.online_displacements,
+            online_displaced_tokens=self.online_recomputed_tokens,
             forged_offline_tags=self.forged_offline_tags,
             online=self._stats[_ONLINE].report(),
             offline=self._stats[_OFFLINE].report(),
