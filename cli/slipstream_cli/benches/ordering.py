@@ -102,8 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--inflight",
         type=int,
         default=8,
-        help="online requests in the engine (default 8: with 32, requests hardly queue "
-        "below full load and every ordering gives the same result)",
+        help="sidecar mode (--engine model): online requests in the engine (default 8: with "
+        "32, requests hardly queue below full load and every ordering gives the same result); "
+        "engine mode (--engine vllm) has no cap, KV blocks bound the batch",
     )
     parser.add_argument("--orderings", nargs="+", default=list(ORDERINGS), choices=list(VARIANTS))
     parser.add_argument(
