@@ -299,7 +299,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self.offline_preemptions = 0
         self.online_preemptions = 0
         self.online_displacements = 0
-        self.online_recomputed_tokens = 0
+        self.online_displaced_tokens = 0
         self.forged_offline_tags = 0
         self.max_offline_over_budget_s: float | None = None
         self._predicted = _Window()
@@ -682,7 +682,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             return False
         now = time.monotonic()
         for r in victims:
-            self.online_recomputed_tokens += int(r.num_computed_tokens)
+            self.online_displaced_tokens += int(r.num_computed_tokens)
             self.running.remove(r)
             self._preempt_request(r, now)
             self.online_displacements += 1
@@ -960,7 +960,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             offline_preemptions=self.offline_preemptions,
             online_preemptions=self.online_preemptions,
             online_displacements=self.online_displacements,
-            online_displaced_tokens=self.online_recomputed_tokens,
+            online_displaced_tokens=self.online_displaced_tokens,
             forged_offline_tags=self.forged_offline_tags,
             online=self._stats[_ONLINE].report(),
             offline=self._stats[_OFFLINE].report(),

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from vllm.v1.request import Request
 
-from slipstream_scheduler.engine.model import EngineConfig, FinishReason
+from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, EngineControl
 from slipstream_scheduler.lengths import GlobalDistributionPredictor
 from slipstream_vllm.inprocess import VllmEngine
@@ -69,25 +69,9 @@ class PluginEngine(VllmEngine):
             self.plugin._predictor = GlobalDistributionPredictor()
 
     def add_tokens(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_len: int,
-        *,
-        priority: int = 0,
-        arrival_s: float = 0.0,
-        reason: FinishReason = "stop",
-        extra_args: dict[str, Any] | None = None,
+        self, request_id: str, prompt_token_ids: list[int], output_len: int, **kw: Any
     ) -> Request:
-        req = super().add_tokens(
-            request_id,
-            prompt_token_ids,
-            output_len,
-            priority=priority,
-            arrival_s=arrival_s,
-            reason=reason,
-            extra_args=extra_args,
-        )
+        req = super().add_tokens(request_id, prompt_token_ids, output_len, **kw)
         meta = self.plugin._meta.get(request_id) if self.oracle_lengths else None
         if meta is not None:
             meta.lengths = np.array([float(output_len)], dtype=np.float64)
@@ -124,7 +108,7 @@ class PluginEngine(VllmEngine):
             "offline_preemptions": p.offline_preemptions,
             "online_preemptions": p.online_preemptions,
             "online_displacements": p.online_displacements,
-            "online_recomputed_tokens": p.online_recomputed_tokens,
+            "online_displaced_tokens": p.online_displaced_tokens,
             "max_offline_step_over_budget_s": p.max_offline_over_budget_s,
         }
 

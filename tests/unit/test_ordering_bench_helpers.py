@@ -43,7 +43,7 @@ def test_text_token_ids_count_as_the_bench_counts_and_recur_with_the_text() -> N
 
 def test_long_share_mixes_in_arxiv_requests_with_token_ids() -> None:
     try:
-        reqs = ordering.build_requests(None, 50, 0, long_share=0.2)
+        reqs, prompts = ordering.build_workload(None, 50, 0, long_share=0.2)
     except (alpaca_eval.DataMissingError, FileNotFoundError) as exc:
         pytest.skip(f"shared data not available: {exc}")
     longs = [r for r in reqs if r.group == "arxiv"]
@@ -52,5 +52,4 @@ def test_long_share_mixes_in_arxiv_requests_with_token_ids() -> None:
     assert np.mean([r.prompt_tokens for r in longs]) > 10 * np.mean(
         [r.prompt_tokens for r in reqs if r.group != "arxiv"]
     )
-    prompts = ordering.build_prompts(None, reqs, 0)
     assert all(len(prompts[r.request_id]) == r.prompt_tokens for r in reqs)

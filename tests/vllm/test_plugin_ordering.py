@@ -100,10 +100,10 @@ def test_a_preemptive_ordering_displaces_the_running_request_it_outranks_for_kv(
     gittins, gittins_steps = _fill_then_arrive("gittins", {"cost": "memory"})
     assert fcfs.scheduler.online_displacements == 0
     assert gittins.scheduler.online_displacements >= 1
-    assert gittins.scheduler.online_recomputed_tokens > 0
+    assert gittins.scheduler.online_displaced_tokens > 0
     report = gittins.scheduler.report()  # what the sidecar's metrics carry
     assert report.online_displacements == gittins.scheduler.online_displacements
-    assert report.online_displaced_tokens == gittins.scheduler.online_recomputed_tokens
+    assert report.online_displaced_tokens == gittins.scheduler.online_displaced_tokens
     assert report.online_preemptions >= report.online_displacements
     assert gittins_steps < fcfs_steps
     for eng in (fcfs, gittins):  # the displaced request resumes and finishes in full

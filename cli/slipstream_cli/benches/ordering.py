@@ -47,6 +47,7 @@ from rich.table import Table
 
 from slipstream_cli import plots
 from slipstream_cli.argtypes import below_one, whole
+from slipstream_cli.benches.ordering_vllm import long_prompt_ids, text_token_ids
 from slipstream_cli.commands.sim import (
     RichProgress,
     add_engine_argument,
@@ -60,7 +61,7 @@ from slipstream_scheduler.lengths import (
     HashingEmbedder,
     SemanticHistoryPredictor,
 )
-from slipstream_scheduler.ordering import Ordering, make_ordering
+from slipstream_scheduler.ordering import make_ordering
 from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.sim.simulator import SimConfig, SimResult, simulate
 from slipstream_scheduler.sim.workload import SimRequest, Workload
@@ -168,29 +169,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_requests(
+def build_workload(
     path: Path | None, n: int, seed: int, *, long_share: float = 0.0
-) -> list[SimRequest]:
+) -> tuple[list[SimRequest], dict[str, list[int]]]:
     """(prompt, generator) answers as requests with real lengths and prompt vectors, and
-    ``long_share`` of them arXiv summarisations (``build_prompts`` gives their token ids)."""
+    ``long_share`` of them arXiv summarisations; with every request's prompt token ids
+    (what ``--engine vllm`` sends): its text's, or, for an arXiv prompt, a seeded draw."""
     rows = alpaca_eval.load_rows(path)
     count = alpaca_eval.make_token_counter("regex")
     emb = HashingEmbedder()
     rng = random.Random(seed)
     rng.shuffle(rows)
     n_long = round(n * long_share)
-    vectors: dict[str, Any] = {}
+    seen: dict[str, tuple[Any, list[int]]] = {}
     out: list[SimRequest] = []
+    prompts: dict[str, list[int]] = {}
     for i, row in enumerate(rows[: n - n_long]):
-        vec = vectors.get(row.instruction)
-        if vec is None:
-            vec = vectors[row.instruction] = emb.embed_one(row.instruction)
+        known = seen.get(row.instruction)
+        if known is None:
+            known = seen[row.instruction] = (
+                emb.embed_one(row.instruction),
+                text_token_ids(row.instruction),
+            )
+        vec, ids = known
+        rid = f"ae-{i}"
+        prompts[rid] = ids
         out.append(
             SimRequest(
-                f"ae-{i}",
+                rid,
                 RequestClass.ONLINE,
                 0.0,
-                max(count(row.instruction), 1),
+                len(ids),
                 max(count(row.output), 1),
                 group=row.generator,
                 vector=vec,
@@ -203,7 +212,7 @@ def build_requests(
             raise WorkloadError(f"--long-share needs {n_long} arXiv rows; the file has {len(docs)}")
         for j, d in enumerate(docs[:n_long]):
             rid = f"ax-{j}"
-            ids = long_prompt_ids(rid, d.prompt_tokens)
+            ids = prompts[rid] = long_prompt_ids(rid, d.prompt_tokens)
             out.append(
                 SimRequest(
                     rid,
@@ -216,35 +225,11 @@ def build_requests(
                 )
             )
         rng.shuffle(out)
-    return out
+    return out, prompts
 
 
 EMBED_TOKENS = 512
 """Leading token ids a prompt without text is embedded by (as the plugin embeds prompts)."""
-
-
-def long_prompt_ids(request_id: str, n: int) -> list[int]:
-    """Token ids for a prompt known only by its length (seeded by the id: none recurs)."""
-    rng = random.Random(request_id)
-    return [rng.randrange(8, 1000) for _ in range(n)]
-
-
-def build_prompts(path: Path | None, reqs: list[SimRequest], seed: int) -> dict[str, list[int]]:
-    """Every request's prompt token ids (``--engine vllm``): its text's, or a seeded draw."""
-    from slipstream_cli.benches.ordering_vllm import text_token_ids
-
-    rows = alpaca_eval.load_rows(path)
-    random.Random(seed).shuffle(rows)
-    out: dict[str, list[int]] = {}
-    for r in reqs:
-        if r.request_id.startswith("ae-"):
-            ids = text_token_ids(rows[int(r.request_id[3:])].instruction)
-            if len(ids) != r.prompt_tokens:
-                raise WorkloadError(f"{r.request_id}: {len(ids)} token ids for {r.prompt_tokens}")
-        else:
-            ids = long_prompt_ids(r.request_id, r.prompt_tokens)
-        out[r.request_id] = ids
-    return out
 
 
 def azure_gaps() -> FloatArray:
@@ -318,14 +303,15 @@ def oracle_requests(reqs: list[SimRequest]) -> list[SimRequest]:
     ]
 
 
-def _ordering(name: str, cost: str) -> Ordering:
+def _spec(name: str, cost: str) -> tuple[str, dict[str, object]]:
+    """A bench ordering's core name and parameters (``cost`` for all but FCFS)."""
     base, params, _ = VARIANTS[name]
-    return make_ordering(base, params if base == "fcfs" else {**params, "cost": cost})
+    return base, dict(params) if base == "fcfs" else {**params, "cost": cost}
 
 
 def _run(  # noqa: PLR0917
     online: tuple[SimRequest, ...],
-    ordering: Ordering,
+    spec: tuple[str, dict[str, object]],
     engine: EngineConfig,
     cap: int,
     seed: int,
@@ -335,7 +321,6 @@ def _run(  # noqa: PLR0917
     queue_options: dict[str, int] | None = None,
     engine_name: str = "model",
     prompts: dict[str, list[int]] | None = None,
-    ordering_spec: tuple[str, dict[str, object]] | None = None,
     global_lengths: bool = False,
 ) -> SimResult:
     predictor: LengthPredictor = (
@@ -351,14 +336,13 @@ def _run(  # noqa: PLR0917
         # Engine mode: vLLM's waiting queue is the queue; the plugin orders it.
         from slipstream_cli.benches.ordering_vllm import plugin_ordering_factory
 
-        name, params = ordering_spec or ("fcfs", {})
         factory = plugin_ordering_factory(
-            name, params, prompts or {}, oracle=oracle, global_lengths=global_lengths
+            *spec, prompts or {}, oracle=oracle, global_lengths=global_lengths
         )
         queue = OrderingQueue(make_ordering("fcfs"), predictor)
         dispatcher = DispatcherConfig(online_passthrough=True, admit_offline=False)
     else:
-        queue = OrderingQueue(ordering, predictor, **(queue_options or {}))
+        queue = OrderingQueue(make_ordering(*spec), predictor, **(queue_options or {}))
         dispatcher = DispatcherConfig(max_online_inflight=cap, admit_offline=False)
     cfg = SimConfig(engine=engine, policy="online-only", seed=seed, dispatcher=dispatcher)
     return simulate(
@@ -390,18 +374,13 @@ class _Task:
     global_lengths: bool = False
 
 
-def _spec(name: str, cost: str) -> tuple[str, dict[str, object]]:
-    base, params, _ = VARIANTS[name]
-    return base, dict(params) if base == "fcfs" else {**params, "cost": cost}
-
-
 def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
     """Simulate one (ordering, cost, load, seed) and return its row."""
     tw = time.perf_counter()
     label = f"{task.name} ({task.cost}) load {task.load} seed {task.seed}"
     res = _run(
         task.online,
-        _ordering(task.name, task.cost),
+        _spec(task.name, task.cost),
         task.engine,
         task.cap,
         task.seed,
@@ -411,7 +390,6 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
         queue_options=VARIANTS[task.name][2],
         engine_name=task.engine_name,
         prompts=task.prompts,
-        ordering_spec=_spec(task.name, task.cost),
         global_lengths=task.global_lengths,
     )
     on = res.metrics.online
@@ -437,7 +415,7 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
             if task.engine_name == "vllm"
             else res.dispatcher.reorders
         ),
-        "displaced_tokens": int(res.in_engine.get("online_recomputed_tokens") or 0),
+        "displaced_tokens": int(res.in_engine.get("online_displaced_tokens") or 0),
         "prompt_tokens": st.prompt_tokens,
         "prefill_computed_tokens": st.computed_prefill_tokens,
         "prefix_hit_tokens": st.prefix_cache_hits,
@@ -527,8 +505,10 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=args.model, gpu=args.gpu, num_gpu_blocks=args.kv_blocks)
     engine_factory_from_args(args, "slipstream bench ordering", ["bench", "ordering"])
     seeds = args.seeds
-    reqs = build_requests(args.prompts, args.requests, args.seed, long_share=args.long_share)
-    prompts = build_prompts(args.prompts, reqs, args.seed) if args.engine == "vllm" else None
+    reqs, token_ids = build_workload(
+        args.prompts, args.requests, args.seed, long_share=args.long_share
+    )
+    prompts = token_ids if args.engine == "vllm" else None
     if args.oracle:
         reqs = oracle_requests(reqs)
     gaps = azure_gaps() if args.arrivals == "azure" else None
@@ -537,7 +517,7 @@ def run(args: argparse.Namespace) -> int:
     with RichProgress(console) as bar:
         sat = _run(
             tuple(reqs),
-            _ordering("fcfs", "memory"),
+            _spec("fcfs", "memory"),
             engine,
             args.inflight,
             args.seed,

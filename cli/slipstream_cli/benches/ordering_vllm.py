@@ -17,6 +17,7 @@ each instruction) or shares a template has the token ids the plugin's embedder c
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from slipstream_cli.workloads import alpaca_eval
 from slipstream_scheduler.dispatcher import DispatcherConfig
 from slipstream_scheduler.engine.model import EngineConfig
 
-__all__ = ["plugin_ordering_factory", "text_token_ids"]
+__all__ = ["long_prompt_ids", "plugin_ordering_factory", "text_token_ids"]
 
 VOCAB_LOW, VOCAB_HIGH = 8, 1000
 """The tiny model's vocabulary clear of its specials (``slipstream_vllm.inprocess``)."""
@@ -41,6 +42,12 @@ def text_token_ids(text: str) -> list[int]:
         for w in alpaca_eval.token_words(text)
     ]
     return ids or [VOCAB_LOW]
+
+
+def long_prompt_ids(request_id: str, n: int) -> list[int]:
+    """Token ids for a prompt known only by its length (seeded by the id: none recurs)."""
+    rng = random.Random(request_id)
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
 
 
 def plugin_ordering_factory(
