@@ -202,8 +202,24 @@ def engine_limit_args(args: Sequence[str]) -> dict[str, int]:
 
 
 def engine_limits(args: Sequence[str]) -> EngineLimits:
-    """vLLM's batching limits from the engine's command line (defaults where absent)."""
-    return EngineLimits(**engine_limit_args(args))
+    """vLLM's batching limits from the engine's command line (defaults where absent),
+    with its admission gate (``--[no-]scheduler-reserve-full-isl``, on by default)."""
+    full = True
+    for arg in args:
+        if arg in ("--scheduler-reserve-full-isl", "--no-scheduler-reserve-full-isl"):
+            full = arg == "--scheduler-reserve-full-isl"
+    given, default = engine_limit_args(args), EngineLimits()
+    return EngineLimits(
+        max_num_seqs=given.get("max_num_seqs", default.max_num_seqs),
+        max_num_batched_tokens=given.get(
+            "max_num_batched_tokens", default.max_num_batched_tokens
+        ),
+        block_size=given.get("block_size", default.block_size),
+        long_prefill_token_threshold=given.get(
+            "long_prefill_token_threshold", default.long_prefill_token_threshold
+        ),
+        reserve_full_sequence=full,
+    )
 
 
 def bucket(value: float, ratio: float) -> float:

@@ -162,6 +162,7 @@ class _Room:
         "free_kv",
         "max_preemptions",
         "preempted",
+        "reserve_full",
         "slots",
     )
 
@@ -179,6 +180,7 @@ class _Room:
         self.bs = limits.block_size
         self.free_kv = free_kv
         self.slots = limits.max_num_seqs - count
+        self.reserve_full = limits.reserve_full_sequence
         self.max_preemptions = max_preemptions
         self.cheapest_first = cheapest_first
         self.preempted: list[str] = []
@@ -437,10 +439,14 @@ class TwoPhasePlanner:
         """Phases 1c/2c: first chunks of new requests, in queue order, until one does not fit.
 
         Online requests may preempt offline work for a slot or KV; offline ones obey
-        the offline cap and ``min_new_prefill_tokens``, and never preempt.
+        the offline cap and ``min_new_prefill_tokens``, and never preempt. Under
+        ``reserve_full_sequence`` (vLLM's default) a request is admitted only if its whole
+        sequence, less its cached blocks, fits in the free blocks, as vLLM admits it: a
+        plan that admitted on its first chunk alone would be refused by the engine.
         """
         rules = self.rules
         f, room, bs = fill.f, fill.room, fill.room.bs
+        full_gate = room.reserve_full
         preempt = online and rules.preempt_for_online
         cap = None if online else rules.offline_cap
         min_first = rules.min_new_prefill_tokens  # a per-step cap below it still admits
@@ -461,6 +467,12 @@ class TwoPhasePlanner:
             x = self._chunk(f, ctx0, want, budget, online)
             if not online and (x <= 0 or x < min(remaining, min_first)):
                 break
+            if full_gate:
+                whole = _blocks(q.prompt_tokens, bs) - ctx0 // bs
+                if whole > room.free_kv and preempt:
+                    room.preempt(whole)
+                if whole > room.free_kv:
+                    break
             x = room.fit_chunk(x, ctx0, ctx0 // bs, preempt=preempt)
             if x <= 0:
                 break

@@ -100,6 +100,9 @@ class EngineLimits:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     long_prefill_token_threshold: int = 0  # 0: no per-request chunk cap
+    # vLLM's scheduler_reserve_full_isl (its default): a waiting request is admitted only
+    # if its whole sequence, less its cached blocks, fits in the free KV blocks.
+    reserve_full_sequence: bool = True
 
 
 @dataclass(frozen=True, slots=True)

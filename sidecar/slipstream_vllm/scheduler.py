@@ -241,6 +241,19 @@ class _ClassStats:
         )
 
 
+def _carry_notices(first: SchedulerOutput, second: SchedulerOutput) -> None:
+    """Two walks in one step: the second output carries what the first one told the
+    workers (requests finished or preempted since the last step, encoder cache frees),
+    which vLLM clears after each walk."""
+    second.finished_req_ids |= first.finished_req_ids
+    if first.preempted_req_ids:
+        second.preempted_req_ids = set(second.preempted_req_ids or ()) | first.preempted_req_ids
+    second.free_encoder_mm_hashes = [
+        *first.free_encoder_mm_hashes,
+        *second.free_encoder_mm_hashes,
+    ]
+
+
 class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
     """vLLM's scheduler with Slipstream's planner choosing each iteration (module note)."""
 
@@ -265,6 +278,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             block_size=self.block_size,
             long_prefill_token_threshold=self.scheduler_config.long_prefill_token_threshold,
+            reserve_full_sequence=bool(self.scheduler_reserve_full_isl),
         )
         self._meta: dict[str, _Meta] = {}
         self._embedder = HashingEmbedder()
@@ -633,7 +647,18 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             with self._ranked_online():
                 out = super().schedule(throttle_prefills)
             return self._finish_schedule(out, None)
-        return self._finish_schedule(self._steer(plan, snap, waiting, throttle_prefills), plan)
+        out = self._steer(plan, snap, waiting, throttle_prefills)
+        if not out.num_scheduled_tokens and (self.running or self.waiting):
+            # vLLM refused every piece of the plan (a gate the planner does not model):
+            # an empty step would leave the engine spinning with nothing changed, so
+            # vLLM's own walk runs this step instead.
+            self.fallback_steps += 1
+            refused = out
+            with self._ranked_online():
+                out = super().schedule(throttle_prefills)
+            _carry_notices(refused, out)
+            return self._finish_schedule(out, None)
+        return self._finish_schedule(out, plan)
 
     # ------------------------------------------------------------------ online preemption
 

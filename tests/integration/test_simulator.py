@@ -212,6 +212,46 @@ def test_in_engine_mode_uses_the_idle_budget_only_without_online_work() -> None:
     assert {b for b, online in spy_inf if not online} == {None}
 
 
+def _offline_in_engine(window: int | None) -> tuple[int, int, bool]:
+    """(most offline requests in the engine at once, KV blocks, online passthrough)."""
+    from slipstream_scheduler.sim.simulator import Simulator
+
+    cfg = SimConfig(
+        engine=ENGINE,
+        policy="budget",
+        budget_s=0.04,
+        mode="in-engine",
+        in_engine_offline_window=window,
+    )
+    sim = Simulator(_workload(), cfg, latency_model=_model())
+    planner = sim.engine.planner  # type: ignore[attr-defined]
+    plan = planner.plan
+    most = [0]
+
+    def recording(snapshot: Snapshot) -> StepPlan:
+        n = len(snapshot.offline_queue)
+        n += sum(1 for r in snapshot.running if r.cls is RequestClass.OFFLINE)
+        most[0] = max(most[0], n)
+        return plan(snapshot)
+
+    planner.plan = recording
+    sim.run()
+    return most[0], sim.engine.pool.num_blocks, sim.dispatcher.config.online_passthrough
+
+
+def test_in_engine_mode_fronts_the_engine_as_the_sidecar_does_in_engine_mode() -> None:
+    # The sidecar in engine mode passes online traffic through and submits offline
+    # work without a budget, as far as its KV estimate goes: here more requests
+    # than a small window would hold, and no more than the KV cache takes.
+    most, blocks, passthrough = _offline_in_engine(None)
+    assert passthrough
+    prompt_blocks = sorted(-(-r.prompt_tokens // ENGINE.block_size) for r in _offline())
+    assert most > 32
+    assert sum(prompt_blocks[:most]) <= blocks  # the dispatcher's KV estimate holds
+    capped, _, _ = _offline_in_engine(8)
+    assert capped == 8
+
+
 def test_in_engine_mode_needs_a_budget_policy_and_an_iteration_planner() -> None:
     from slipstream_scheduler.admission import build_planner
     from slipstream_scheduler.sim.inengine import PlannedEngine

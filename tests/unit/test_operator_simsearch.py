@@ -97,6 +97,10 @@ def test_names_limits_and_buckets() -> None:
     assert engine_limits(
         ["--max-num-seqs", "128", "--max-num-batched-tokens=4096"]
     ) == EngineLimits(max_num_seqs=128, max_num_batched_tokens=4096)
+    assert engine_limits([]).reserve_full_sequence  # vLLM's default admission gate
+    assert engine_limits(["--no-scheduler-reserve-full-isl", "--block-size", "32"]) == (
+        EngineLimits(block_size=32, reserve_full_sequence=False)
+    )
     near = bucket_load(LoadStats(2.0, 1000.0, 200.0), 1.25, 0.1)
     assert near == bucket_load(LoadStats(2.1, 1040.0, 195.0), 1.25, 0.1)
     assert near != bucket_load(LoadStats(3.0, 1000.0, 200.0), 1.25, 0.1)

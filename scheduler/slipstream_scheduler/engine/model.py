@@ -136,6 +136,7 @@ class EngineConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             block_size=self.block_size,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            reserve_full_sequence=self.scheduler_reserve_full_isl,
         )
 
 

@@ -30,8 +30,9 @@ achieves. Approximations (NOTE: where this bends a real plugin):
   the cheapest offline step, or KV exhausted by offline prefills) is replaced
   by vLLM's own walk for that iteration (counted in
   :attr:`PlannedEngine.fallback_steps`) so the engine never stalls;
-* which offline requests enter the engine is still decided in front of it (a
-  static offline in-flight window, see :mod:`slipstream_scheduler.sim.simulator`).
+* which offline requests enter the engine is decided in front of it, as the
+  sidecar does in engine mode: without a budget, as many as its KV estimate and
+  the engine's slots allow (see :mod:`slipstream_scheduler.sim.simulator`).
 
 Deliberately left out: everything else of the engine (timing, KV pool, prefix
 cache, request lifecycle: inherited unchanged).

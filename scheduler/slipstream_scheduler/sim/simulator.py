@@ -186,10 +186,12 @@ class SimConfig(BaseModel):
         "idle_budget_s otherwise (what an engine plugin would add; budget and static-cap "
         "policies only; never a sidecar figure).",
     )
-    in_engine_offline_window: int = Field(
-        default=32,
+    in_engine_offline_window: int | None = Field(
+        default=None,
         ge=1,
-        description="in-engine mode: offline requests the dispatcher keeps in the engine.",
+        description="in-engine mode: offline requests the dispatcher keeps in the engine at "
+        "most; None (default): as the sidecar does in engine mode, as many as its KV "
+        "estimate and the engine's sequence slots allow.",
     )
     offline_order: Literal["fcfs", "psm"] | None = Field(
         default=None, description="Override the policy's offline order (None: the policy's)."
@@ -345,7 +347,8 @@ class Simulator:
                 raise SimError("in-engine mode needs a budget or static-cap policy", config.policy)
             step_budget = config.budget_s if spec.admission == "budget" else None
             # The real planner in ITERATION mode picks each iteration's batch inside
-            # the engine; the dispatcher only keeps a window of offline work in it.
+            # the engine. In front of it the dispatcher does what the sidecar does in
+            # engine mode: offline work without a budget, online work straight through.
             if in_engine_factory is not None:
                 self.engine = in_engine_factory(
                     config.engine,
@@ -398,6 +401,8 @@ class Simulator:
         else:
             offline_q = FifoQueue()
         dcfg = config.dispatcher
+        if config.mode == "in-engine":
+            dcfg = dcfg.model_copy(update={"online_passthrough": True})
         if not spec.serves_offline:
             dcfg = dcfg.model_copy(update={"admit_offline": False})
         self.dispatcher = Dispatcher(
