@@ -374,7 +374,7 @@ class TwoPhasePlanner:
             if skip is not None:
                 offline_prefilling = [r for r in offline_prefilling if r.request_id not in skip]
             self._fill_prefilling(fill, offline_prefilling, budget, online=False)
-            if rules.admit_offline:
+            if rules.admit_offline and not fill.online_blocked:
                 fill.offline_in_flight = offline_running - len(room.preempted)
                 self._fill_queue(fill, s.offline_queue, budget, online=False)
         fill.tokens_left += tokens_after_offline
@@ -472,9 +472,13 @@ class TwoPhasePlanner:
                 if whole > room.free_kv and preempt:
                     room.preempt(whole)
                 if whole > room.free_kv:
+                    # As vLLM's walk stops at the first request it cannot admit: no
+                    # offline request takes the blocks this online one waits for.
+                    fill.online_blocked |= online
                     break
             x = room.fit_chunk(x, ctx0, ctx0 // bs, preempt=preempt)
             if x <= 0:
+                fill.online_blocked |= online
                 break
             f.add_prefill(x, ctx0)
             fill.tokens_left -= x
@@ -589,6 +593,7 @@ class _StepFill:
         "chunk_limit",
         "f",
         "offline_in_flight",
+        "online_blocked",
         "room",
         "scheduled",
         "tokens_left",
@@ -602,6 +607,7 @@ class _StepFill:
         self.scheduled: list[Admission] = []
         self.admitted: list[Admission] = []
         self.offline_in_flight = 0
+        self.online_blocked = False  # an online request was left waiting for KV
 
 
 @dataclass(slots=True)

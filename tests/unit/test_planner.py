@@ -20,6 +20,7 @@ from slipstream_scheduler.latency import FEATURE_NAMES, FeatureSet, LinearLatenc
 from slipstream_scheduler.planner import PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.protocols import Planner
 from slipstream_scheduler.types import (
+    Admission,
     BatchItem,
     EngineLimits,
     Phase,
@@ -211,6 +212,35 @@ def test_online_preempts_offline_for_a_sequence_slot() -> None:
     assert ids(plan.admitted) == ["on-1"]
     offline_only = build_planner("offline-only").plan(s)
     assert offline_only.preempted == () and offline_only.admitted == ()
+
+
+def test_a_request_is_admitted_only_if_its_whole_sequence_fits_as_vllm_admits() -> None:
+    # vLLM's scheduler_reserve_full_isl (its default): 640 tokens are 40 blocks; with 20
+    # free the first 256-token chunk (16 blocks) fits, the whole sequence does not.
+    lim = EngineLimits(long_prefill_token_threshold=256)
+    loose = replace(lim, reserve_full_sequence=False)
+    naive = build_planner("naive")
+    assert lim.reserve_full_sequence
+    assert naive.plan(snap(offline=[queued("off-1", OFF, 640)], free_kv=20, limits=lim)) == (
+        StepPlan((), (), (), 0.0, None)
+    )
+    plan = naive.plan(snap(offline=[queued("off-1", OFF, 640)], free_kv=20, limits=loose))
+    assert ids(plan.admitted) == ["off-1"]
+    # Cached blocks are held already: with 320 tokens cached, 20 more blocks are enough.
+    cached = [queued("off-1", OFF, 640, cached=320)]
+    assert ids(naive.plan(snap(offline=cached, free_kv=20, limits=lim)).admitted) == ["off-1"]
+    # An online request preempts offline work for its whole sequence, not only its chunk
+    # (256 tokens here: another online request is decoding).
+    running = [
+        RunningRequest("off-a", OFF, 320, 320, 0, 10, arrival_s=1.0),
+        RunningRequest("off-b", OFF, 320, 320, 0, 10, arrival_s=2.0),
+        RunningRequest("on-run", ON, 300, 300, 21, 100, arrival_s=3.0),
+    ]
+    plan = naive.plan(snap(running, online=[queued("on-1", ON, 640)], free_kv=20, limits=lim))
+    assert plan.preempted == ("off-b",)
+    assert plan.admitted == (Admission("on-1", 256),)
+    plan = naive.plan(snap(running, online=[queued("on-1", ON, 640)], free_kv=20, limits=loose))
+    assert plan.preempted == () and ids(plan.admitted) == ["on-1"]
 
 
 def test_static_cap_limits_offline_in_flight() -> None:
@@ -585,6 +615,11 @@ def check_iteration_plan(
         batch.append(BatchItem(Phase.PREFILL, a.tokens, ctx0))
     freed = sum(_blocks(running[rid].context_tokens, bs) for rid in plan.preempted)
     assert kv_used <= s.free_kv_blocks + freed
+    if lim.reserve_full_sequence:  # vLLM's gate: the whole sequence must fit on admission
+        for a in plan.admitted:
+            q = queued_by_id[a.request_id]
+            ctx0 = max(0, min(q.cached_tokens, q.prompt_tokens - 1))
+            assert _blocks(q.prompt_tokens, bs) - ctx0 // bs <= s.free_kv_blocks + freed
     assert len(s.running) - len(plan.preempted) + len(plan.admitted) <= lim.max_num_seqs
 
     # The prediction is the model's prediction of exactly this batch.

@@ -399,3 +399,69 @@ def test_a_lone_online_prompt_takes_the_token_cap_beside_offline_work(channel: P
     # the step, which is when vLLM by itself brings its threshold back).
     assert offline[:2] == [0, 0] and offline[2] > 0
     assert "on0" in {rid for rid, _ in step.emitted}
+
+
+FULL_CFG = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=200, noise_cv=0.0)
+
+
+def _kv_full_of_offline_decodes(channel: Path, model: LinearLatencyModel) -> tuple[Any, int]:
+    """Five offline requests decoding with about 45 of 200 blocks free, a budget an online
+    prefill chunk alone exceeds, then an online prompt of 63 blocks: its first chunk
+    (32 blocks) fits the free blocks, its whole sequence does not."""
+    _control(
+        channel, generation=1, policy="budget", budget_s=_budget(model), latency_model=model.to_dict()
+    )
+    eng = _engine(FULL_CFG)
+    eng.records = []
+    token = _token(channel)
+    for i in range(5):
+        _add(eng, f"off{i}", 480, 100, offline_token=token)
+    while not all(
+        eng.scheduler.requests[f"off{i}"].num_output_tokens >= 1 for i in range(5)
+    ):
+        eng.step()
+    free = eng.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert 32 < free < 63, free
+    _add(eng, "on0", 1000, 20)
+    return eng, free
+
+
+def test_an_online_prompt_vllm_admits_only_whole_preempts_offline_work_for_it(
+    channel: Path, model: LinearLatencyModel
+) -> None:
+    # vLLM admits a waiting request only if its whole sequence fits the free blocks
+    # (scheduler_reserve_full_isl, its default). The plan must do the same: one that admits
+    # on the first chunk alone is refused by vLLM at every step, while the budget keeps the
+    # offline decodes out of a step with an online prefill chunk in it.
+    eng, _ = _kv_full_of_offline_decodes(channel, model)
+    sched = eng.scheduler
+    assert sched.limits.reserve_full_sequence
+    first = None
+    for step in range(400):
+        if not eng.has_work():
+            break
+        res = eng.step()
+        assert eng.records[-1].scheduled, f"step {step}: vLLM scheduled nothing"
+        if first is None and any(rid == "on0" for rid, _ in res.emitted):
+            first = step
+    assert first is not None and first <= 2  # two 512-token chunks: no wait behind offline
+    assert sched.offline_preemptions >= 1
+    assert sched.fallback_steps == 0  # vLLM ran the plan every step
+    assert eng.stats().generation_tokens == 5 * 100 + 20  # the preempted one resumed in full
+
+
+def test_a_plan_vllm_refuses_whole_runs_vllms_own_walk_instead(
+    channel: Path, model: LinearLatencyModel
+) -> None:
+    # A plan vLLM refuses in full (here: the planner told nothing of vLLM's admission gate)
+    # must not leave the engine stepping on empty: vLLM's own walk runs that step.
+    from dataclasses import replace
+
+    eng, _ = _kv_full_of_offline_decodes(channel, model)
+    sched = eng.scheduler
+    sched.limits = replace(sched.limits, reserve_full_sequence=False)
+    steps = _run(eng, max_steps=2_000)
+    assert steps
+    assert all(rec.scheduled for rec in eng.records)
+    assert sched.fallback_steps >= 1
+    assert eng.stats().generation_tokens == 5 * 100 + 20
