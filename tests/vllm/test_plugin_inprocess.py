@@ -401,16 +401,17 @@ def test_a_lone_online_prompt_takes_the_token_cap_beside_offline_work(channel: P
     assert "on0" in {rid for rid, _ in step.emitted}
 
 
-FULL_CFG = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=200, noise_cv=0.0)
+FULL_CFG = EngineConfig(
+    max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=200, noise_cv=0.0
+)
 
 
 def _kv_full_of_offline_decodes(channel: Path, model: LinearLatencyModel) -> tuple[Any, int]:
     """Five offline requests decoding with about 45 of 200 blocks free, a budget an online
     prefill chunk alone exceeds, then an online prompt of 63 blocks: its first chunk
     (32 blocks) fits the free blocks, its whole sequence does not."""
-    _control(
-        channel, generation=1, policy="budget", budget_s=_budget(model), latency_model=model.to_dict()
-    )
+    budget = _budget(model)
+    _control(channel, generation=1, policy="budget", budget_s=budget, latency_model=model.to_dict())
     eng = _engine(FULL_CFG)
     eng.records = []
     token = _token(channel)
