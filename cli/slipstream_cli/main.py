@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol, cast
 
+from slipstream_cli.workloads import WorkloadError
+
 
 class _Command(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
@@ -61,7 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if chosen is None or args.command is None:
         parser.print_help()
         return 2
-    return _load(chosen).run(args)
+    try:
+        return _load(chosen).run(args)
+    except WorkloadError as exc:  # a dataset missing or malformed: the path, no traceback
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,14 @@ def test_a_bad_settle_time_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--load-settle-s" in err and "at least 0" in err and "Traceback" not in err
+
+
+def test_missing_data_is_an_error_naming_the_file_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SLIPSTREAM_DATA", str(tmp_path))
+    assert main(["sim", "--duration-s", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slipstream sim: error: ")
+    assert str(tmp_path / "azure_llm_2023") in err and "SLIPSTREAM_DATA" in err
+    assert "Traceback" not in err
