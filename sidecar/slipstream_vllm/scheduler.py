@@ -653,11 +653,11 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             # an empty step would leave the engine spinning with nothing changed, so
             # vLLM's own walk runs this step instead.
             self.fallback_steps += 1
-            refused = out
+            refused = self._finish_schedule(out, plan)  # counts the walk's own preemptions
             with self._ranked_online():
-                out = super().schedule(throttle_prefills)
+                out = self._finish_schedule(super().schedule(throttle_prefills), None)
             _carry_notices(refused, out)
-            return self._finish_schedule(out, None)
+            return out
         return self._finish_schedule(out, plan)
 
     # ------------------------------------------------------------------ online preemption
