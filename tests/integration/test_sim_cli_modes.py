@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from slipstream_cli.main import main
-from slipstream_cli.workloads import WorkloadError
 
 pytestmark = pytest.mark.sim
 
@@ -39,9 +38,12 @@ def test_sim_in_engine_mode_reports_its_mode_and_planner_counters(tmp_path: Path
     assert srow["in_engine"] is None
 
 
-def test_sim_in_engine_mode_refuses_a_policy_without_a_budget_or_cap(tmp_path: Path) -> None:
-    with pytest.raises(WorkloadError, match="budget or static-cap policy"):
-        main(["sim", *SHORT, "--policy", "naive", "--mode", "in-engine"])
+def test_sim_in_engine_mode_refuses_a_policy_without_a_budget_or_cap(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["sim", *SHORT, "--policy", "naive", "--mode", "in-engine"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slipstream sim: error: ") and "budget or static-cap policy" in err
 
 
 def test_sim_in_engine_static_cap_is_a_per_step_token_cap(tmp_path: Path) -> None:
