@@ -644,9 +644,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
                 return self._finish_schedule(out, plan)
             if self.running or waiting:
                 self.fallback_steps += 1
-            with self._ranked_online():
-                out = super().schedule(throttle_prefills)
-            return self._finish_schedule(out, None)
+            return self._own_walk(throttle_prefills)
         out = self._steer(plan, snap, waiting, throttle_prefills)
         if not out.num_scheduled_tokens and (self.running or self.waiting):
             # vLLM refused every piece of the plan (a gate the planner does not model):
@@ -654,11 +652,16 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             # vLLM's own walk runs this step instead.
             self.fallback_steps += 1
             refused = self._finish_schedule(out, plan)  # counts the walk's own preemptions
-            with self._ranked_online():
-                out = self._finish_schedule(super().schedule(throttle_prefills), None)
+            out = self._own_walk(throttle_prefills)
             _carry_notices(refused, out)
             return out
         return self._finish_schedule(out, plan)
+
+    def _own_walk(self, throttle_prefills: bool) -> SchedulerOutput:
+        """vLLM's own walk for this step, running online requests ranked by the ordering."""
+        with self._ranked_online():
+            out = super().schedule(throttle_prefills)
+        return self._finish_schedule(out, None)
 
     # ------------------------------------------------------------------ online preemption
 

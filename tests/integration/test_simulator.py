@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import cache
 
 import pytest
@@ -17,6 +18,7 @@ from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.sim.simulator import (
     SimConfig,
     SimResult,
+    Simulator,
     online_only_step_s,
     profile_latency_model,
     simulate,
@@ -148,37 +150,49 @@ def test_ordering_queue_runs_and_reorders_online() -> None:
     assert all(r.cls is RequestClass.ONLINE for r in online)
 
 
-def _in_engine(budget: float, idle: float | None, spy: list[tuple[float | None, bool]] | None):
-    from slipstream_scheduler.sim.simulator import Simulator
-
+def _in_engine(
+    budget: float,
+    idle: float | None,
+    on_plan: Callable[[Snapshot], None] | None = None,
+    window: int | None = None,
+) -> tuple[Simulator, SimResult]:
+    """An in-engine run; ``on_plan`` sees every snapshot the planner is given."""
     cfg = SimConfig(
         engine=ENGINE,
         policy="budget",
         budget_s=budget,
         mode="in-engine",
         dispatcher=DispatcherConfig(idle_budget_s=idle),
+        in_engine_offline_window=window,
     )
     sim = Simulator(_workload(), cfg, latency_model=_model())
-    if spy is not None:
+    if on_plan is not None:
         planner = sim.engine.planner  # type: ignore[attr-defined]
         plan = planner.plan
 
         def recording(snapshot: Snapshot) -> StepPlan:
-            online = bool(snapshot.online_queue) or any(
-                r.cls is RequestClass.ONLINE for r in snapshot.running
-            )
-            spy.append((snapshot.budget_s, online))
+            on_plan(snapshot)
             return plan(snapshot)
 
         planner.plan = recording
     return sim, sim.run()
 
 
+def _budget_spy(spy: list[tuple[float | None, bool]]) -> Callable[[Snapshot], None]:
+    def record(snapshot: Snapshot) -> None:
+        online = bool(snapshot.online_queue) or any(
+            r.cls is RequestClass.ONLINE for r in snapshot.running
+        )
+        spy.append((snapshot.budget_s, online))
+
+    return record
+
+
 def test_in_engine_mode_runs_the_iteration_planner_within_its_budget() -> None:
     from slipstream_scheduler.sim.inengine import PlannedEngine
 
     budget = 0.04
-    sim, res = _in_engine(budget, None, None)
+    sim, res = _in_engine(budget, None)
     eng = sim.engine
     assert isinstance(eng, PlannedEngine)
     assert eng.planner.mode is PlannerMode.ITERATION
@@ -201,41 +215,27 @@ def test_in_engine_mode_runs_the_iteration_planner_within_its_budget() -> None:
 
 def test_in_engine_mode_uses_the_idle_budget_only_without_online_work() -> None:
     spy: list[tuple[float | None, bool]] = []
-    _, res = _in_engine(0.03, 0.1, spy)
+    _, res = _in_engine(0.03, 0.1, _budget_spy(spy))
     assert res.metrics.offline.tokens_per_s > 0
     with_online = {b for b, online in spy if online}
     without = {b for b, online in spy if not online}
     assert with_online == {0.03}
     assert without == {0.1}
     spy_inf: list[tuple[float | None, bool]] = []
-    _in_engine(0.03, math.inf, spy_inf)
+    _in_engine(0.03, math.inf, _budget_spy(spy_inf))
     assert {b for b, online in spy_inf if not online} == {None}
 
 
 def _offline_in_engine(window: int | None) -> tuple[int, int, bool]:
     """(most offline requests in the engine at once, KV blocks, online passthrough)."""
-    from slipstream_scheduler.sim.simulator import Simulator
-
-    cfg = SimConfig(
-        engine=ENGINE,
-        policy="budget",
-        budget_s=0.04,
-        mode="in-engine",
-        in_engine_offline_window=window,
-    )
-    sim = Simulator(_workload(), cfg, latency_model=_model())
-    planner = sim.engine.planner  # type: ignore[attr-defined]
-    plan = planner.plan
     most = [0]
 
-    def recording(snapshot: Snapshot) -> StepPlan:
+    def record(snapshot: Snapshot) -> None:
         n = len(snapshot.offline_queue)
         n += sum(1 for r in snapshot.running if r.cls is RequestClass.OFFLINE)
         most[0] = max(most[0], n)
-        return plan(snapshot)
 
-    planner.plan = recording
-    sim.run()
+    sim, _ = _in_engine(0.04, None, record, window)
     return most[0], sim.engine.pool.num_blocks, sim.dispatcher.config.online_passthrough
 
 

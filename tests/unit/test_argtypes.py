@@ -51,3 +51,13 @@ def test_missing_data_is_an_error_naming_the_file_not_a_traceback(
     assert err.startswith("slipstream sim: error: ")
     assert str(tmp_path / "azure_llm_2023") in err and "SLIPSTREAM_DATA" in err
     assert "Traceback" not in err
+
+
+def test_a_missing_alpacaeval_file_is_an_error_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SLIPSTREAM_DATA", str(tmp_path))
+    assert main(["bench", "ordering", "--requests", "10", "--json", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert "data file not found" in err and str(tmp_path / "prompts") in err
+    assert "Traceback" not in err

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream_cli.workloads import WorkloadError
+
 __all__ = [
     "ALPACA_EVAL_FILE",
     "AlpacaEvalRow",
@@ -45,8 +47,9 @@ ALPACA_EVAL_FILE = "prompts/alpaca_eval_model_outputs.dev.jsonl.gz"
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
-class DataMissingError(FileNotFoundError):
-    """The shared data file is not where ``SLIPSTREAM_DATA`` says."""
+class DataMissingError(WorkloadError, FileNotFoundError):
+    """The shared data file is not where ``SLIPSTREAM_DATA`` says (a ``WorkloadError``, so
+    the CLI reports it as one)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(f"data file not found: {path} (set SLIPSTREAM_DATA)")
