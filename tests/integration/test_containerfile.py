@@ -59,6 +59,7 @@ def test_the_copied_paths_build_a_wheel_with_everything_the_image_runs(tmp_path:
             shutil.copytree(path, context / src, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
+            (context / src).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, context / src)
     wheels = tmp_path / "wheels"
     subprocess.run(
@@ -84,12 +85,18 @@ def test_the_copied_paths_build_a_wheel_with_everything_the_image_runs(tmp_path:
     assert "slipstream_sidecar/proto/sidecar_pb2_grpc.py" in names
     # The extras the image installs exist, and the entry point is the command.
     extras = set(meta.get_all("Provides-Extra") or [])
-    install = next(rest for op, rest in instructions() if op == "RUN" and "--find-links" in rest)
+    install = next(rest for op, rest in instructions()
+                   if op == "RUN" and "--find-links" in rest and "slipstream[" in rest)
     found = re.search(r"slipstream\[([a-z,]+)\]", install)
     assert found is not None, install
     wanted = set(found.group(1).split(","))
     assert wanted <= extras, (wanted, extras)
     assert "semantic" not in wanted  # torch stays out of the image
+    # Every package comes from the lock, hash-checked, and nothing else is fetched.
+    assert "locks/image.txt" in sources
+    download = next(rest for op, rest in instructions() if op == "RUN" and "pip download" in rest)
+    assert "--require-hashes" in download and "-r locks/image.txt" in download
+    assert "--no-index" in install
     assert re.search(r"^slipstream\s*=\s*slipstream_cli\.main:main$", entry, re.M), entry
 
 
