@@ -1,0 +1,402 @@
+"""The docs hold together: every relative link resolves, the index reaches every page, and
+the headline figures of the README, the docs index and the benchmark pages are the figures
+of the committed results files they name.
+
+A figure is checked at the rounding the page shows: "67.6 %" agrees with a share of
+0.67596 and "1,583 ms" with 1.5827 s. A rerun of a benchmark that changes a headline figure
+fails here until the page is brought up to date.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slipstream_cli.benches.fleet import markdown, splice
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+BENCH = DOCS / "benchmarks"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
+_NUMBER = re.compile(r"(?<![\w.])[-−+]?\d[\d,]*(?:\.\d+)?")
+
+
+# --- markdown ---------------------------------------------------------------------------
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced code blocks and inline code spans."""
+    return _CODE.sub("", _FENCE.sub("", text))
+
+
+def _links(text: str) -> Iterator[str]:
+    for m in _LINK.finditer(_prose(text)):
+        yield m.group(1)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: link text kept, markup and punctuation dropped."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for m in _HEADING.finditer(_FENCE.sub("", path.read_text())):
+        slug = _slug(m.group(2))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _table(text: str, after: str) -> list[dict[str, str]]:
+    """The first table after the first occurrence of ``after``, rows keyed by header."""
+    start = text.index(after)
+    lines = text[start:].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    block: list[str] = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        block.append(line)
+    header = [_plain(c) for c in _cells(block[0])]
+    return [dict(zip(header, _cells(line), strict=True)) for line in block[2:]]
+
+
+def _plain(cell: str) -> str:
+    return cell.replace("**", "").replace("`", "").strip()
+
+
+def _shows(cell: str, value: float, scale: float = 1.0) -> None:
+    """The first number in ``cell`` is ``value * scale`` at the precision the cell shows."""
+    m = _NUMBER.search(_plain(cell))
+    assert m is not None, f"no number in {cell!r}"
+    text = m.group(0).replace(",", "").replace("−", "-")
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    half = 0.5 * 10.0**-decimals
+    assert abs(float(text) - value * scale) <= half + 1e-9, (
+        f"{cell!r} shows {text}, the results say {value * scale:.{decimals + 2}f}"
+    )
+
+
+def _load(name: str) -> Any:
+    return json.loads((BENCH / name).read_text())
+
+
+# --- links and reach --------------------------------------------------------------------
+
+
+def test_the_link_checker_sees_links_and_anchors() -> None:
+    text = "[a](x.md#b-c) `[no](code.md)`\n```\n[no](fence.md)\n```\n![img](p.png)"
+    assert list(_links(text)) == ["x.md#b-c", "p.png"]
+    assert _slug("Mooncake at 30 % busy") == "mooncake-at-30--busy"
+    assert _slug("What `bench` measures: [fleet](x.md)") == "what-bench-measures-fleet"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken: list[str] = []
+    for target in _links(page.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # an absolute URL
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.is_file():
+            broken.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target} (no heading #{anchor})")
+    assert not broken, f"{page.relative_to(ROOT)}: {broken}"
+
+
+def test_no_page_cites_a_file_outside_the_repository() -> None:
+    for page in PAGES:
+        assert "research/algorithms.md" not in page.read_text(), page
+
+
+def test_the_index_links_every_page() -> None:
+    index = DOCS / "index.md"
+    linked = {
+        (index.parent / t.partition("#")[0]).resolve()
+        for t in _links(index.read_text())
+        if not re.match(r"[a-z][a-z0-9+.-]*:", t)
+    }
+    missing = [
+        str(p.relative_to(DOCS))
+        for p in DOCS.rglob("*.md")
+        if p != index and p.resolve() not in linked
+    ]
+    assert not missing, f"docs/index.md does not link {sorted(missing)}"
+
+
+# --- headline figures -------------------------------------------------------------------
+
+
+def _colocation_rows(name: str) -> dict[tuple[float, str, str], dict[str, Any]]:
+    """(target busy, policy, mode) -> row, ``share`` added as a share of offline-only."""
+    out: dict[tuple[float, str, str], dict[str, Any]] = {}
+    for load in _load(name)["loads"]:
+        rows = load["rows"]
+        offline_only = next(r for r in rows if r["policy"] == "offline-only")
+        for r in rows:
+            share = r["offline_tokens_per_s"] / offline_only["offline_tokens_per_s"]
+            out[load["target_busy"], r["policy"], r["mode"]] = {**r, "share": share}
+    return out
+
+
+_BUSY = {"15 %": 0.15, "30 %": 0.3, "50 %": 0.5}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_first_screen_colocation_figures(page: str) -> None:
+    rows = _colocation_rows("colocation-vllm.json")
+    table = _table((ROOT / page).read_text(), "| online load (GPU busy) |")
+    assert [_plain(r["online load (GPU busy)"]) for r in table] == list(_BUSY)
+    for r in table:
+        busy = _BUSY[_plain(r["online load (GPU busy)"])]
+        plugin, sidecar = rows[busy, "budget", "plugin"], rows[busy, "budget", "sidecar"]
+        naive = rows[busy, "naive", "sidecar"]
+        assert plugin["slo_met"] and sidecar["slo_met"] and not naive["slo_met"]
+        assert "broken" in r["no budget"]
+        _shows(r["engine mode (plugin)"], plugin["share"], 100)
+        _shows(r["sidecar mode"], sidecar["share"], 100)
+        _shows(r["no budget"], naive["share"], 100)
+
+
+def test_readme_headline_results() -> None:
+    text = (ROOT / "README.md").read_text()
+    table = _table(text, "| result | engine that produced it | page |")
+    cells = {_plain(r["page"]).split("]")[0].lstrip("["): r["result"] for r in table}
+
+    summary = _ordering_summary("ordering-vllm.json")
+    fcfs, gittins = summary[0.9, "fcfs", "-"], summary[0.9, "gittins-r200", "memory"]
+    numbers = _NUMBER.findall(cells["ordering"])
+    _shows(numbers[0], 1 - gittins["mean_ttlt_s"] / fcfs["mean_ttlt_s"], 100)
+    _shows(numbers[2], gittins["ttft_p99_s"] / fcfs["ttft_p99_s"])
+
+    rows = _load("prefix.json")["rows"]
+    prefix = {(r["kv_blocks"], r["order"]): r["offline_tokens_per_s"] for r in rows}
+    numbers = _NUMBER.findall(cells["prefix"])
+    _shows(numbers[1], prefix[1500, "psm"] / prefix[1500, "fcfs"])
+    _shows(numbers[2], prefix[6499, "psm"] / prefix[6499, "fcfs"])
+
+    own = _load("sidecar.json")["own_ms_p99"]
+    worst = max(v for s in ("64", "256") for v in own[s].values())
+    assert worst <= float(_NUMBER.findall(cells["sidecar"])[0])
+
+    fleet = _load("fleet.json")
+    numbers = _NUMBER.findall(cells["fleet"])
+    _shows(numbers[0], fleet["nodes"])
+    _shows(numbers[1], fleet["status_lag_p99_s"])
+    _shows(numbers[2], fleet["operator_cpu_cores"])
+
+    for name in ("fidelity.json", "fidelity-vllm-0.33.json"):
+        report = _load(name)
+        assert report["vllm_version"] in cells["fidelity"]
+        assert all(s["identical_step_share"] == 1.0 for s in report["scenarios"])
+        assert f"{len(report['scenarios'])} of {len(report['scenarios'])}" in cells["fidelity"]
+
+
+def test_colocation_page_figures() -> None:
+    text = (BENCH / "colocation.md").read_text()
+    vllm, model = _colocation_rows("colocation-vllm.json"), _colocation_rows("colocation.json")
+    for r in _table(text, "## Summary"):
+        busy = _BUSY[_plain(r["online load (GPU busy)"])]
+        for column, rows, mode in (
+            ("engine mode, vLLM", vllm, "plugin"),
+            ("sidecar, vLLM", vllm, "sidecar"),
+            ("engine mode, engine model", model, "in-engine"),
+            ("sidecar, engine model", model, "sidecar"),
+        ):
+            assert rows[busy, "budget", mode]["slo_met"]
+            _shows(r[column], rows[busy, "budget", mode]["share"], 100)
+        load = next(x for x in _load("colocation.json")["loads"] if x["target_busy"] == busy)
+        _shows(r["idle-time ceiling"], 1 - load["online_only_busy_fraction"], 100)
+
+    for r in _table(text, "## Results: vLLM's scheduler in-process"):
+        busy = _BUSY[_plain(r["busy"])]
+        row = vllm[busy, _plain(r["policy"]), _plain(r["mode"])]
+        _shows(r["TTFT p99"], row["ttft_p99_s"], 1000)
+        _shows(r["TBT p99"], row["tbt_p99_s"], 1000)
+        _shows(r["offline tok/s"], row["offline_tokens_per_s"])
+        if row["policy"] != "online-only":
+            _shows(r["of offline-only"], row["share"], 100)
+            assert ("broken" in r["of offline-only"]) == (row["slo_met"] is False)
+
+    for busy, after in (
+        (0.3, "30 % busy (limits"),
+        (0.15, "15 % busy (limits"),
+        (0.5, "50 % busy (limits"),
+    ):
+        for r in _table(text, after):
+            row = model[busy, _plain(r["policy"]), _plain(r["mode"])]
+            _shows(r["offline tok/s"], row["offline_tokens_per_s"])
+            if row["policy"] == "offline-only":
+                continue
+            _shows(r["TTFT p99"], row["ttft_p99_s"], 1000)
+            _shows(r["TBT p99"], row["tbt_p99_s"], 1000)
+            assert _plain(r["SLO"]) == ("met" if row["slo_met"] else "broken")
+            if row["policy"] != "online-only":
+                _shows(r["% of offline-only"], row["share"], 100)
+            if row["budget_s"] is not None:
+                _shows(r["knob"], row["budget_s"], 1000)
+
+    tolerance = _load("colocation-tolerance.json")
+    for r in _table(text, "## How much tolerance buys 85 %"):
+        pct = int(_NUMBER.findall(r["tolerance"])[0])
+        row = next(
+            x
+            for x in tolerance["rows"]
+            if x["tolerance_pct"] == pct and x["mode"] == _plain(r["mode"])
+        )
+        assert row["slo_met"] and _plain(r["SLO"]) == "met"
+        _shows(r["TBT p99 ms (limit)"], row["tbt_p99_s"], 1000)
+        _shows(r["budget ms"], row["budget_s"], 1000)
+        _shows(r["offline tok/s"], row["offline_tokens_per_s"])
+        _shows(r["% of offline-only"], row["offline_share"], 100)
+    assert tolerance["goal"] == 0.85 and "85 %" in text
+
+    mooncake = _colocation_rows("colocation-vllm-mooncake.json")
+    for r in _table(text, "## Mooncake at 30 % busy"):
+        row = mooncake[0.3, _plain(r["policy"]), _plain(r["mode"])]
+        _shows(r["offline tok/s"], row["offline_tokens_per_s"])
+        if row["policy"] not in ("online-only", "offline-only"):
+            _shows(r["of offline-only"], row["share"], 100)
+            assert ("broken" in r["of offline-only"]) == (row["slo_met"] is False)
+
+
+def _ordering_summary(name: str) -> dict[tuple[float, str, str], dict[str, Any]]:
+    return {(s["load"], s["ordering"], s["cost"]): s for s in _load(name)["summary"]}
+
+
+def test_ordering_page_figures() -> None:
+    text = (BENCH / "ordering.md").read_text()
+    for after, name in (
+        ("### Results, Poisson arrivals", "ordering-vllm.json"),
+        ("### Bursty arrivals", "ordering-vllm-azure.json"),
+        ("### Results (`ordering.json`", "ordering.json"),
+    ):
+        summary = _ordering_summary(name)
+        table = _table(text, after)
+        assert len(table) == len(summary), after
+        for r in table:
+            key = (float(_plain(r["load"])), _plain(r["ordering"]), _plain(r["cost"]))
+            s = summary[key]
+            _shows(r["mean TTLT"], s["mean_ttlt_s"])
+            _shows(r["p99 TTLT"], s["p99_ttlt_s"])
+            _shows(r["p99 TTFT"], s["ttft_p99_s"])
+    summary = _ordering_summary("ordering-vllm.json")
+    for r in _table(text, "Against FCFS, with the memory cost:"):
+        load = float(_plain(r["load"]))
+        fcfs = summary[load, "fcfs", "-"]["mean_ttlt_s"]
+        for column, ordering in (
+            ("Gittins (r200)", "gittins-r200"),
+            ("Gittins (np)", "gittins-np"),
+            ("TRAIL-like", "trail"),
+            ("SJF", "sjf"),
+        ):
+            _shows(r[column], summary[load, ordering, "memory"]["mean_ttlt_s"] / fcfs - 1, 100)
+
+
+def test_sidecar_page_figures() -> None:
+    report = _load("sidecar.json")
+    text = (BENCH / "sidecar.md").read_text()
+    setup = report["setup"]
+    assert f"{setup['rounds']} rounds, {setup['repeats']} repeats" in text
+    for r in _table(text, "**The sidecar's own time on the path**"):
+        streams = _plain(r["streams"])
+        for span in ("to_engine", "relay"):
+            _shows(r[f"{span} p50"], report["own_ms_p50"][streams][span])
+            _shows(r[f"{span} p99"], report["own_ms_p99"][streams][span])
+    paths = {
+        "direct": "direct",
+        "control (direct again)": "direct_control",
+        "sidecar": "sidecar",
+        "reference hop": "proxy_reference",
+    }
+    for r in _table(text, "**TTFT, ms**"):
+        detail = report["detail"][_plain(r["streams"])]
+        for column, path in paths.items():
+            p50, p99 = r[column].split("/")
+            stats = detail["paths"][path]
+            _shows(p50, stats["ttft_p50_ms"])
+            _shows(p99, stats["ttft_p99_ms"])
+    for r in _table(text, "**Added TTFT p99 against direct**"):
+        streams = _plain(r["streams"])
+        _shows(r["sidecar"], report["added_ttft_p99_ms"][streams])
+        _shows(r["reference hop"], report["reference_proxy"]["added_ttft_p99_ms"][streams])
+        low, high = _NUMBER.findall(r["control, per repeat"].replace("−", "-"))
+        repeats = report["control"]["added_ttft_p99_ms_per_repeat"][streams]
+        _shows(low, min(repeats))
+        _shows(high, max(repeats))
+
+
+def test_core_page_figures() -> None:
+    report = _load("core.json")
+    for r in _table((BENCH / "core.md").read_text(), "| key | what |"):
+        key = _plain(r["key"])
+        value = (
+            report["extra"][key.removeprefix("extra.")] if key.startswith("extra.") else report[key]
+        )
+        _shows(r["this run µs"], value)
+
+
+def test_budget_search_page_figures() -> None:
+    report = _load("budget-search.json")
+    rows = {(r["offline"], r["rate_factor"], r["slos"]): r for r in report["rows"]}
+    table = _table((BENCH / "budget-search.md").read_text(), "## Results")
+    assert len(table) == len(rows)
+    for r in table:
+        row = rows[_plain(r["backlog"]), float(r["rate factor"].split()[0]), _plain(r["SLOs"])]
+        for column, key in (("analytic", "analytic"), ("simulated", "simulated")):
+            cell = next(v for k, v in r.items() if k.startswith(f"{column}:"))
+            budget, _, work = (c.strip() for c in cell.split(","))
+            _shows(budget, row[key]["budget_s"], 1000)
+            _shows(work, row[key]["offline_work_tok_s"])
+            assert ("met" in cell) == row[key]["met"]
+
+
+def test_prefix_page_figures() -> None:
+    rows = {(r["kv_blocks"], r["order"]): r for r in _load("prefix.json")["rows"]}
+    for r in _table((BENCH / "prefix.md").read_text(), "## Results"):
+        row = rows[int(_plain(r["KV blocks"]).replace(",", "")), _plain(r["order"]).lower()]
+        _shows(r["tokens/s"], row["offline_tokens_per_s"])
+        _shows(r["prefix hit rate"], row["prefix_hit_rate"])
+        _shows(r["makespan"], row["makespan_s"])
+
+
+def test_fidelity_page_figures() -> None:
+    text = (BENCH / "fidelity.md").read_text()
+    for after, name in (
+        ("## Results", "fidelity.json"),
+        ("Against vLLM 0.33.0 every scenario", "fidelity-vllm-0.33.json"),
+    ):
+        scenarios = {s["scenario"]: s for s in _load(name)["scenarios"]}
+        for r in _table(text, after):
+            s = scenarios[_plain(r["scenario"])]
+            _shows(r["identical_step_share"], s["identical_step_share"])
+            model, vllm = (int(x) for x in _NUMBER.findall(r["preemptions (model / vLLM)"]))
+            assert (model, vllm) == (s["preemptions"]["model"], s["preemptions"]["vllm"])
+
+
+def test_fleet_page_results_block_is_the_benchs() -> None:
+    page = (BENCH / "fleet.md").read_text()
+    assert splice(page, markdown(_load("fleet.json"))) == page
