@@ -227,6 +227,332 @@ class SLOSpec(ApiModel):
     )
 
 
+class ResourceRequirements(ApiModel):
+    """Container resource requests and limits (Kubernetes quantities)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
+
+
+# --------------------------------------------------------------------------- the pod
+
+ENGINE_PORT = 8001
+"""vLLM's port in every pod (127.0.0.1 in sidecar mode, 0.0.0.0 in engine mode)."""
+MODEL_MOUNT = "/mnt/models"
+"""Where a ``pvc://`` model source's claim is mounted (read-only) in the engine container."""
+SHM_MOUNT = "/dev/shm"
+
+# What the operator owns in the pod it renders. Setting any of it is a validation error that
+# names the field; everything else of spec.template and spec.engine is added to the pod.
+RESERVED_VOLUMES = ("control-token", "config", "engine-channel", "dshm", "model-store")
+RESERVED_MOUNT_PREFIXES = ("/var/run/slipstream", "/etc/slipstream")
+RESERVED_LABELS = ("slipstream.dev/service", "app.kubernetes.io/managed-by")
+RESERVED_ANNOTATIONS = ("prometheus.io/scrape", "prometheus.io/port")
+RESERVED_ENV_PREFIX = "SLIPSTREAM_"
+RESERVED_ENGINE_FLAGS = (
+    "--model", "--served-model-name", "--host", "--port", "--scheduling-policy", "--scheduler-cls",
+)
+GPU_RESOURCE = "nvidia.com/gpu"
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+MODEL_URI_PATTERN = (
+    r"^(hf://[A-Za-z0-9][-_.A-Za-z0-9]*(/[-_.A-Za-z0-9]+)?"
+    r"|pvc://[a-z0-9]([-.a-z0-9]*[a-z0-9])?(/[^\s]*)?"
+    r"|/[^\s]*)$"
+)
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+DNS_NAME_PATTERN = r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$"
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
+LabelValue = Annotated[str, StringConstraints(max_length=63)]
+
+
+class SecretKeySelector(ApiModel):
+    """A key of a Secret in the service's namespace."""
+
+    name: str = Field(description="Secret name.", min_length=1, max_length=253)
+    key: str = Field(description="Key in the Secret.", min_length=1, max_length=253)
+    optional: bool | None = Field(
+        default=None, description="Start the container even if the Secret or key is missing."
+    )
+
+
+class ConfigMapKeySelector(ApiModel):
+    """A key of a ConfigMap in the service's namespace."""
+
+    name: str = Field(description="ConfigMap name.", min_length=1, max_length=253)
+    key: str = Field(description="Key in the ConfigMap.", min_length=1, max_length=253)
+    optional: bool | None = Field(
+        default=None, description="Start the container even if the ConfigMap or key is missing."
+    )
+
+
+class ObjectFieldSelector(ApiModel):
+    """A field of the pod (the downward API), e.g. metadata.name or status.podIP."""
+
+    field_path: str = Field(description="Path of the field, e.g. status.podIP.", max_length=256)
+    api_version: str | None = Field(default=None, description="Version of the path's schema.")
+
+
+class ResourceFieldSelector(ApiModel):
+    """A resource request or limit of the container, e.g. limits.memory."""
+
+    resource: str = Field(description="e.g. limits.memory.", max_length=64)
+    container_name: str | None = Field(default=None, description="Container; default: this.")
+    divisor: Quantity | None = Field(default=None, description="Unit of the value, e.g. 1Mi.")
+
+
+class EnvVarSource(ApiModel):
+    """Where an environment variable's value comes from; set exactly one."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "(has(self.secretKeyRef) ? 1 : 0) + (has(self.configMapKeyRef) ? 1 : 0) + "
+                "(has(self.fieldRef) ? 1 : 0) + (has(self.resourceFieldRef) ? 1 : 0) == 1",
+                "set exactly one of secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef",
+                None,
+            ),
+        )
+    )
+
+    secret_key_ref: SecretKeySelector | None = Field(
+        default=None, description="A key of a Secret, e.g. the Hugging Face token."
+    )
+    config_map_key_ref: ConfigMapKeySelector | None = Field(
+        default=None, description="A key of a ConfigMap."
+    )
+    field_ref: ObjectFieldSelector | None = Field(default=None, description="A pod field.")
+    resource_field_ref: ResourceFieldSelector | None = Field(
+        default=None, description="A resource of the container."
+    )
+
+
+class EnvVar(ApiModel):
+    """An environment variable of the engine container (corev1.EnvVar)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("!has(self.value) || !has(self.valueFrom)", "set value or valueFrom, not both",
+             ".valueFrom"),
+            ("!self.name.startsWith('SLIPSTREAM_')", "names starting with SLIPSTREAM_ are the "
+             "operator's", ".name"),
+        )
+    )
+
+    name: str = Field(description="Variable name; not SLIPSTREAM_*.", min_length=1,
+                      max_length=256, pattern=ENV_NAME_PATTERN)
+    value: str | None = Field(default=None, description="Literal value.", max_length=32768)
+    value_from: EnvVarSource | None = Field(
+        default=None, description="Value from a Secret, ConfigMap or the pod."
+    )
+
+
+class EnvSourceRef(ApiModel):
+    """A Secret or ConfigMap whose keys all become environment variables."""
+
+    name: str = Field(description="Object name.", min_length=1, max_length=253)
+    optional: bool | None = Field(default=None, description="Start even if it is missing.")
+
+
+class EnvFromSource(ApiModel):
+    """Environment variables from every key of a Secret or ConfigMap (corev1.EnvFromSource)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("has(self.secretRef) != has(self.configMapRef)",
+             "set exactly one of secretRef and configMapRef", None),
+        )
+    )
+
+    prefix: str | None = Field(default=None, description="Prefix added to every key.",
+                               max_length=256)
+    secret_ref: EnvSourceRef | None = Field(default=None, description="The Secret.")
+    config_map_ref: EnvSourceRef | None = Field(default=None, description="The ConfigMap.")
+
+
+class VolumeMount(ApiModel):
+    """A volume of spec.template.spec.volumes mounted into the engine container."""
+
+    name: str = Field(description="Name of a volume in spec.template.spec.volumes.",
+                      min_length=1, max_length=63)
+    mount_path: str = Field(description="Absolute path in the container; not /dev/shm, "
+                            "/var/run/slipstream, /etc/slipstream, nor /mnt/models with a pvc:// "
+                            "model source.", min_length=1, max_length=1024, pattern=r"^/")
+    sub_path: str | None = Field(default=None, description="Path inside the volume.",
+                                 max_length=1024)
+    read_only: bool | None = Field(default=None, description="Mount read-only.")
+
+
+class Volume(ApiModel):
+    """A pod volume (corev1.Volume): a name and one source, e.g. persistentVolumeClaim,
+    emptyDir, hostPath, secret, configMap, nfs, csi, ephemeral. The source is passed to the pod
+    as written; the API server checks it when the operator applies the Deployment."""
+
+    model_config = ConfigDict(extra="allow",
+                              json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    name: str = Field(description="Volume name (a DNS label); not one of the operator's: "
+                      + ", ".join(RESERVED_VOLUMES) + ".",
+                      min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+    def source_keys(self) -> list[str]:
+        """The volume source fields set (a valid volume has exactly one)."""
+        return sorted((self.model_extra or {}).keys())
+
+
+class Toleration(ApiModel):
+    """A taint the pods tolerate (corev1.Toleration)."""
+
+    key: str | None = Field(default=None, description="Taint key; empty with Exists: all.",
+                            max_length=317)
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists or Equal. Default: Equal."
+    )
+    value: str | None = Field(default=None, description="Taint value (Equal).", max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="NoSchedule, PreferNoSchedule or NoExecute; unset: all."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="With NoExecute: seconds the pod stays after the taint."
+    )
+
+
+class LocalObjectReference(ApiModel):
+    """An object of the service's namespace, by name."""
+
+    name: str = Field(description="Object name.", min_length=1, max_length=253)
+
+
+class PodMetadata(ApiModel):
+    """Labels and annotations added to every pod."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("!has(self.labels) || !('slipstream.dev/service' in self.labels || "
+             "'app.kubernetes.io/managed-by' in self.labels)",
+             "labels slipstream.dev/service and app.kubernetes.io/managed-by are the operator's",
+             ".labels"),
+        )
+    )
+
+    labels: dict[str, LabelValue] = Field(
+        default_factory=dict, description="Pod labels; not " + ", ".join(RESERVED_LABELS) + "."
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Pod annotations; not " + ", ".join(RESERVED_ANNOTATIONS) + ".",
+    )
+
+
+class PodOverrides(ApiModel):
+    """Pod-level fields added to the pod the operator renders (a PodSpec without containers)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("!has(self.volumes) || self.volumes.all(v, !(v.name in "
+             + "[" + ", ".join(f"'{v}'" for v in RESERVED_VOLUMES) + "]))",
+             "volume names " + ", ".join(RESERVED_VOLUMES) + " are the operator's", ".volumes"),
+        )
+    )
+
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        description="Node labels the pods require; merged with the gpuType placement label "
+        "(a different value for that label is an error).",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints tolerated, e.g. nvidia.com/gpu:NoSchedule.",
+        max_length=32,
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="Pod affinity (corev1.Affinity: nodeAffinity, podAffinity, "
+        "podAntiAffinity), passed as written.",
+    )
+    volumes: list[Volume] = Field(
+        default_factory=list,
+        description="Volumes the engine container can mount (spec.engine.volumeMounts), e.g. a "
+        "PersistentVolumeClaim holding weights or a model cache.",
+        max_length=32,
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, description="Secrets for pulling the engine and sidecar images.",
+        max_length=16,
+    )
+    service_account_name: str | None = Field(
+        default=None, description="Service account of the pods. Unset: the namespace's default.",
+        min_length=1, max_length=253, pattern=DNS_NAME_PATTERN,
+    )
+    priority_class_name: str | None = Field(
+        default=None, description="PriorityClass of the pods.", min_length=1, max_length=253,
+        pattern=DNS_NAME_PATTERN,
+    )
+
+
+class PodTemplate(ApiModel):
+    """What the pods add to the operator's own shape (docs/install.md, "The merge rule"):
+    everything here is added; what the operator sets itself is reserved."""
+
+    metadata: PodMetadata = Field(
+        default_factory=lambda: PodMetadata.model_validate({}),
+        description="Pod labels and annotations.",
+    )
+    spec: PodOverrides = Field(
+        default_factory=lambda: PodOverrides.model_validate({}),
+        description="Placement, volumes, pull secrets, service account, priority class.",
+    )
+
+
+class TokenSecretRef(ApiModel):
+    """A key of a Secret (same namespace) holding a Hugging Face access token."""
+
+    name: str = Field(description="Secret name.", min_length=1, max_length=253)
+    key: str = Field(default="HF_TOKEN", description="Key in the Secret. Default: HF_TOKEN.",
+                     min_length=1, max_length=253)
+
+
+class ModelSource(ApiModel):
+    """Where vLLM loads the weights from; spec.model stays the served name."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("self.uri.startsWith('hf://') || (!has(self.hfTokenSecret) && !has(self.revision))",
+             "hfTokenSecret and revision need an hf:// uri", ".uri"),
+        )
+    )
+
+    uri: str = Field(
+        description="hf://<org>/<name> (a Hugging Face model id), pvc://<claim>[/<path>] (the "
+        f"claim is mounted read-only at {MODEL_MOUNT}, vLLM loads <path> in it), or an "
+        "absolute path on a volume of spec.template mounted by spec.engine.volumeMounts.",
+        min_length=2, max_length=1024, pattern=MODEL_URI_PATTERN,
+    )
+    revision: str | None = Field(
+        default=None, description="Hugging Face revision (branch, tag or commit): vLLM's "
+        "--revision.", min_length=1, max_length=256,
+    )
+    hf_token_secret: TokenSecretRef | None = Field(
+        default=None, description="The Hugging Face token for a gated model, given to vLLM as "
+        "HF_TOKEN from this Secret.",
+    )
+
+    def vllm_model(self) -> str:
+        """What vLLM's ``--model`` gets: the id, or the path in the container."""
+        if self.uri.startswith("hf://"):
+            return self.uri[len("hf://"):]
+        if self.uri.startswith("pvc://"):
+            _, _, path = self.uri[len("pvc://"):].partition("/")
+            return f"{MODEL_MOUNT}/{path}".rstrip("/")
+        return self.uri
+
+    def claim(self) -> str | None:
+        """The PersistentVolumeClaim of a ``pvc://`` source."""
+        if not self.uri.startswith("pvc://"):
+            return None
+        return self.uri[len("pvc://"):].partition("/")[0]
+
+
 class EngineSpec(ApiModel):
     """The vLLM engine container of each replica."""
 
@@ -243,9 +569,43 @@ class EngineSpec(ApiModel):
     )
     gpu_type: str = Field(
         default="h100",
-        description="GPU family; picks the shipped latency profile latency_<model>_<gpuType>.json. "
+        description="GPU family; picks the shipped latency profile latency_<model>_<gpuType>.json "
+        "and, with gpus above 0, the node label the pods require (the operator's "
+        "gpuNodeLabel/gpuNodeValues settings; by default nvidia.com/gpu.product). "
         "Default: h100.",
         max_length=32,
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Environment of the vLLM container (e.g. HF_HOME, VLLM_* settings, a "
+        "value from a Secret); names starting with SLIPSTREAM_ are the operator's. Default: none.",
+        max_length=64,
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list,
+        description="Secrets and ConfigMaps whose keys all become environment variables of "
+        "the vLLM container. Default: none.",
+        max_length=16,
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list,
+        description="Volumes of spec.template.spec.volumes mounted into the vLLM container, "
+        "e.g. a model cache. Default: none.",
+        max_length=32,
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements.model_validate({}),
+        description="Requests and limits of the vLLM container (cpu, memory, ...); the "
+        "operator adds limits nvidia.com/gpu from gpus, so nvidia.com/gpu is not set here. "
+        "Default: none.",
+    )
+    shm_size: str | None = Field(
+        default=None,
+        description="Size of a memory-backed /dev/shm (an emptyDir, medium Memory) for vLLM's "
+        "worker processes, e.g. 2Gi; needed with tensor parallelism (gpus above 1). Unset: "
+        "the container runtime's default (often 64Mi).",
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
     )
 
 
@@ -279,13 +639,6 @@ class SchedulingSpec(ApiModel):
         "docs/plugin.md), online traffic goes straight to vLLM's port and the sidecar keeps "
         "the control API and the offline shards. Default: sidecar.",
     )
-
-
-class ResourceRequirements(ApiModel):
-    """Container resource requests and limits (Kubernetes quantities)."""
-
-    requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources.")
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
 
 
 class SidecarSpec(ApiModel):
@@ -407,15 +760,33 @@ class InferenceServiceSpec(ApiModel):
                 "sidecar httpPort and grpcPort must differ",
                 ".sidecar.grpcPort",
             ),
+            (
+                f"self.sidecar.httpPort != {ENGINE_PORT} && self.sidecar.grpcPort != {ENGINE_PORT}",
+                f"sidecar ports must differ from vLLM's port {ENGINE_PORT}",
+                ".sidecar",
+            ),
         )
     )
 
     model: str = Field(
-        description="Served model name, e.g. meta-llama/Llama-2-7b-hf.",
+        description="Served model name: what OfflineJobs (spec.model) and clients (the "
+        "request's model) use, given to vLLM as --served-model-name. Without modelSource it "
+        "is also what vLLM loads (--model), e.g. meta-llama/Llama-2-7b-hf.",
         min_length=1,
         max_length=256,
     )
+    model_source: ModelSource | None = Field(
+        default=None,
+        description="Where vLLM loads the weights from (a Hugging Face id with its token "
+        "Secret, a PersistentVolumeClaim, or a path on a volume). Unset: vLLM loads spec.model.",
+    )
     engine: EngineSpec = Field(description="The vLLM engine container.")
+    template: PodTemplate = Field(
+        default_factory=lambda: PodTemplate.model_validate({}),
+        description="Labels, annotations, placement, volumes, pull secrets, service account "
+        "and priority class of the pods, added to the operator's own (reserved names are "
+        "refused). Default: none.",
+    )
     replicas: int = Field(default=1, description="Number of pods. Default: 1.", ge=0, le=1000)
     slo: SLOSpec = Field(description="Latency SLOs; at least one target.")
     scheduling: SchedulingSpec = Field(
@@ -692,7 +1063,8 @@ class OfflineJob(ApiModel):
 
 
 def validate_semantics(spec: InferenceServiceSpec | OfflineJobSpec) -> list[str]:
-    """The CEL rules, in Python: messages naming the field, empty when the spec is valid."""
+    """The CEL rules, in Python, and for an InferenceService the pod's merge rule
+    (:func:`pod_problems`): messages naming the field, empty when the spec is valid."""
     problems: list[str] = []
     if isinstance(spec, InferenceServiceSpec):
         if spec.slo.ttft is None and spec.slo.tbt is None:
@@ -717,6 +1089,7 @@ def validate_semantics(spec: InferenceServiceSpec | OfflineJobSpec) -> list[str]
         if ref is not None and ref.kind == "Service" and ref.port is None:
             problems.append("spec.gateway.inferencePool.endpointPickerRef.port: required when "
                             "kind is Service")
+        problems += pod_problems(spec)
     else:
         if spec.input.uri == spec.output.uri:
             problems.append("spec.output.uri: input and output URIs must differ")
@@ -728,6 +1101,108 @@ def validate_semantics(spec: InferenceServiceSpec | OfflineJobSpec) -> list[str]
         window = parse_duration(spec.completion_window)
         if not 60.0 <= window <= 720 * 3600.0:
             problems.append("spec.completionWindow: must be between 1m and 720h")
+    return problems
+
+
+def _flag(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def pod_problems(spec: InferenceServiceSpec) -> list[str]:
+    """What of ``spec.engine``, ``spec.template`` and ``spec.modelSource`` would override the
+    operator's own part of the pod (the merge rule: everything else is added as written),
+    or cannot make a pod; one message per problem, naming the field."""
+    problems: list[str] = []
+    for port_field, port in (("httpPort", spec.sidecar.http_port),
+                             ("grpcPort", spec.sidecar.grpc_port)):
+        if port == ENGINE_PORT:
+            problems.append(f"spec.sidecar.{port_field}: {ENGINE_PORT} is vLLM's port")
+    for i, arg in enumerate(spec.engine.args):
+        if _flag(arg) in RESERVED_ENGINE_FLAGS:
+            problems.append(f"spec.engine.args[{i}]: {_flag(arg)} is set by the operator "
+                            "(spec.model, spec.modelSource, the pod's ports)")
+    problems += _env_problems(spec)
+    gpu_keys = [f"spec.engine.resources.{part}[{GPU_RESOURCE!r}]"
+                for part, values in (("requests", spec.engine.resources.requests),
+                                     ("limits", spec.engine.resources.limits))
+                if GPU_RESOURCE in values]
+    problems += [f"{key}: set spec.engine.gpus instead" for key in gpu_keys]
+    meta = spec.template.metadata
+    problems += [f"spec.template.metadata.labels[{k!r}]: set by the operator"
+                 for k in RESERVED_LABELS if k in meta.labels]
+    problems += [f"spec.template.metadata.annotations[{k!r}]: set by the operator"
+                 for k in RESERVED_ANNOTATIONS if k in meta.annotations]
+    problems += _volume_problems(spec)
+    source = spec.model_source
+    if source is not None and not source.uri.startswith("hf://"):
+        for name, value in (("revision", source.revision),
+                            ("hfTokenSecret", source.hf_token_secret)):
+            if value is not None:
+                problems.append(f"spec.modelSource.{name}: needs an hf:// uri")
+    return problems
+
+
+def _env_problems(spec: InferenceServiceSpec) -> list[str]:
+    problems: list[str] = []
+    seen: set[str] = set()
+    token = spec.model_source.hf_token_secret if spec.model_source is not None else None
+    for i, env in enumerate(spec.engine.env):
+        where = f"spec.engine.env[{i}]"
+        if env.name.startswith(RESERVED_ENV_PREFIX):
+            problems.append(f"{where}.name: {env.name}: names starting with "
+                            f"{RESERVED_ENV_PREFIX} are the operator's")
+        if env.name == "HF_TOKEN" and token is not None:
+            problems.append(f"{where}.name: HF_TOKEN comes from spec.modelSource.hfTokenSecret")
+        if env.name in seen:
+            problems.append(f"{where}.name: {env.name} is set twice")
+        seen.add(env.name)
+        if env.value is not None and env.value_from is not None:
+            problems.append(f"{where}.valueFrom: set value or valueFrom, not both")
+        source = env.value_from
+        if source is not None and sum(x is not None for x in (
+                source.secret_key_ref, source.config_map_key_ref, source.field_ref,
+                source.resource_field_ref)) != 1:
+            problems.append(f"{where}.valueFrom: set exactly one of secretKeyRef, "
+                            "configMapKeyRef, fieldRef, resourceFieldRef")
+    for i, env_from in enumerate(spec.engine.env_from):
+        if (env_from.secret_ref is None) == (env_from.config_map_ref is None):
+            problems.append(f"spec.engine.envFrom[{i}]: set exactly one of secretRef and "
+                            "configMapRef")
+    return problems
+
+
+def _volume_problems(spec: InferenceServiceSpec) -> list[str]:
+    problems: list[str] = []
+    names: set[str] = set()
+    for i, volume in enumerate(spec.template.spec.volumes):
+        where = f"spec.template.spec.volumes[{i}]"
+        if volume.name in RESERVED_VOLUMES:
+            problems.append(f"{where}.name: {volume.name} is the operator's (reserved: "
+                            f"{', '.join(RESERVED_VOLUMES)})")
+        elif volume.name in names:
+            problems.append(f"{where}.name: {volume.name} is named twice")
+        names.add(volume.name)
+        if len(volume.source_keys()) != 1:
+            problems.append(f"{where}: set exactly one volume source (persistentVolumeClaim, "
+                            f"emptyDir, hostPath, ...), not {volume.source_keys() or 'none'}")
+    reserved_paths = [SHM_MOUNT, *RESERVED_MOUNT_PREFIXES]
+    if spec.model_source is not None and spec.model_source.claim() is not None:
+        reserved_paths.append(MODEL_MOUNT)
+    paths: set[str] = set()
+    for i, mount in enumerate(spec.engine.volume_mounts):
+        where = f"spec.engine.volumeMounts[{i}]"
+        if mount.name not in names or mount.name in RESERVED_VOLUMES:
+            problems.append(f"{where}.name: {mount.name} is not a volume of "
+                            "spec.template.spec.volumes")
+        path = mount.mount_path.rstrip("/") or "/"
+        clash = [r for r in reserved_paths if path == r or path.startswith(r + "/")]
+        if clash:
+            hint = "; set spec.engine.shmSize" if SHM_MOUNT in clash else ""
+            problems.append(f"{where}.mountPath: {mount.mount_path} overlaps the operator's "
+                            f"{clash[0]}{hint}")
+        elif path in paths:
+            problems.append(f"{where}.mountPath: {mount.mount_path} is mounted twice")
+        paths.add(path)
     return problems
 
 

@@ -8,9 +8,10 @@ disk differ from what the models generate (CI drift check).
 pydantic's JSON schema is not a *structural* schema, so it is rewritten:
 ``$ref``s are inlined from ``$defs``; ``Optional[X]`` (``anyOf: [X, null]``)
 becomes ``X`` (we never write nulls); ``int | str`` becomes
-``x-kubernetes-int-or-string``; titles go; enums keep ``type: string``; every
-node ends up with a ``type``. CEL rules ride in through ``json_schema_extra``
-as ``x-kubernetes-validations``.
+``x-kubernetes-int-or-string``; an object open to any field (``dict[str, Any]``,
+``extra="allow"``) becomes ``x-kubernetes-preserve-unknown-fields``; titles go; enums
+keep ``type: string``; every node ends up with a ``type``. CEL rules ride in through
+``json_schema_extra`` as ``x-kubernetes-validations``.
 
 Deliberately left out: conversion webhooks, multiple versions, and writing
 into the Helm chart (the chart copies ``crds/``).
@@ -191,6 +192,11 @@ def _rewrite(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str,
             out[key] = value
     if "type" not in out and "x-kubernetes-int-or-string" not in out:
         raise SchemaError(f"{path}: schema node without a type: {node!r}")
+    if out.get("additionalProperties") is True:
+        # dict[str, Any] and extra="allow": fields the schema does not name are kept as
+        # written (a structural schema says so with x-kubernetes-preserve-unknown-fields).
+        del out["additionalProperties"]
+        out["x-kubernetes-preserve-unknown-fields"] = True
     if out.get("type") == "object" and "properties" in out:
         out.pop("additionalProperties", None)
     if "default" in out and isinstance(out["default"], dict) and not out["default"]:

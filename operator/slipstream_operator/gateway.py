@@ -36,10 +36,9 @@ from typing import Any
 from kubernetes import client
 
 from slipstream_operator import kube
-from slipstream_operator.api import Enforcement, InferenceServiceSpec
+from slipstream_operator.api import ENGINE_PORT, Enforcement, InferenceServiceSpec
 from slipstream_operator.conditions import find_condition, set_condition
 from slipstream_operator.reconcile_service import (
-    ENGINE_PORT,
     MANAGED_BY,
     SERVICE_LABEL,
     ObjectRef,

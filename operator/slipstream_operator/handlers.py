@@ -85,6 +85,7 @@ from slipstream_operator.observe import (
     promql_queries,
     stats_from_prometheus,
 )
+from slipstream_operator.podspec import TOKEN_KEY, GpuPlacement, placement_problems
 from slipstream_operator.profiles import Profile, find_profile
 from slipstream_operator.reconcile_job import (
     CandidatePod,
@@ -99,7 +100,6 @@ from slipstream_operator.reconcile_job import (
 )
 from slipstream_operator.reconcile_service import (
     SERVICE_LABEL,
-    TOKEN_KEY,
     ObjectRef,
     PodView,
     ServiceMemory,
@@ -250,8 +250,10 @@ class ParsedSpecs:
     comparison. A spec that fails to parse is not kept: it raises again at every tick.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, placement: GpuPlacement | None = None) -> None:
         self._last: dict[str, tuple[dict[str, Any], Any, tuple[str, ...]]] = {}
+        # An InferenceService's nodeSelector is also checked against the GPU placement.
+        self._placement = placement
 
     def parse(self, uid: str, raw: Mapping[str, Any],
               model: type[SpecT]) -> tuple[SpecT, tuple[str, ...]]:
@@ -262,6 +264,8 @@ class ParsedSpecs:
             return hit[1], hit[2]
         spec = model.model_validate(body)
         problems = tuple(validate_semantics(spec))
+        if isinstance(spec, InferenceServiceSpec) and self._placement is not None:
+            problems += tuple(placement_problems(spec, self._placement))
         self._last[uid] = (copy.deepcopy(body), spec, problems)
         return spec, problems
 
@@ -357,7 +361,8 @@ class Handlers:
         self.kube_calls = 0
         """Blocking Kubernetes client calls made (applies and Secret reads)."""
         self.status_writes = StatusWrites()
-        self.specs = ParsedSpecs()
+        self.placement = GpuPlacement.of(settings.gpu_node_label, settings.gpu_node_values)
+        self.specs = ParsedSpecs(self.placement)
         self._child_digests: dict[str, tuple[tuple[dict[str, Any], ...], tuple[str, ...]]] = {}
 
     def status_stats(self) -> dict[str, float]:
@@ -575,6 +580,7 @@ class Handlers:
             storage_roots=tuple(self.settings.storage_roots),
             sidecar_image=self.settings.sidecar_image,
             sidecar_resources=self.settings.sidecar_resources,
+            placement=self.placement,
         )
         outcome = reconcile_service(
             ref, spec, observed, self.state.services.get(uid, ServiceMemory()),

@@ -58,6 +58,7 @@ from typing import Any
 from slipstream_operator.api import (
     API_VERSION,
     DEFAULT_SIDECAR_IMAGE,
+    ENGINE_PORT,
     ConditionStatus,
     Enforcement,
     InferenceServiceSpec,
@@ -82,24 +83,26 @@ from slipstream_operator.calibration import (
 )
 from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.observe import WindowStats
+from slipstream_operator.podspec import (
+    DEFAULT_PLACEMENT,
+    TOKEN_KEY,
+    GpuPlacement,
+    engine_container,
+    model_args,
+    pod_template,
+    sidecar_container,
+)
 from slipstream_operator.rates import TokenMeter
 from slipstream_operator.searchpool import SearchSubject
 from slipstream_operator.sidecar_client import ACTIVE_STATES, ConfigureCall, SidecarStatus
-from slipstream_operator.simsearch import engine_limit_args, engine_limits
+from slipstream_operator.simsearch import engine_limits
 from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 
 SERVICE_LABEL = "slipstream.dev/service"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "slipstream-operator"}
-ENGINE_PORT = 8001
 PLUGIN_SCHEDULER_CLS = "slipstream_vllm.scheduler.SlipstreamScheduler"
 """vLLM's ``--scheduler-cls`` in engine mode (docs/plugin.md)."""
-CHANNEL_VOLUME = "engine-channel"
-CHANNEL_MOUNT = "/var/run/slipstream/channel"
-"""Where both containers mount the engine channel's emptyDir in engine mode."""
-TOKEN_KEY = "token"
 OFFLINE_RATE_WINDOW_S = 60.0  # status.offline.tokensPerSecond: output tokens over this window
-TOKEN_MOUNT = "/var/run/slipstream/control"
-CONFIG_MOUNT = "/etc/slipstream"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,8 @@ class ServiceObserved:
     # that leaves spec.sidecar.image unset or spec.sidecar.resources empty.
     sidecar_image: str = DEFAULT_SIDECAR_IMAGE
     sidecar_resources: ResourceRequirements = field(default_factory=ResourceRequirements)
+    # The node label each gpuType requires (settings gpu_node_label / gpu_node_values).
+    placement: GpuPlacement = field(default_factory=GpuPlacement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,12 +218,15 @@ def children(
     ref: ObjectRef, spec: InferenceServiceSpec, token: str, model: LinearLatencyModel | None,
     *, storage_roots: tuple[str, ...] = (), sidecar_image: str = DEFAULT_SIDECAR_IMAGE,
     sidecar_resources: ResourceRequirements | None = None,
+    placement: GpuPlacement = DEFAULT_PLACEMENT,
 ) -> tuple[dict[str, Any], ...]:
     """Secret, ConfigMap, Deployment and Service for the spec.
 
     The sidecar container runs ``spec.sidecar.image``, else ``sidecar_image`` (the operator's
     default), with ``spec.sidecar.resources`` unless both its requests and limits are empty,
-    else ``sidecar_resources``.
+    else ``sidecar_resources``. The pod is ``podspec``'s (the merge rule is there); raises
+    :class:`~slipstream_operator.errors.SpecError` when the spec's nodeSelector contradicts
+    ``placement``.
     """
     n = names(ref)
     secret = {
@@ -244,7 +252,7 @@ def children(
     selector = {SERVICE_LABEL: ref.name}
     engine_mode = spec.scheduling.enforcement == Enforcement.ENGINE
     engine_args = [
-        "--model", spec.model,
+        *model_args(spec),
         "--scheduling-policy", "priority",
         # Engine mode: the Service sends online traffic to vLLM itself.
         "--host", "0.0.0.0" if engine_mode else "127.0.0.1",
@@ -253,40 +261,12 @@ def children(
           if engine_mode else ()),
         *spec.engine.args,
     ]
-    gpu = {"nvidia.com/gpu": str(spec.engine.gpus)} if spec.engine.gpus else {}
-    sidecar_env = [
-        {"name": "SLIPSTREAM_SIDECAR_ENGINE", "value": f"http://127.0.0.1:{ENGINE_PORT}"},
-        {"name": "SLIPSTREAM_SIDECAR_HOST", "value": "0.0.0.0"},
-        {"name": "SLIPSTREAM_SIDECAR_HTTP_PORT", "value": str(spec.sidecar.http_port)},
-        {"name": "SLIPSTREAM_SIDECAR_GRPC_PORT", "value": str(spec.sidecar.grpc_port)},
-        {"name": "SLIPSTREAM_SIDECAR_MODEL", "value": spec.model},
-        {"name": "SLIPSTREAM_SIDECAR_ORDERING", "value": spec.scheduling.ordering.value},
-        {"name": "SLIPSTREAM_SIDECAR_AUTH_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_KEY}"},
-    ]
-    # The sidecar prices batches as the engine forms them: it gets the engine's batching
-    # flags that the spec sets (the rest keep vLLM's defaults on both sides).
-    sidecar_env += [{"name": f"SLIPSTREAM_SIDECAR_{name.upper()}", "value": str(value)}
-                    for name, value in engine_limit_args(spec.engine.args).items()]
-    if storage_roots:
-        # pydantic-settings reads a list setting from the environment as JSON.
-        sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_STORAGE_ROOTS",
-                            "value": json.dumps(list(storage_roots))})
-    if model is not None:
-        path = f"{CONFIG_MOUNT}/latency.json"
-        sidecar_env.append({"name": "SLIPSTREAM_SIDECAR_LATENCY_MODEL_FILE", "value": path})
-    # Engine mode: the channel to vLLM's scheduler plugin, an emptyDir both containers mount.
-    channel_mounts = ([{"name": CHANNEL_VOLUME, "mountPath": CHANNEL_MOUNT}]
-                      if engine_mode else [])
-    engine_extra: dict[str, Any] = {}
-    if engine_mode:
-        engine_extra = {
-            "env": [{"name": "SLIPSTREAM_CHANNEL_DIR", "value": CHANNEL_MOUNT}],
-            "ports": [{"name": "engine", "containerPort": ENGINE_PORT}],
-            "volumeMounts": channel_mounts,
-        }
     own = spec.sidecar.resources
-    resources = (own if own.requests or own.limits or sidecar_resources is None
-                 else sidecar_resources).wire()
+    sidecar = sidecar_container(
+        spec, image=spec.sidecar.image or sidecar_image,
+        resources=(own if own.requests or own.limits or sidecar_resources is None
+                   else sidecar_resources),
+        storage_roots=storage_roots, latency_file=model is not None)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -294,51 +274,10 @@ def children(
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector},
-            "template": {
-                "metadata": {
-                    "labels": {**selector, **MANAGED_BY},
-                    "annotations": {"prometheus.io/scrape": "true",
-                                    "prometheus.io/port": str(spec.sidecar.http_port)},
-                },
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": spec.engine.image,
-                            "args": engine_args,
-                            "resources": {"limits": gpu} if gpu else {},
-                            **engine_extra,
-                        },
-                        {
-                            "name": "sidecar",
-                            "image": spec.sidecar.image or sidecar_image,
-                            "args": ["sidecar", *(("--engine-channel", CHANNEL_MOUNT)
-                                                  if engine_mode else ())],
-                            "env": sidecar_env,
-                            "ports": [
-                                {"name": "http", "containerPort": spec.sidecar.http_port},
-                                {"name": "grpc", "containerPort": spec.sidecar.grpc_port},
-                            ],
-                            "readinessProbe": {
-                                "httpGet": {"path": "/ready", "port": "http"},
-                                "periodSeconds": 5,
-                            },
-                            "resources": resources,
-                            "volumeMounts": [
-                                {"name": "control-token", "mountPath": TOKEN_MOUNT,
-                                 "readOnly": True},
-                                {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-                                *channel_mounts,
-                            ],
-                        },
-                    ],
-                    "volumes": [
-                        {"name": "control-token", "secret": {"secretName": n["secret"]}},
-                        {"name": "config", "configMap": {"name": n["configmap"]}},
-                        *([{"name": CHANNEL_VOLUME, "emptyDir": {}}] if engine_mode else []),
-                    ],
-                },
-            },
+            "template": pod_template(
+                spec, labels={**selector, **MANAGED_BY}, secret=n["secret"],
+                configmap=n["configmap"], engine=engine_container(spec, engine_args),
+                sidecar=sidecar, placement=placement),
         },
     }
     service = {
@@ -606,12 +545,13 @@ def reconcile_service(
             "profile": model_key,
         }
     inputs = (ref, spec, observed.token, model, observed.storage_roots,
-              observed.sidecar_image, observed.sidecar_resources)
+              observed.sidecar_image, observed.sidecar_resources, observed.placement)
     rendered = memory.rendered
     if rendered is None or rendered.inputs != inputs:
         rendered = RenderedChildren(inputs, children(
             ref, spec, observed.token, model, storage_roots=observed.storage_roots,
-            sidecar_image=observed.sidecar_image, sidecar_resources=observed.sidecar_resources))
+            sidecar_image=observed.sidecar_image, sidecar_resources=observed.sidecar_resources,
+            placement=observed.placement))
     new_memory = ServiceMemory(
         budget=budget,
         config_generation=generation,

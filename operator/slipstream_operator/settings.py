@@ -12,6 +12,7 @@ electing a leader. Deliberately left out: leader election.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import Field
@@ -20,6 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from slipstream_operator.api import DEFAULT_SIDECAR_IMAGE, ResourceRequirements
 from slipstream_operator.budgets import BudgetParams
 from slipstream_operator.calibration import CalibrationParams
+from slipstream_operator.podspec import DEFAULT_GPU_PRODUCTS, GPU_NODE_LABEL
 from slipstream_operator.simsearch import SimSearchParams
 
 
@@ -163,6 +165,21 @@ class OperatorSettings(BaseSettings):
         "every InferenceService whose spec.sidecar.resources is empty; a service that sets "
         "either requests or limits keeps its own whole. From the environment as JSON, e.g. "
         '{"requests": {"cpu": "500m", "memory": "512Mi"}}. Default: none.',
+    )
+    gpu_node_label: str = Field(
+        default=GPU_NODE_LABEL,
+        max_length=317,
+        description="Node label that places an InferenceService's pods by spec.engine.gpuType "
+        "(a nodeSelector entry label=gpu_node_values[gpuType], for services with gpus above "
+        "0); a spec.template.spec.nodeSelector naming it with another value is invalid. "
+        f"Empty: no placement. Default: {GPU_NODE_LABEL} (set by NVIDIA GPU feature "
+        "discovery).",
+    )
+    gpu_node_values: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_GPU_PRODUCTS),
+        description="gpuType (lower case) -> value of gpu_node_label; a gpuType not listed "
+        "gets no placement. From the environment as JSON, replacing the whole map. Default: "
+        + json.dumps(DEFAULT_GPU_PRODUCTS) + ".",
     )
     budget: BudgetParams = Field(
         default_factory=lambda: BudgetParams.model_validate({}),

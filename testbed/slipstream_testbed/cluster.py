@@ -154,6 +154,9 @@ class ClusterConfig:
     k8s_version: str = DEFAULT_K8S_VERSION
     nodes: int = 4
     gpus_per_node: int = 8
+    gpu_product: str = "NVIDIA-H100-80GB-HBM3"
+    """The nodes' ``nvidia.com/gpu.product`` label (what NVIDIA's GPU feature discovery sets),
+    which the operator's placement by ``gpuType`` selects on: ``h100`` by default."""
     node_cpu: str = "64"
     node_memory: str = "512Gi"
     ports: Ports = field(default_factory=Ports)
@@ -271,6 +274,7 @@ def gpu_node_manifest(index: int, config: ClusterConfig) -> dict[str, Any]:
                 "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64",
                 "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": config.gpu_product,
             },
         },
         "spec": {"podCIDR": str(cidr), "podCIDRs": [str(cidr)]},

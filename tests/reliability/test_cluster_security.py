@@ -48,6 +48,7 @@ from rel_cluster import (
 )
 
 from integration.helpers_procs import MODEL, SLIPSTREAM
+from slipstream_operator.api import ENGINE_PORT
 from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
@@ -265,6 +266,7 @@ def test_a_job_cannot_read_another_namespaces_file(
         f"team-a's job planned team-b's file (staged copy: {staged.exists()})")
 
 
+_OK = {"model": "m", "engine": {"image": "x"}, "slo": {"ttft": {"p99": "2s"}}}
 INVALID = [
     ("InferenceService", {"model": "m", "engine": {"image": "x"}, "replicas": -1},
      "spec.replicas"),
@@ -275,6 +277,17 @@ INVALID = [
                           "slo": {"ttft": {"p99": "soon"}}}, "spec.slo.ttft.p99"),
     ("InferenceService", {"model": "m", "engine": {"image": "x"},
                           "slo": {"tbt": {"mean": "200ms", "p99": "150ms"}}}, "spec.slo.tbt.p99"),
+    # The pod's reserved parts (the CEL rules; slipstream_operator.api.pod_problems has all).
+    ("InferenceService", {**_OK, "engine": {"image": "x", "env": [
+        {"name": "SLIPSTREAM_CHANNEL_DIR", "value": "/x"}]}}, "spec.engine.env[0].name"),
+    ("InferenceService", {**_OK, "template": {"spec": {"volumes": [
+        {"name": "control-token", "emptyDir": {}}]}}}, "spec.template.spec.volumes"),
+    ("InferenceService", {**_OK, "template": {"metadata": {"labels": {
+        "slipstream.dev/service": "other"}}}}, "spec.template.metadata.labels"),
+    ("InferenceService", {**_OK, "sidecar": {"httpPort": 8001}}, "spec.sidecar"),
+    ("InferenceService", {**_OK, "modelSource": {"uri": "s3://b/m"}}, "spec.modelSource.uri"),
+    ("InferenceService", {**_OK, "modelSource": {"uri": "pvc://w", "hfTokenSecret": {
+        "name": "t"}}}, "spec.modelSource.uri"),
     ("OfflineJob", {"model": "m", "input": {"uri": "http://x/in.jsonl"},
                     "output": {"uri": "file:///o.jsonl"}}, "spec.input.uri"),
     ("OfflineJob", {"model": "m", "input": {"uri": "file:///a.jsonl"},
@@ -327,7 +340,11 @@ def test_chart_ships_a_network_policy_for_the_control_port(
     for rule in control:
         for peer in rule["from"]:
             assert peer.get("podSelector", {}).get("matchLabels"), peer  # the operator's pods
-    assert all(p["port"] in (grpc_port, http_port) for r in rules for p in r.get("ports", []))
+    # Serving: the sidecar's HTTP port, and vLLM's where engine mode sends online traffic.
+    serving = [r for r in rules if any(p["port"] == http_port for p in r.get("ports", []))]
+    assert serving and all(ENGINE_PORT in {p["port"] for p in r["ports"]} for r in serving)
+    assert all(p["port"] in (grpc_port, http_port, ENGINE_PORT)
+               for r in rules for p in r.get("ports", []))
     kubectl(private_cluster, "create", "namespace", ns)
     try:
         (tmp_path / "np.yaml").write_text(yaml.safe_dump(pol))

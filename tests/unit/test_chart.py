@@ -105,6 +105,17 @@ def test_sync_script_detects_drift(tmp_path: Path) -> None:
     assert subprocess.run([*script, "--check"], check=False, capture_output=True).returncode == 1
 
 
+@pytest.mark.unit
+def test_network_policy_names_the_port_engine_mode_serves_on() -> None:
+    """Without helm: the template admits the operator's vLLM port, which the Service targets
+    in engine mode (the rendered policy is checked below and on a real API server in
+    tests/reliability/test_cluster_security.py)."""
+    from slipstream_operator.api import ENGINE_PORT
+
+    text = (CHART / "templates" / "networkpolicy.yaml").read_text()
+    assert f"{{protocol: TCP, port: {ENGINE_PORT}}}" in text
+
+
 def _dashboard() -> dict[str, Any]:
     data: dict[str, Any] = json.loads((CHART / "dashboards" / "slipstream.json").read_text())
     return data
@@ -449,6 +460,40 @@ def test_selectors_match_the_pods_the_operator_creates(
         assert selectors
     for selector in selectors:
         assert selector.items() <= labels.items(), selector
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("serving_from", [False, True])
+@pytest.mark.parametrize("enforcement", ["sidecar", "engine"])
+def test_network_policy_admits_online_traffic_in_either_mode(enforcement: str,
+                                                             serving_from: bool) -> None:
+    """The port the operator's Service sends online traffic to (the sidecar's, or vLLM's in
+    engine mode) is admitted by the same rule as the serving port: to the same peers, never
+    only to the operator."""
+    from slipstream_operator.api import InferenceServiceSpec
+    from slipstream_operator.reconcile_service import ObjectRef, children
+
+    spec = InferenceServiceSpec.model_validate({
+        "model": "m", "engine": {"image": "vllm"}, "slo": {"ttft": {"p99": "2s"}},
+        "scheduling": {"enforcement": enforcement},
+    })
+    kids = {k["kind"]: k for k in children(ObjectRef("chat", "slipstream", "uid", 1), spec,
+                                             "token", None)}
+    pod = kids["Deployment"]["spec"]["template"]["spec"]
+    ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+    online = {ports[p["targetPort"]] for p in kids["Service"]["spec"]["ports"]}
+    sets = (("networkPolicy.servingFrom[0].podSelector.matchLabels.app=gateway",)
+            if serving_from else ())
+    (policy,) = by_kind(docs(*sets), "NetworkPolicy")
+    rules = policy["spec"]["ingress"]
+    (serving,) = [r for r in rules if any(p["port"] == ports["http"] for p in r["ports"])]
+    assert online <= {p["port"] for p in serving["ports"]}, (online, serving)
+    if serving_from:
+        assert {"podSelector": {"matchLabels": {"app": "gateway"}}} in serving["from"]
+    else:
+        assert "from" not in serving
+    (control,) = [r for r in rules if any(p["port"] == ports["grpc"] for p in r["ports"])]
+    assert not online & {p["port"] for p in control["ports"]}
 
 
 @pytest.mark.integration

@@ -81,6 +81,9 @@ def test_gpu_node_manifest() -> None:
     assert node["metadata"]["annotations"] == {"kwok.x-k8s.io/node": "fake"}
     assert node["spec"]["podCIDR"] == "127.1.3.0/24"
     assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
+    # The label the operator places gpuType h100 by (GpuPlacement's default).
+    from slipstream_operator.podspec import DEFAULT_GPU_PRODUCTS
+    assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == DEFAULT_GPU_PRODUCTS["h100"]
     assert node["status"]["allocatable"] == node["status"]["capacity"]
     assert node["status"]["addresses"] == [
         {"type": "InternalIP", "address": "127.2.0.4"},

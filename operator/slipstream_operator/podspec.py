@@ -1,0 +1,276 @@
+"""The pod of an InferenceService: ``spec -> pod template``, pure.
+
+The operator owns a part of every pod and the spec adds the rest (the merge rule,
+docs/install.md):
+
+* **Owned** (reserved; a spec that sets any of it is invalid, ``api.pod_problems`` names the
+  field): the containers ``vllm`` and ``sidecar`` with their images' entry arguments, vLLM's
+  ``--model``, ``--served-model-name``, ``--host``, ``--port``, ``--scheduling-policy`` and
+  ``--scheduler-cls``; vLLM's port 8001 and the sidecar's ``httpPort``/``grpcPort``; the
+  volumes ``control-token``, ``config``, ``engine-channel``, ``dshm`` and ``model-store`` and
+  the paths ``/var/run/slipstream``, ``/etc/slipstream``, ``/dev/shm`` (and ``/mnt/models``
+  with a ``pvc://`` model source); ``SLIPSTREAM_*`` environment variables; ``nvidia.com/gpu``
+  (from ``spec.engine.gpus``); the labels ``slipstream.dev/service`` and
+  ``app.kubernetes.io/managed-by`` and the ``prometheus.io/*`` annotations the operator sets.
+* **Added** as written: ``spec.engine.env``/``envFrom``/``volumeMounts``/``resources`` on the
+  ``vllm`` container (the operator's own entries first), ``spec.template.metadata`` on the
+  pod, and ``spec.template.spec``'s volumes, tolerations, affinity, image pull secrets,
+  service account and priority class.
+* **Merged**: ``nodeSelector`` is the spec's plus the GPU placement label
+  (:class:`GpuPlacement`: ``gpuType`` -> a node label value, by default NVIDIA GPU feature
+  discovery's ``nvidia.com/gpu.product``); the spec naming that label with another value is
+  an error (:func:`placement_problems`), the same value is fine.
+
+Model source: ``spec.modelSource.uri`` ``hf://org/name`` is vLLM's ``--model org/name`` with
+``HF_TOKEN`` from the token Secret; ``pvc://claim/path`` mounts the claim read-only at
+``/mnt/models`` and loads ``/mnt/models/path``; an absolute path is loaded as it is. vLLM
+always serves the model as ``spec.model`` (``--served-model-name``), the name jobs and
+clients use.
+
+Deliberately left out: the sidecar's own env and mounts (the operator's alone), init
+containers, and a whole PodSpec passthrough (fields not named above are not offered).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slipstream_operator.api import (
+    ENGINE_PORT,
+    GPU_RESOURCE,
+    MODEL_MOUNT,
+    SHM_MOUNT,
+    Enforcement,
+    InferenceServiceSpec,
+    ResourceRequirements,
+)
+from slipstream_operator.errors import SpecError
+from slipstream_operator.simsearch import engine_limit_args
+
+CHANNEL_VOLUME = "engine-channel"
+CHANNEL_MOUNT = "/var/run/slipstream/channel"
+"""Where both containers mount the engine channel's emptyDir in engine mode."""
+TOKEN_KEY = "token"
+TOKEN_MOUNT = "/var/run/slipstream/control"
+CONFIG_MOUNT = "/etc/slipstream"
+SHM_VOLUME = "dshm"
+MODEL_VOLUME = "model-store"
+
+GPU_NODE_LABEL = "nvidia.com/gpu.product"
+"""The node label NVIDIA's GPU feature discovery sets to the GPU's product name."""
+DEFAULT_GPU_PRODUCTS: dict[str, str] = {
+    "h100": "NVIDIA-H100-80GB-HBM3",
+    "a100": "NVIDIA-A100-SXM4-80GB",
+}
+"""``gpuType`` -> ``nvidia.com/gpu.product`` for the GPU types of the shipped profiles."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlacement:
+    """Which node label a ``gpuType`` requires (the operator's settings ``gpu_node_label`` and
+    ``gpu_node_values``). An empty label turns placement off; a ``gpuType`` missing from
+    ``values`` (compared in lower case) and a service with ``gpus: 0`` get no label."""
+
+    label: str = GPU_NODE_LABEL
+    values: tuple[tuple[str, str], ...] = tuple(sorted(DEFAULT_GPU_PRODUCTS.items()))
+
+    @classmethod
+    def of(cls, label: str, values: Mapping[str, str]) -> GpuPlacement:
+        return cls(label, tuple(sorted((k.lower(), v) for k, v in values.items())))
+
+    def selector(self, spec: InferenceServiceSpec) -> dict[str, str]:
+        """The node selector entry ``spec``'s GPU type requires (empty: none)."""
+        if not self.label or spec.engine.gpus == 0:
+            return {}
+        value = dict(self.values).get(spec.engine.gpu_type.lower())
+        return {} if value is None else {self.label: value}
+
+
+DEFAULT_PLACEMENT = GpuPlacement()
+"""``nvidia.com/gpu.product`` with :data:`DEFAULT_GPU_PRODUCTS`."""
+
+
+def placement_problems(spec: InferenceServiceSpec, placement: GpuPlacement) -> list[str]:
+    """A ``spec.template.spec.nodeSelector`` entry that contradicts the GPU placement."""
+    return [
+        f"spec.template.spec.nodeSelector[{key!r}]: {mine!r} contradicts gpuType "
+        f"{spec.engine.gpu_type} ({key}={value})"
+        for key, value in placement.selector(spec).items()
+        if (mine := spec.template.spec.node_selector.get(key, value)) != value
+    ]
+
+
+def node_selector(spec: InferenceServiceSpec, placement: GpuPlacement) -> dict[str, str]:
+    """The spec's node selector plus the GPU placement label; raises :class:`SpecError` on a
+    conflict (the handler reports it first, as a ``Ready`` condition)."""
+    problems = placement_problems(spec, placement)
+    if problems:
+        raise SpecError("; ".join(problems), field_path="spec.template.spec.nodeSelector")
+    return {**spec.template.spec.node_selector, **placement.selector(spec)}
+
+
+def _engine_mode(spec: InferenceServiceSpec) -> bool:
+    return spec.scheduling.enforcement == Enforcement.ENGINE
+
+
+def model_args(spec: InferenceServiceSpec) -> list[str]:
+    """vLLM's ``--model`` (the source's id or path, else ``spec.model``), ``--served-model-name``
+    (always ``spec.model``) and, for a Hugging Face source with one, ``--revision``."""
+    source = spec.model_source
+    args = ["--model", source.vllm_model() if source is not None else spec.model,
+            "--served-model-name", spec.model]
+    if source is not None and source.revision is not None:
+        args += ["--revision", source.revision]
+    return args
+
+
+def _engine_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    own = spec.engine.resources
+    resources: dict[str, Any] = {}
+    if own.requests:
+        resources["requests"] = own.wire()["requests"]
+    limits = dict(own.wire()["limits"])
+    if spec.engine.gpus:
+        limits[GPU_RESOURCE] = str(spec.engine.gpus)
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def engine_container(spec: InferenceServiceSpec, args: list[str]) -> dict[str, Any]:
+    """The ``vllm`` container running ``args``: the operator's env and mounts first, then the
+    spec's."""
+    engine_mode = _engine_mode(spec)
+    env: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if engine_mode:
+        env.append({"name": "SLIPSTREAM_CHANNEL_DIR", "value": CHANNEL_MOUNT})
+        mounts.append({"name": CHANNEL_VOLUME, "mountPath": CHANNEL_MOUNT})
+    source = spec.model_source
+    if source is not None and source.hf_token_secret is not None:
+        ref = source.hf_token_secret
+        env.append({"name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if source is not None and source.claim() is not None:
+        mounts.append({"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True})
+    if spec.engine.shm_size is not None:
+        mounts.append({"name": SHM_VOLUME, "mountPath": SHM_MOUNT})
+    env += [e.wire() for e in spec.engine.env]
+    mounts += [m.wire() for m in spec.engine.volume_mounts]
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": spec.engine.image,
+        "args": args,
+        "resources": _engine_resources(spec),
+    }
+    if env:
+        container["env"] = env
+    if spec.engine.env_from:
+        container["envFrom"] = [e.wire() for e in spec.engine.env_from]
+    if engine_mode:
+        container["ports"] = [{"name": "engine", "containerPort": ENGINE_PORT}]
+    if mounts:
+        container["volumeMounts"] = mounts
+    return container
+
+
+def sidecar_container(
+    spec: InferenceServiceSpec, *, image: str, resources: ResourceRequirements,
+    storage_roots: tuple[str, ...], latency_file: bool,
+) -> dict[str, Any]:
+    """The ``sidecar`` container (the operator's alone)."""
+    engine_mode = _engine_mode(spec)
+    env = [
+        {"name": "SLIPSTREAM_SIDECAR_ENGINE", "value": f"http://127.0.0.1:{ENGINE_PORT}"},
+        {"name": "SLIPSTREAM_SIDECAR_HOST", "value": "0.0.0.0"},
+        {"name": "SLIPSTREAM_SIDECAR_HTTP_PORT", "value": str(spec.sidecar.http_port)},
+        {"name": "SLIPSTREAM_SIDECAR_GRPC_PORT", "value": str(spec.sidecar.grpc_port)},
+        {"name": "SLIPSTREAM_SIDECAR_MODEL", "value": spec.model},
+        {"name": "SLIPSTREAM_SIDECAR_ORDERING", "value": spec.scheduling.ordering.value},
+        {"name": "SLIPSTREAM_SIDECAR_AUTH_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_KEY}"},
+    ]
+    # The sidecar prices batches as the engine forms them: it gets the engine's batching
+    # flags that the spec sets (the rest keep vLLM's defaults on both sides).
+    env += [{"name": f"SLIPSTREAM_SIDECAR_{name.upper()}", "value": str(value)}
+            for name, value in engine_limit_args(spec.engine.args).items()]
+    if storage_roots:
+        # pydantic-settings reads a list setting from the environment as JSON.
+        env.append({"name": "SLIPSTREAM_SIDECAR_STORAGE_ROOTS",
+                    "value": json.dumps(list(storage_roots))})
+    if latency_file:
+        env.append({"name": "SLIPSTREAM_SIDECAR_LATENCY_MODEL_FILE",
+                    "value": f"{CONFIG_MOUNT}/latency.json"})
+    return {
+        "name": "sidecar",
+        "image": image,
+        "args": ["sidecar", *(("--engine-channel", CHANNEL_MOUNT) if engine_mode else ())],
+        "env": env,
+        "ports": [
+            {"name": "http", "containerPort": spec.sidecar.http_port},
+            {"name": "grpc", "containerPort": spec.sidecar.grpc_port},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+        "resources": resources.wire(),
+        "volumeMounts": [
+            {"name": "control-token", "mountPath": TOKEN_MOUNT, "readOnly": True},
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            *([{"name": CHANNEL_VOLUME, "mountPath": CHANNEL_MOUNT}] if engine_mode else []),
+        ],
+    }
+
+
+def pod_volumes(spec: InferenceServiceSpec, *, secret: str, configmap: str
+                ) -> list[dict[str, Any]]:
+    """The operator's volumes, then ``spec.template.spec.volumes``."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "control-token", "secret": {"secretName": secret}},
+        {"name": "config", "configMap": {"name": configmap}},
+    ]
+    if _engine_mode(spec):
+        volumes.append({"name": CHANNEL_VOLUME, "emptyDir": {}})
+    if spec.engine.shm_size is not None:
+        volumes.append({"name": SHM_VOLUME,
+                        "emptyDir": {"medium": "Memory", "sizeLimit": spec.engine.shm_size}})
+    claim = spec.model_source.claim() if spec.model_source is not None else None
+    if claim is not None:
+        volumes.append({"name": MODEL_VOLUME,
+                        "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    return volumes + [v.wire() for v in spec.template.spec.volumes]
+
+
+def pod_template(
+    spec: InferenceServiceSpec, *, labels: Mapping[str, str], secret: str, configmap: str,
+    engine: dict[str, Any], sidecar: dict[str, Any], placement: GpuPlacement,
+) -> dict[str, Any]:
+    """The Deployment's pod template: the operator's labels and annotations over the spec's
+    (the spec cannot name the operator's keys), both containers, and the pod-level fields."""
+    overrides = spec.template.spec
+    pod: dict[str, Any] = {
+        "containers": [engine, sidecar],
+        "volumes": pod_volumes(spec, secret=secret, configmap=configmap),
+    }
+    selector = node_selector(spec, placement)
+    if selector:
+        pod["nodeSelector"] = selector
+    if overrides.tolerations:
+        pod["tolerations"] = [t.wire() for t in overrides.tolerations]
+    if overrides.affinity is not None:
+        pod["affinity"] = overrides.affinity
+    if overrides.image_pull_secrets:
+        pod["imagePullSecrets"] = [s.wire() for s in overrides.image_pull_secrets]
+    if overrides.service_account_name is not None:
+        pod["serviceAccountName"] = overrides.service_account_name
+    if overrides.priority_class_name is not None:
+        pod["priorityClassName"] = overrides.priority_class_name
+    meta = spec.template.metadata
+    return {
+        "metadata": {
+            "labels": {**meta.labels, **labels},
+            "annotations": {**meta.annotations, "prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(spec.sidecar.http_port)},
+        },
+        "spec": pod,
+    }
