@@ -202,6 +202,15 @@ class EngineReport(BaseModel):
     when the request resumes)."""
     forged_offline_tags: int = 0
     """Requests that carried an offline tag without the pod's token (served as online)."""
+    faults: dict[str, int] = {}
+    """Exceptions raised in the plugin's own code, per part (``control``, ``classify``,
+    ``ordering``, ``predictor``, ``psm``, ``planner``, ``steer``, ``bookkeeping``, ``report``);
+    each made that piece of work vLLM's way instead (docs/plugin.md, failure behaviour)."""
+    fault_steps: int = 0
+    """Steps that ran vLLM's own walk because of a fault in the plugin's planning."""
+    failsafe: str = ""
+    """Non-empty while repeated faults hold the pod on vLLM's own policy: why. Cleared by the
+    next control generation."""
     online: ClassLatency = ClassLatency()
     offline: ClassLatency = ClassLatency()
     online_tokens: int = 0

@@ -249,6 +249,24 @@ class EngineReportCollector(Collector):
                   rep.forged_offline_tags),
         )
         yield from (g for g in singles if g is not None)
+        faults = GaugeMetricFamily(
+            "slipstream_engine_faults",
+            "Exceptions in the plugin's own code, per part; each piece of work ran vLLM's way.",
+            labels=["part"],
+        )
+        for part, n in sorted(rep.faults.items()):
+            faults.add_metric([part], n)
+        yield faults
+        yield GaugeMetricFamily(
+            "slipstream_engine_fault_steps",
+            "Steps that ran vLLM's own walk because of a fault in the plugin's planning.",
+            value=rep.fault_steps,
+        )
+        yield GaugeMetricFamily(
+            "slipstream_engine_failsafe",
+            "1 while repeated faults hold the pod on vLLM's own policy (until a new generation).",
+            value=1.0 if rep.failsafe else 0.0,
+        )
         info = GaugeMetricFamily(
             "slipstream_engine_info", "The plugin's policy, ordering and vLLM version.",
             labels=["policy", "ordering", "vllm_version"],

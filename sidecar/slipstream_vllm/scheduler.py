@@ -119,6 +119,8 @@ from slipstream_scheduler.types import (
     Snapshot,
     StepPlan,
 )
+from slipstream_vllm import compat
+from slipstream_vllm.failsafe import FaultGuard
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +266,16 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        problems = compat.check(self, Request)
+        version = _vllm_version()
+        if problems:
+            raise compat.IncompatibleVllmError(version, problems)
+        if not compat.tested(version):
+            logger.warning(
+                "slipstream: vLLM %s is not among the tested versions (%s); every internal "
+                "the plugin uses is present, run the vllm test tier against it",
+                version, ", ".join(compat.TESTED_VERSIONS),
+            )
         if getattr(self.scheduler_config, "async_scheduling", False):
             raise ValueError(
                 "SlipstreamScheduler does not support async scheduling; "
@@ -280,6 +292,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             long_prefill_token_threshold=self.scheduler_config.long_prefill_token_threshold,
             reserve_full_sequence=bool(self.scheduler_reserve_full_isl),
         )
+        self._guard = FaultGuard()
         self._meta: dict[str, _Meta] = {}
         self._embedder = HashingEmbedder()
         self._predictor = SemanticHistoryPredictor(self._embedder.dim)
@@ -309,6 +322,9 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         # Counters and windows for the report.
         self.steps = 0
         self.fallback_steps = 0
+        self.fault_steps = 0
+        self._stage = "ordering"
+        self._walking = False
         self.offline_deferred_chunks = 0
         self.offline_preemptions = 0
         self.online_preemptions = 0
@@ -322,7 +338,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self._last_plan: StepPlan | None = None
         self._sched_done_s: float | None = None
         self._last_predicted: float | None = None
-        self._poll_control(force=True)
+        with self._guard.part("control"):
+            self._poll_control(force=True)
 
     # ------------------------------------------------------------------ control
 
@@ -400,6 +417,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             self._rebuild_psm(psm)
         self.offline_order = doc.offline_order
         self.control = doc
+        self._guard.reset()
         for meta in self._meta.values():
             meta.keyed_at = -1  # re-key under the new ordering
         logger.info(
@@ -440,20 +458,27 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
 
     def add_request(self, request: Request) -> None:
         if request.request_id not in self.requests:
-            cls = self._classify(request)
+            guard = self._guard
+            cls = _ONLINE  # NOTE: a request the classifier failed on is served as online
+            with guard.part("classify"):
+                cls = self._classify(request)
             if cls is _OFFLINE:
                 request.priority = max(int(request.priority), 0) + OFFLINE_PRIORITY
             else:
                 request.priority = min(int(request.priority), OFFLINE_PRIORITY - 1)
             meta = _Meta(cls)
             ids = request.prompt_token_ids or []
-            if cls is _ONLINE:
-                meta.vector = self._embedder.embed_one(" ".join(map(str, ids[:EMBED_TOKENS])))
+            if cls is _ONLINE and not guard.tripped:
+                with guard.part("predictor"):
+                    meta.vector = self._embedder.embed_one(
+                        " ".join(map(str, ids[:EMBED_TOKENS]))
+                    )
             self._meta[request.request_id] = meta
             self._stats[cls].admitted += 1
             super().add_request(request)
-            if cls is _OFFLINE and self.offline_order == "psm":
-                self._psm.push(request.request_id, ids, time.monotonic())
+            if cls is _OFFLINE and self.offline_order == "psm" and not guard.tripped:
+                with guard.part("psm"):
+                    self._psm.push(request.request_id, ids, time.monotonic())
             return
         super().add_request(request)
 
@@ -470,11 +495,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         """What the ordering sees of an online request now (its predicted lengths are drawn
         once, on first sight; the outliving fallback is the global distribution)."""
         if meta.lengths is None:
-            meta.lengths = np.sort(
-                np.asarray(
-                    self._predictor.predict(meta.vector, req.num_prompt_tokens), dtype=np.float64
-                )
-            )
+            meta.lengths = self._predict(meta, req.num_prompt_tokens)
         return RequestView(
             req.request_id,
             req.arrival_time,
@@ -485,6 +506,17 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             meta.keyed_at,
             int(getattr(req, "num_preemptions", 0)),
         )
+
+    def _predict(self, meta: _Meta, prompt_tokens: int) -> Any:
+        """The request's predicted output lengths, sorted; the global distribution when it has
+        no embedding or the predictor faults (counted under ``predictor``)."""
+        if meta.vector is not None:
+            try:
+                lengths = self._predictor.predict(meta.vector, prompt_tokens)
+                return np.sort(np.asarray(lengths, dtype=np.float64))
+            except Exception as exc:
+                self._guard.record("predictor", exc)
+        return self._global_fallback()
 
     def _global_fallback(self) -> Any:
         """The global length distribution, sorted, refreshed every ``FALLBACK_EVERY`` finishes."""
@@ -520,21 +552,28 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
                 offline.append(req)
         online.sort(key=lambda t: (t[0], t[1]))
         if self.offline_order == "psm" and offline:
-            by_id = {r.request_id: r for r in offline}
-            for r in offline:  # a preempted offline request comes back into the trie
-                if r.request_id not in self._psm:
-                    self._psm.push(r.request_id, r.prompt_token_ids or [], time.monotonic())
-            order = self._psm_order(min(self.planner.rules.queue_window, len(self._psm)))
-            picked = [by_id[rid] for rid in order if rid in by_id]
-            in_order = set(order)
-            rest = sorted(
-                (r for r in offline if r.request_id not in in_order),
-                key=lambda r: (r.priority, r.arrival_time),
-            )
-            offline = picked + rest
+            try:
+                offline = self._psm_queue(offline)
+            except Exception as exc:  # NOTE: PSM at fault: offline work in vLLM's order
+                self._guard.record("psm", exc)
+                offline.sort(key=lambda r: (r.priority, r.arrival_time))
         else:
             offline.sort(key=lambda r: (r.priority, r.arrival_time))
         return [t[2] for t in online], offline
+
+    def _psm_queue(self, offline: list[Request]) -> list[Request]:
+        by_id = {r.request_id: r for r in offline}
+        for r in offline:  # a preempted offline request comes back into the trie
+            if r.request_id not in self._psm:
+                self._psm.push(r.request_id, r.prompt_token_ids or [], time.monotonic())
+        order = self._psm_order(min(self.planner.rules.queue_window, len(self._psm)))
+        picked = [by_id[rid] for rid in order if rid in by_id]
+        in_order = set(order)
+        rest = sorted(
+            (r for r in offline if r.request_id not in in_order),
+            key=lambda r: (r.priority, r.arrival_time),
+        )
+        return picked + rest
 
     def _psm_order(self, n: int) -> tuple[str, ...]:
         """The PSM queue's next ``n`` picks, reused while the queue is unchanged and for at
@@ -620,19 +659,43 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
     # ------------------------------------------------------------------ the step
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        self._poll_control()
+        guard = self._guard
+        with guard.part("control"):
+            self._poll_control()
+        if guard.tripped:  # repeated faults: vLLM's own policy until a new generation
+            return self._vllm_walk(throttle_prefills)
         if self.kv_holding_waiting:  # connector KV loads: not steered, vLLM's walk
             self.fallback_steps += 1
-            return self._finish_schedule(super().schedule(throttle_prefills), None)
+            return self._vllm_walk(throttle_prefills)
+        self._walking = False
+        try:
+            return self._slipstream_step(throttle_prefills)
+        except Exception as exc:
+            if self._walking:  # vLLM's own walk raised: its fault, as without the plugin
+                raise
+            guard.record(self._stage, exc)
+            self.fault_steps += 1
+            return self._vllm_walk(throttle_prefills)
+
+    def _slipstream_step(self, throttle_prefills: bool) -> SchedulerOutput:
+        """One step the planner's way (module note). An exception out of here, unless raised
+        in vLLM's walk (``self._walking``), leaves vLLM's queues as vLLM keeps them, and the
+        step is vLLM's own (``schedule``)."""
+        self._stage = "ordering"
         waiting = list(self.waiting)
         online_q, offline_q = self._ordered_queues(waiting)
+        self._stage = "planner"
         snap = self._snapshot(online_q, offline_q)
         plan = self.planner.plan(snap)
-        if online_q and self.ordering.preemptive and self._displace_for(online_q[0], snap, plan):
-            waiting = list(self.waiting)
-            online_q, offline_q = self._ordered_queues(waiting)
-            snap = self._snapshot(online_q, offline_q)
-            plan = self.planner.plan(snap)
+        if online_q and self.ordering.preemptive:
+            self._stage = "ordering"
+            if self._displace_for(online_q[0], snap, plan):
+                waiting = list(self.waiting)
+                online_q, offline_q = self._ordered_queues(waiting)
+                self._stage = "planner"
+                snap = self._snapshot(online_q, offline_q)
+                plan = self.planner.plan(snap)
+        self._stage = "steer"
         self.steps += 1
         if not plan.scheduled and not plan.admitted and not plan.preempted:
             if self.planner.rules.offline_step_tokens == 0 and not online_q and not any(
@@ -660,7 +723,15 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
     def _own_walk(self, throttle_prefills: bool) -> SchedulerOutput:
         """vLLM's own walk for this step, running online requests ranked by the ordering."""
         with self._ranked_online():
+            self._walking = True
             out = super().schedule(throttle_prefills)
+            self._walking = False
+        return self._finish_schedule(out, None)
+
+    def _vllm_walk(self, throttle_prefills: bool) -> SchedulerOutput:
+        """vLLM's own walk with nothing of Slipstream's in it but the bookkeeping, which
+        cannot change the output."""
+        out = super().schedule(throttle_prefills)
         return self._finish_schedule(out, None)
 
     # ------------------------------------------------------------------ online preemption
@@ -722,11 +793,15 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         as their priority (client priority first, then key, then arrival), so the request
         vLLM preempts when KV runs out (the largest priority) is the ordering's last, and the
         walk gives blocks in rank order. Priorities are restored afterwards."""
-        online = [
-            (int(r.priority), self._online_key(r, m), r.arrival_time, r)
-            for r in self.running
-            if (m := self._meta.get(r.request_id)) is not None and m.cls is _ONLINE
-        ]
+        try:
+            online = [
+                (int(r.priority), self._online_key(r, m), r.arrival_time, r)
+                for r in self.running
+                if (m := self._meta.get(r.request_id)) is not None and m.cls is _ONLINE
+            ]
+        except Exception as exc:  # NOTE: the ordering at fault: vLLM's order for this walk
+            self._guard.record("ordering", exc)
+            online = []
         if len(online) < 2:
             yield
             return
@@ -780,7 +855,6 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
                 self.offline_deferred_chunks += 1
             else:
                 off_prefill.append(req)
-        self.running = online_run + off_decode + off_prefill
         queue = FCFSRequestQueue()
         for req in admitted:
             queue.add_request(req)
@@ -800,22 +874,28 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             ),
             default=0,
         )
-        if 0 < saved_threshold < widest:
-            sc.long_prefill_token_threshold = widest
+        # From here to the walk's end vLLM's queues are rearranged; the finally undoes it.
+        self.running = online_run + off_decode + off_prefill
         self.waiting = queue
         self.max_num_scheduled_tokens = max(min(cap, saved_cap), 1)
         try:
+            if 0 < saved_threshold < widest:
+                sc.long_prefill_token_threshold = widest
             with self._ranked_online():
+                self._walking = True
                 out = super().schedule(throttle)
+                self._walking = False
         finally:
+            # Whatever happened in the walk, vLLM's queues hold every request again.
             left = list(self.waiting)  # admissions not taken, and the walk's own preemptions
             self.waiting = saved_waiting
             self.max_num_scheduled_tokens = saved_cap
             sc.long_prefill_token_threshold = saved_threshold
-        self.running.extend(hidden)
-        for req in out.num_scheduled_tokens:
-            self._psm_taken(req)
-        self._rebuild_waiting(left, rest)
+            self.running.extend(hidden)
+            self._rebuild_waiting(left, rest)
+        with self._guard.part("psm"):
+            for req in out.num_scheduled_tokens:
+                self._psm_taken(req)
         return out
 
     def _is_online_id(self, request_id: str) -> bool:
@@ -839,6 +919,12 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self.waiting = q
 
     def _finish_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> SchedulerOutput:
+        self._sched_done_s = time.monotonic()
+        with self._guard.part("bookkeeping"):
+            self._note_schedule(out, plan)
+        return out
+
+    def _note_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> None:
         for rid in out.num_scheduled_tokens:
             self._psm_taken(rid)
         for rid in out.preempted_req_ids or ():
@@ -859,8 +945,6 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
                 over = plan.predicted_step_s - budget
                 cur = self.max_offline_over_budget_s
                 self.max_offline_over_budget_s = over if cur is None else max(cur, over)
-        self._sched_done_s = time.monotonic()
-        return out
 
     def _ran_offline(self, out: SchedulerOutput) -> bool:
         for rid in out.num_scheduled_tokens:
@@ -885,6 +969,19 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             if (req := self.requests.get(rid)) is not None
         }
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        finished = False
+        with self._guard.part("bookkeeping"):
+            finished = self._note_outputs(reqs, outputs)
+        # A finish may leave the engine idle (no further step): report it at once.
+        with self._guard.part("report"):
+            self._maybe_write_status(force=finished)
+        result: dict[int, EngineCoreOutputs] = outputs
+        return result
+
+    def _note_outputs(
+        self, reqs: dict[str, Request], outputs: dict[int, EngineCoreOutputs]
+    ) -> bool:
+        """Token times and finishes of one step's outputs; True if a request finished."""
         now = time.time()
         for req in reqs.values():
             meta = self._meta.get(req.request_id)
@@ -899,10 +996,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
                     self._finished(o.request_id, reqs, ok=ok)
         if len(self._meta) > 2 * len(self.requests) + 256:
             self._meta = {k: v for k, v in self._meta.items() if k in self.requests}
-        # A finish may leave the engine idle (no further step): report it at once.
-        self._maybe_write_status(force=finished)
-        result: dict[int, EngineCoreOutputs] = outputs
-        return result
+        return finished
 
     def _note_tokens(self, req: Request, meta: _Meta, now: float) -> None:
         n = req.num_output_tokens
@@ -924,8 +1018,9 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
 
     def _finished(self, request_id: str, reqs: dict[str, Request], *, ok: bool) -> None:
         meta = self._meta.pop(request_id, None)
-        if request_id in self._psm:
-            self._psm.remove(request_id)
+        with self._guard.part("psm"):
+            if request_id in self._psm:
+                self._psm.remove(request_id)
         if meta is None or meta.seen_tokens <= 0:
             return
         if ok:
@@ -933,7 +1028,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         req = reqs.get(request_id)
         inp = req.num_prompt_tokens if req is not None else 0
         if meta.vector is not None:
-            self._predictor.observe(meta.vector, inp, meta.seen_tokens)
+            with self._guard.part("predictor"):
+                self._predictor.observe(meta.vector, inp, meta.seen_tokens)
         self._global.observe(None, inp, meta.seen_tokens)
         self._global_finished += 1
 
@@ -946,9 +1042,11 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             else (list(request_ids) if request_ids is not None else list(self.requests))
         )
         out = super().finish_requests(ids, finished_status)
+        with self._guard.part("psm"):
+            for rid in ids:
+                if rid in self._psm:
+                    self._psm.remove(rid)
         for rid in ids:
-            if rid in self._psm:
-                self._psm.remove(rid)
             self._meta.pop(rid, None)
         return out
 
@@ -990,6 +1088,9 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             online_displacements=self.online_displacements,
             online_displaced_tokens=self.online_displaced_tokens,
             forged_offline_tags=self.forged_offline_tags,
+            faults={k: v for k, v in self._guard.counts.items() if v},
+            fault_steps=self.fault_steps,
+            failsafe=self._guard.tripped_reason,
             online=self._stats[_ONLINE].report(),
             offline=self._stats[_OFFLINE].report(),
             online_tokens=self._stats[_ONLINE].tokens,
@@ -1030,12 +1131,14 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             last = self._last_report
             if last is None or time.monotonic() < self._next_status + STATUS_EVERY_S:
                 continue
-            self._write_report(last.model_copy(update={"written_at": time.time()}),
-                               replacing=last)
+            with self._guard.part("report"):
+                self._write_report(last.model_copy(update={"written_at": time.time()}),
+                                   replacing=last)
 
     def shutdown(self) -> None:
         self._heartbeat_stop.set()
-        self._maybe_write_status(force=True)
+        with self._guard.part("report"):
+            self._maybe_write_status(force=True)
         super().shutdown()
 
 

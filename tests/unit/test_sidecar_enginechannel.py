@@ -99,6 +99,7 @@ def test_metrics_carry_the_report(tmp_path: Path) -> None:
         offline_running=5, steps=100, predicted_step_s=0.031, measured_step_s=0.033,
         offline_preemptions=6, online_preemptions=3, online_displacements=2,
         online_displaced_tokens=900, forged_offline_tags=2,
+        faults={"planner": 5, "psm": 1}, fault_steps=5, failsafe="5 faults within 60 s",
         online=ClassLatency(ttft_mean_s=0.1, ttft_p99_s=0.3, tbt_mean_s=0.02, tbt_p99_s=0.04),
         offline=ClassLatency(tbt_mean_s=0.05),
     )
@@ -120,6 +121,10 @@ def test_metrics_carry_the_report(tmp_path: Path) -> None:
         'slipstream_engine_ttft_seconds{class="online",stat="p99"} 0.3',
         'slipstream_engine_tbt_seconds{class="offline",stat="mean"} 0.05',
         "slipstream_engine_forged_offline_tags 2.0",
+        'slipstream_engine_faults{part="planner"} 5.0',
+        'slipstream_engine_faults{part="psm"} 1.0',
+        "slipstream_engine_fault_steps 5.0",
+        "slipstream_engine_failsafe 1.0",
         'slipstream_engine_info{ordering="gittins",policy="budget",vllm_version="0.32.0"} 1.0',
     ):
         assert line in text, line
