@@ -561,7 +561,8 @@ class EngineSpec(ApiModel):
         default_factory=list,
         description="Extra vLLM arguments. The operator adds --scheduling-policy priority, "
         "--host 127.0.0.1 (0.0.0.0 with enforcement engine) and --port 8001 itself, and "
-        "with enforcement engine --scheduler-cls and --no-async-scheduling. Default: none.",
+        "with enforcement engine --scheduler-cls (the plugin on vLLM's async scheduler; "
+        "with --no-async-scheduling here, on its synchronous one). Default: none.",
         max_length=64,
     )
     gpus: int = Field(

@@ -34,7 +34,8 @@ resources are ``spec.sidecar``'s when set, else the operator's cluster-wide
 defaults (``ServiceObserved.sidecar_image`` / ``sidecar_resources``, from its
 settings, i.e. the chart's ``sidecar.image`` / ``sidecar.resources``).
 With ``scheduling.enforcement: engine`` vLLM instead listens on 0.0.0.0:8001 and
-runs Slipstream's scheduler plugin (``--scheduler-cls``, ``--no-async-scheduling``),
+runs Slipstream's scheduler plugin (``--scheduler-cls``, on vLLM's async scheduler unless the
+spec's args turn async scheduling off),
 the Service targets vLLM's port, and both containers mount an ``emptyDir`` (the
 engine channel: ``SLIPSTREAM_CHANNEL_DIR`` for vLLM, ``--engine-channel`` for the
 sidecar; docs/plugin.md). The Deployment keeps its default rolling update; the
@@ -101,6 +102,9 @@ from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 SERVICE_LABEL = "slipstream.dev/service"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "slipstream-operator"}
 PLUGIN_SCHEDULER_CLS = "slipstream_vllm.scheduler.SlipstreamScheduler"
+"""The plugin on vLLM's AsyncScheduler (async scheduling on, vLLM's default)."""
+PLUGIN_SYNC_SCHEDULER_CLS = "slipstream_vllm.scheduler.SlipstreamSyncScheduler"
+"""The plugin on vLLM's synchronous Scheduler, for a spec whose args turn async off."""
 """vLLM's ``--scheduler-cls`` in engine mode (docs/plugin.md)."""
 OFFLINE_RATE_WINDOW_S = 60.0  # status.offline.tokensPerSecond: output tokens over this window
 
@@ -195,6 +199,17 @@ class ServiceOutcome:
     events: tuple[tuple[str, str, str], ...] = field(default=())  # (type, reason, message)
 
 
+
+def plugin_class(engine_args: list[str]) -> str:
+    """The plugin class that matches the engine's scheduling: vLLM schedules asynchronously
+    unless the spec's args say ``--no-async-scheduling`` (or ``--async-scheduling false``)."""
+    off = "--no-async-scheduling" in engine_args or any(
+        a == "--async-scheduling" and i + 1 < len(engine_args)
+        and engine_args[i + 1].lower() in ("false", "0")
+        for i, a in enumerate(engine_args)
+    )
+    return PLUGIN_SYNC_SCHEDULER_CLS if off else PLUGIN_SCHEDULER_CLS
+
 def names(ref: ObjectRef) -> dict[str, str]:
     """Child object names."""
     return {
@@ -257,8 +272,7 @@ def children(
         # Engine mode: the Service sends online traffic to vLLM itself.
         "--host", "0.0.0.0" if engine_mode else "127.0.0.1",
         "--port", str(ENGINE_PORT),
-        *(("--scheduler-cls", PLUGIN_SCHEDULER_CLS, "--no-async-scheduling")
-          if engine_mode else ()),
+        *(("--scheduler-cls", plugin_class(spec.engine.args)) if engine_mode else ()),
         *spec.engine.args,
     ]
     own = spec.sidecar.resources

@@ -179,6 +179,9 @@ class EngineReport(BaseModel):
     """Wall-clock time of the write (seconds since the epoch)."""
     pid: int = 0
     vllm_version: str = ""
+    async_scheduling: bool = False
+    """Whether vLLM schedules the next step while the last one runs (the plugin's class
+    follows it: ``SlipstreamScheduler`` on, ``SlipstreamSyncScheduler`` off)."""
     online_waiting: int = 0
     offline_waiting: int = 0
     online_running: int = 0

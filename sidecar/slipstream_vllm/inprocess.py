@@ -18,8 +18,13 @@ The scheduler is built as vLLM's own unit tests build it: a ``VllmConfig`` whose
 ``ModelConfig`` points at the tiny local model (its config only: nothing is loaded), and a
 ``KVCacheConfig`` of one full-attention group of ``num_gpu_blocks`` blocks.
 
+With ``async_scheduling=True`` the engine steps as vLLM's engine core does with its batch
+queue of two: each ``step()`` schedules the next batch before the last one's output is
+delivered (``update_from_output``), so a decoding request has a token in flight (vLLM's output
+placeholders) when it is scheduled again, as on a GPU with async scheduling on.
+
 Deliberately left out: a model runner, sampling, detokenisation, structured output, LoRA,
-speculative decoding, KV connectors, async scheduling (the step loop is synchronous).
+speculative decoding, KV connectors.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -151,6 +158,7 @@ class VllmSchedulerSpec:
     num_gpu_blocks: int = 1024
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     scheduler_cls: str | None = None
+    async_scheduling: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -206,9 +214,13 @@ def build_vllm_config(spec: VllmSchedulerSpec, model_dir: Path | None = None) ->
         enable_prefix_caching=spec.enable_prefix_caching,
     )
     cc.num_gpu_blocks = spec.num_gpu_blocks
-    return VllmConfig(
+    vc = VllmConfig(
         model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig("cpu")
     )
+    # Set after validation: no executor runs here, so vLLM's check of the CPU executor's
+    # support for async scheduling does not apply; the scheduler reads the flag.
+    vc.scheduler_config.async_scheduling = spec.async_scheduling
+    return vc
 
 
 def build_scheduler(spec: VllmSchedulerSpec, model_dir: Path | None = None) -> Scheduler:
@@ -226,7 +238,7 @@ def build_scheduler(spec: VllmSchedulerSpec, model_dir: Path | None = None) -> S
             )
         ],
     )
-    cls: type[Scheduler] = Scheduler
+    cls: type[Scheduler] = AsyncScheduler if spec.async_scheduling else Scheduler
     if spec.scheduler_cls is not None:
         cls = resolve_obj_by_qualname(spec.scheduler_cls)
     return cls(
@@ -270,6 +282,23 @@ class _PoolView:
         return int(self._s.kv_cache_manager.block_pool.get_num_free_blocks())
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A scheduled batch on its way through the pipelined engine."""
+
+    out: SchedulerOutput
+    samples: list[str]
+    """Requests that sample a token in this batch (their prompt is computed)."""
+    items: list[BatchItem]
+    preempted: tuple[str, ...]
+    hit: int
+
+
+def _empty_step() -> StepResult:
+    return StepResult(duration_s=0.0, emitted=(), finished=(), preempted=(), num_tokens=0,
+                      explicit=[], dec_ctx=(), dec_base=0)
+
+
 class VllmEngine:
     """vLLM's scheduler stepped in-process, with the engine model's interface and timing."""
 
@@ -282,6 +311,7 @@ class VllmEngine:
         scheduler_cls: str | None = None,
         model_dir: Path | None = None,
         prompts: Mapping[str, Sequence[int]] | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         from slipstream_scheduler.engine.model import EngineModel
 
@@ -294,7 +324,9 @@ class VllmEngine:
         self.limits: EngineLimits = config.limits()
         # The engine model's blocks are all the requests'; vLLM's pool keeps one more, its
         # null block, which is never allocated: vLLM gets ``blocks + 1`` so both share as many.
-        self.spec = VllmSchedulerSpec.of(config, blocks + 1, scheduler_cls=scheduler_cls)
+        self.spec = VllmSchedulerSpec.of(
+            config, blocks + 1, scheduler_cls=scheduler_cls, async_scheduling=async_scheduling
+        )
         self.scheduler = build_scheduler(self.spec, model_dir)
         self.pool = _PoolView(self.scheduler, blocks)
         init_none_hash(sha256)
@@ -310,6 +342,8 @@ class VllmEngine:
         self._q_tokens = self._hit_tokens = 0
         self.records: list[StepRecord] | None = None
         """Set to a list to keep every step's :class:`StepRecord` (the fidelity bench)."""
+        self._in_flight: list[_Batch] = []
+        """Scheduled batches whose output is not delivered yet, oldest first (async)."""
 
     # ------------------------------------------------------------------ requests
 
@@ -401,7 +435,7 @@ class VllmEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._live) or bool(self._pending_finished)
+        return bool(self._live) or bool(self._pending_finished) or bool(self._in_flight)
 
     def inspect(self, request_id: str) -> RequestView | None:
         lv = self._live.get(request_id)
@@ -444,7 +478,111 @@ class VllmEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self, now_s: float = 0.0) -> StepResult:
-        """One ``schedule()`` and ``update_from_output()``, timed by the GPU model."""
+        """One ``schedule()`` and ``update_from_output()``, timed by the GPU model; with async
+        scheduling, the next ``schedule()`` before the last batch's ``update_from_output()``."""
+        if self.spec.async_scheduling:
+            return self._step_pipelined()
+        return self._step_sync()
+
+    def _step_pipelined(self) -> StepResult:
+        """vLLM's ``step_with_batch_queue`` with a queue of two: schedule a batch while the
+        queue has room and there is work; deliver the oldest batch's output when the queue is
+        full or nothing new was scheduled. A step that delivers nothing lasts no time."""
+        s = self.scheduler
+        if s.has_requests():
+            batch = self._schedule_batch()
+            self._in_flight.append(batch)
+            if len(self._in_flight) < 2 and batch.out.total_num_scheduled_tokens > 0:
+                return _empty_step()
+        if not self._in_flight:
+            return _empty_step()
+        return self._deliver(self._in_flight.pop(0))
+
+    def _schedule_batch(self) -> _Batch:
+        s = self.scheduler
+        before = {rid: lv.request.num_computed_tokens for rid, lv in self._live.items()}
+        out = s.schedule()
+        self._steps += 1
+        items: list[BatchItem] = []
+        samples: list[str] = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = s.requests.get(rid)
+            if req is None or rid not in self._live:
+                continue
+            ctx = req.num_computed_tokens - n
+            decoding = n == 1 and ctx >= req.num_prompt_tokens
+            items.append(BatchItem(Phase.DECODE if decoding else Phase.PREFILL, n, ctx))
+            if not decoding:
+                self._prefill_computed += n
+            if req.num_computed_tokens >= req.num_tokens:  # the prompt is done: it samples
+                samples.append(rid)
+        preempted = tuple(sorted(out.preempted_req_ids or ()))
+        for rid in preempted:
+            lv = self._live.get(rid)
+            if lv is not None:
+                lv.preemptions += 1
+                self._preemptions += 1
+        hit = sum(nr.num_computed_tokens for nr in out.scheduled_new_reqs)
+        cached = out.scheduled_cached_reqs
+        for rid, n_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            if rid in cached.resumed_req_ids:
+                hit += max(0, n_computed - before.get(rid, 0))
+        self._hit_tokens += hit
+        self._q_tokens += sum(len(nr.prompt_token_ids or ()) for nr in out.scheduled_new_reqs)
+        return _Batch(out, samples, items, preempted, hit)
+
+    def _deliver(self, batch: _Batch) -> StepResult:
+        """``update_from_output`` of one batch: a token for each request that sampled, as vLLM
+        takes it (a preempted request's token in flight is dropped by vLLM, not counted)."""
+        s = self.scheduler
+        finished: list[tuple[str, FinishReason]] = self._pending_finished
+        self._pending_finished = []
+        ids = list(batch.out.num_scheduled_tokens)
+        sampling = set(batch.samples)
+        sampled = [
+            [output_token(rid, s.requests[rid].num_output_tokens)]
+            if rid in sampling and rid in s.requests else []
+            for rid in ids
+        ]
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=sampled,
+        )
+        engine_outputs = s.update_from_output(batch.out, mro)
+        emitted: list[tuple[str, int]] = []
+        done: list[str] = []
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.new_token_ids:
+                    emitted.append((o.request_id, len(o.new_token_ids)))
+                    self._gen_tokens += len(o.new_token_ids)
+                    seq = self.synth.sequences.get(o.request_id)
+                    if seq is not None:
+                        seq.extend(o.new_token_ids)
+                if o.finish_reason is None:
+                    continue
+                lv = self._live.pop(o.request_id, None)
+                if lv is not None:
+                    finished.append((o.request_id, lv.reason))
+                    done.append(o.request_id)
+        self._finished += len(done)
+        if self.records is not None:
+            self.records.append(StepRecord(
+                dict(batch.out.num_scheduled_tokens), batch.preempted, batch.hit, tuple(done)
+            ))
+        return StepResult(
+            duration_s=self.measure(batch.items),
+            emitted=tuple(emitted),
+            finished=tuple(finished),
+            preempted=batch.preempted,
+            num_tokens=batch.out.total_num_scheduled_tokens,
+            explicit=batch.items,
+            dec_ctx=(),
+            dec_base=0,
+        )
+
+    def _step_sync(self) -> StepResult:
         s = self.scheduler
         finished: list[tuple[str, FinishReason]] = self._pending_finished
         self._pending_finished = []

@@ -1,6 +1,6 @@
 """Slipstream inside vLLM: a ``--scheduler-cls`` that runs the core's planner every iteration.
 
-``SlipstreamScheduler`` subclasses vLLM's v1 ``Scheduler``. Everything that is not a scheduling
+``SlipstreamScheduler`` subclasses vLLM's v1 ``AsyncScheduler``. Everything that is not a scheduling
 *choice* stays vLLM's: the KV manager and prefix cache, block allocation, the scheduler output,
 outputs, stop handling, aborts, stats. Each ``schedule()``:
 
@@ -54,9 +54,19 @@ Approximations (NOTE: where this bends the plan):
 * chunk sizes follow from the token total and the walk's order, so vLLM's per-request
   ``long_prefill_token_threshold`` rules (off when one request is eligible) still apply.
 
+Async scheduling. vLLM schedules step N+1 while step N runs by default (``AsyncScheduler``):
+a decoding request then has a token in flight (an output placeholder) when it is planned again.
+The snapshot counts that token as computed, as vLLM's walk does, so the request is the decode it
+is; each step is timed from its own scheduler output. :class:`SlipstreamScheduler` sits on
+``AsyncScheduler``, :class:`SlipstreamSyncScheduler` on ``Scheduler`` for vLLM started with
+``--no-async-scheduling``; both share every line of :class:`_Slipstream`.
+
+Faults. Every part of the plugin's own work runs under a :class:`~slipstream_vllm.failsafe.
+FaultGuard`: a fault makes that piece of work vLLM's, never an engine crash.
+:mod:`slipstream_vllm.compat` checks at start that vLLM has every internal used here.
+
 Supported vLLM: the pinned versions in ``docs/plugin.md`` (the scheduler interface is not
-public). Deliberately left out: speculative decoding, KV connectors, pipeline parallelism and
-async scheduling (the plugin refuses async scheduling at start).
+public). Deliberately left out: speculative decoding, KV connectors and pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -79,6 +89,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -124,7 +135,7 @@ from slipstream_vllm.failsafe import FaultGuard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OFFLINE_PRIORITY", "SlipstreamScheduler"]
+__all__ = ["OFFLINE_PRIORITY", "SlipstreamScheduler", "SlipstreamSyncScheduler"]
 
 OFFLINE_PRIORITY = 1 << 20
 """Offline requests run at this vLLM priority or below (larger is later); online above it."""
@@ -243,6 +254,13 @@ class _ClassStats:
         )
 
 
+def _pending(req: Request) -> int:
+    """Tokens the request has yet to compute, counting a token in flight (async scheduling)
+    as computed, as vLLM's walk does."""
+    return int(req.num_tokens + getattr(req, "num_output_placeholders", 0)
+               - req.num_computed_tokens)
+
+
 def _carry_notices(first: SchedulerOutput, second: SchedulerOutput) -> None:
     """Two walks in one step: the second output carries what the first one told the
     workers (requests finished or preempted since the last step, encoder cache frees),
@@ -256,8 +274,10 @@ def _carry_notices(first: SchedulerOutput, second: SchedulerOutput) -> None:
     ]
 
 
-class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
-    """vLLM's scheduler with Slipstream's planner choosing each iteration (module note)."""
+class _Slipstream(Scheduler):  # type: ignore[misc]
+    """vLLM's scheduler with Slipstream's planner choosing each iteration (module note); the
+    two classes vLLM loads (:class:`SlipstreamScheduler`, :class:`SlipstreamSyncScheduler`)
+    put it on vLLM's async or synchronous scheduler."""
 
     # vLLM's attributes this class rearranges around each walk (typed for mypy).
     running: list[Request]
@@ -276,10 +296,12 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
                 "the plugin uses is present, run the vllm test tier against it",
                 version, ", ".join(compat.TESTED_VERSIONS),
             )
-        if getattr(self.scheduler_config, "async_scheduling", False):
-            raise ValueError(
-                "SlipstreamScheduler does not support async scheduling; "
-                "start vLLM with --no-async-scheduling"
+        self.async_scheduling = bool(getattr(self.scheduler_config, "async_scheduling", False))
+        if isinstance(self, AsyncScheduler) != self.async_scheduling:
+            logger.warning(
+                "slipstream: %s with async scheduling %s; the matching class is %s",
+                type(self).__name__, "on" if self.async_scheduling else "off",
+                "SlipstreamScheduler" if self.async_scheduling else "SlipstreamSyncScheduler",
             )
         extra = self.vllm_config.additional_config
         chan = extra.get("slipstream_channel_dir") if isinstance(extra, dict) else None
@@ -336,7 +358,11 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self._measured = _Window()
         self._stats = {_ONLINE: _ClassStats(), _OFFLINE: _ClassStats()}
         self._last_plan: StepPlan | None = None
-        self._sched_done_s: float | None = None
+        # (id of a scheduler output, when schedule() returned it, its predicted step time),
+        # oldest first: with async scheduling the next step is scheduled before the last
+        # one's output arrives.
+        self._inflight: deque[tuple[int, float, float | None]] = deque(maxlen=8)
+        self._last_output_s = 0.0
         self._last_predicted: float | None = None
         with self._guard.part("control"):
             self._poll_control(force=True)
@@ -603,14 +629,17 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         return int(hit)
 
     def _running_view(self, r: Request, cls: RequestClass) -> RunningRequest:
-        pending = r.num_tokens - r.num_computed_tokens
-        if r.num_output_tokens >= 1 and pending == 1:  # decoding
+        # With async scheduling a step may be in flight: its tokens are placeholders, already
+        # counted in num_computed_tokens but not yet in num_tokens (vLLM's walk adds them back).
+        inflight = int(getattr(r, "num_output_placeholders", 0))
+        outputs = r.num_output_tokens + inflight
+        if outputs >= 1 and r.num_tokens + inflight - r.num_computed_tokens == 1:  # decoding
             return RunningRequest(
                 r.request_id,
                 cls,
                 r.num_prompt_tokens,
                 r.num_prompt_tokens,
-                r.num_output_tokens - 1,
+                outputs - 1,
                 r.max_tokens,
                 r.arrival_time,
                 r.priority,
@@ -618,7 +647,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         return RunningRequest(  # prefilling, or recomputing after a preemption
             r.request_id,
             cls,
-            r.num_tokens,
+            r.num_tokens + inflight,
             r.num_computed_tokens,
             0,
             r.max_tokens,
@@ -847,7 +876,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             n = planned.get(req.request_id)
             if n is None:
                 hidden.append(req)
-            elif req.num_tokens - req.num_computed_tokens <= 1:
+            elif _pending(req) <= 1:
                 off_decode.append(req)
             elif online_admit:
                 hidden.append(req)
@@ -919,9 +948,9 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         self.waiting = q
 
     def _finish_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> SchedulerOutput:
-        self._sched_done_s = time.monotonic()
         with self._guard.part("bookkeeping"):
             self._note_schedule(out, plan)
+        self._inflight.append((id(out), time.monotonic(), self._last_predicted))
         return out
 
     def _note_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> None:
@@ -958,10 +987,8 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        if self._sched_done_s is not None:
-            self._measured.add(time.monotonic() - self._sched_done_s)
-            if self._last_predicted is not None:
-                self._predicted.add(self._last_predicted)
+        with self._guard.part("bookkeeping"):
+            self._time_step(id(scheduler_output))
         # Finished requests leave self.requests inside vLLM's update: look them up first.
         reqs = {
             rid: req
@@ -977,6 +1004,20 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             self._maybe_write_status(force=finished)
         result: dict[int, EngineCoreOutputs] = outputs
         return result
+
+    def _time_step(self, out_id: int) -> None:
+        """A step's measured time: from when it could start (its schedule() returned and the
+        step before it finished; one step runs at a time) to its output."""
+        now = time.monotonic()
+        while self._inflight:
+            oid, done_s, predicted = self._inflight.popleft()
+            if oid != out_id:
+                continue  # an output vLLM never delivered (an empty step)
+            self._measured.add(now - max(done_s, self._last_output_s))
+            if predicted is not None:
+                self._predicted.add(predicted)
+            break
+        self._last_output_s = now
 
     def _note_outputs(
         self, reqs: dict[str, Request], outputs: dict[int, EngineCoreOutputs]
@@ -1073,6 +1114,7 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
             written_at=time.time(),
             pid=os.getpid(),
             vllm_version=_vllm_version(),
+            async_scheduling=self.async_scheduling,
             online_waiting=online_w,
             offline_waiting=offline_w,
             online_running=online_r,
@@ -1140,6 +1182,16 @@ class SlipstreamScheduler(Scheduler):  # type: ignore[misc]
         with self._guard.part("report"):
             self._maybe_write_status(force=True)
         super().shutdown()
+
+
+class SlipstreamScheduler(_Slipstream, AsyncScheduler):  # type: ignore[misc]
+    """The plugin on vLLM's ``AsyncScheduler``, vLLM's default: the next step is scheduled
+    while the last one runs (``--scheduler-cls slipstream_vllm.scheduler.SlipstreamScheduler``)."""
+
+
+class SlipstreamSyncScheduler(_Slipstream):
+    """The plugin on vLLM's synchronous ``Scheduler``, for vLLM started with
+    ``--no-async-scheduling``."""
 
 
 def write_control(channel_dir: Path, doc: EngineControl) -> None:

@@ -69,7 +69,7 @@ def test_engine_mode_runs_the_plugin_and_sends_online_traffic_to_vllm() -> None:
     vllm, sidecar, pod, service = rendered(s)
     args = vllm["args"]
     assert args[args.index("--scheduler-cls") + 1] == PLUGIN
-    assert "--no-async-scheduling" in args
+    assert "--no-async-scheduling" not in args  # vLLM's default, async scheduling, stays on
     assert args[args.index("--host") + 1] == "0.0.0.0"
     assert args[args.index("--port") + 1] == str(ENGINE_PORT)
     assert args[-2:] == ["--max-num-seqs", "64"]  # the spec's own args stay last
@@ -90,3 +90,16 @@ def test_engine_mode_runs_the_plugin_and_sends_online_traffic_to_vllm() -> None:
     # The sidecar keeps its control API, /metrics and the offline shards.
     assert _port_of(pod["containers"], "grpc") == 9100
     assert _port_of(pod["containers"], "http") == 8100
+
+
+def test_engine_mode_with_async_scheduling_turned_off_runs_the_synchronous_plugin() -> None:
+    from slipstream_operator.reconcile_service import (
+        PLUGIN_SCHEDULER_CLS,
+        PLUGIN_SYNC_SCHEDULER_CLS,
+        plugin_class,
+    )
+
+    assert plugin_class([]) == PLUGIN_SCHEDULER_CLS == PLUGIN
+    assert plugin_class(["--no-async-scheduling"]) == PLUGIN_SYNC_SCHEDULER_CLS
+    assert plugin_class(["--async-scheduling", "false"]) == PLUGIN_SYNC_SCHEDULER_CLS
+    assert plugin_class(["--async-scheduling", "true"]) == PLUGIN_SCHEDULER_CLS

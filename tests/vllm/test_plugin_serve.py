@@ -83,8 +83,7 @@ def test_the_plugin_serves_both_classes_inside_vllm_serve(
         EngineControl(generation=3, policy="naive", ordering="gittins").encode()
     )
     srv: VllmServer = vllm_server_factory(
-        scheduler_cls=PLUGIN,
-        extra_args=("--no-async-scheduling",),
+        scheduler_cls=PLUGIN,  # on vLLM's AsyncScheduler: async scheduling stays on
         env={"SLIPSTREAM_CHANNEL_DIR": str(channel)},
     )
     with ThreadPoolExecutor(8) as pool:
@@ -98,6 +97,10 @@ def test_the_plugin_serves_both_classes_inside_vllm_serve(
         lambda r: r.offline_tokens >= 4 * 24 and r.online_tokens >= 3 * 16 + 8,
     )
     assert rep.generation == 3 and rep.policy == "naive" and rep.ordering == "gittins"
+    # vLLM's CPU platform turns async scheduling off (vllm/platforms/cpu.py): here the plugin on
+    # vLLM's AsyncScheduler is stepped synchronously; tests/vllm/test_plugin_async.py steps it
+    # as a GPU engine core does, a step in flight.
+    assert not rep.async_scheduling
     assert rep.forged_offline_tags == 1
     assert rep.offline_tokens == 4 * 24 and rep.online_tokens == 3 * 16 + 8
     assert rep.online.samples == 4 and rep.online.ttft_mean_s is not None
@@ -116,3 +119,40 @@ def test_the_plugin_serves_both_classes_inside_vllm_serve(
     _complete(srv, 4)
     rep = _report(channel, lambda r: r.online_tokens >= 3 * 16 + 8 + 8)
     assert rep.generation == 4 and rep.ordering == "fcfs"
+
+
+@pytest.mark.parametrize("faults", ["psm,predictor", "planner"])
+def test_faults_in_the_plugin_never_stop_vllm_serve(
+    vllm_server_factory: Any, tmp_path: Path, faults: str
+) -> None:
+    """Parts of the plugin raise on every call inside a real engine: every online and offline
+    request still completes with its tokens, and the faults show in status.json (the planner
+    faulting every step trips the pod onto vLLM's own policy)."""
+    import os
+
+    channel = tmp_path / "channel"
+    channel.mkdir()
+    token = secrets.token_hex(16)
+    (channel / OFFLINE_TOKEN_FILE).write_text(token)
+    (channel / CONTROL_FILE).write_text(
+        EngineControl(generation=1, policy="naive", ordering="gittins").encode()
+    )
+    here = str(Path(__file__).parent)
+    srv: VllmServer = vllm_server_factory(
+        scheduler_cls="faulty_plugin.FaultyScheduler",
+        env={"SLIPSTREAM_CHANNEL_DIR": str(channel), "SLIPSTREAM_TEST_FAULTS": faults,
+             "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))},
+    )
+    with ThreadPoolExecutor(12) as pool:
+        offline = [pool.submit(_complete, srv, 20, {OFFLINE_TOKEN_ARG: token}) for _ in range(6)]
+        online = [pool.submit(_complete, srv, 12) for _ in range(6)]
+        outs = [f.result() for f in offline + online]
+    assert [o["usage"]["completion_tokens"] for o in outs] == [20] * 6 + [12] * 6
+    if faults == "planner":
+        rep = _report(channel, lambda r: r.faults.get("planner", 0) >= 5 and r.failsafe)
+        assert rep.faults == {"planner": 5} and rep.fault_steps == 5
+    else:
+        rep = _report(channel, lambda r: r.offline_tokens >= 6 * 20)
+        assert rep.faults.get("psm", 0) > 0 and rep.faults.get("predictor", 0) > 0
+        assert not rep.failsafe or "faults within" in rep.failsafe
+    assert rep.offline_tokens == 6 * 20 and rep.online_tokens == 6 * 12
