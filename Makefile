@@ -19,7 +19,8 @@ VLLM_OFFICIAL_BIN  := $(VLLM_OFFICIAL_VENV)/bin
 # The in-process tier, also run against the official wheel: vLLM's Scheduler and the plugin.
 INPROCESS_TESTS := tests/vllm/test_inprocess_scheduler.py tests/vllm/test_plugin_inprocess.py \
   tests/vllm/test_plugin_sidecar_channel.py tests/vllm/test_sim_plugin.py \
-  tests/vllm/test_sim_vllm.py tests/vllm/test_fidelity.py tests/vllm/test_plugin_ordering.py
+  tests/vllm/test_sim_vllm.py tests/vllm/test_fidelity.py tests/vllm/test_plugin_ordering.py \
+  tests/vllm/test_plugin_failsafe.py tests/vllm/test_plugin_compat.py tests/vllm/test_plugin_async.py
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
