@@ -21,6 +21,7 @@ undone first.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -57,6 +58,7 @@ class FaultGuard:
         self.tripped_reason = ""
         self._recent: deque[float] = deque(maxlen=TRIP_FAULTS)
         self._logged: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()  # the scheduling thread and the channel thread record
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -67,6 +69,10 @@ class FaultGuard:
             self.record(name, exc)
 
     def record(self, name: str, exc: BaseException) -> None:
+        with self._lock:
+            self._record(name, exc)
+
+    def _record(self, name: str, exc: BaseException) -> None:
         now = self.clock()
         self.counts[name] = self.counts.get(name, 0) + 1
         self._log(name, exc, now)
@@ -85,6 +91,10 @@ class FaultGuard:
 
     def reset(self) -> None:
         """A new control generation: Slipstream's policy again (counts are kept)."""
+        with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
         if self.tripped:
             logger.info("slipstream: new control generation; Slipstream's policy resumes")
         self.tripped = False

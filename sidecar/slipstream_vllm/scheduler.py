@@ -172,6 +172,16 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True, slots=True)
+class _Config:
+    """A control document with everything it needs built (off the scheduling thread)."""
+
+    doc: EngineControl
+    planner: TwoPhasePlanner
+    ordering: Ordering
+    psm: PsmParams
+
+
 @dataclass(slots=True)
 class _Meta:
     """What the plugin keeps per request beside vLLM's ``Request``."""
@@ -195,11 +205,15 @@ class _Window:
     def add(self, v: float) -> None:
         self.values.append(v)
 
+    # The channel thread reads while the scheduling thread appends: tuple() copies the deque
+    # in one step under the GIL.
     def mean(self) -> float | None:
-        return float(np.mean(self.values)) if self.values else None
+        values = tuple(self.values)
+        return float(np.mean(values)) if values else None
 
     def p99(self) -> float | None:
-        return float(np.quantile(np.asarray(self.values), 0.99)) if self.values else None
+        values = tuple(self.values)
+        return float(np.quantile(np.asarray(values), 0.99)) if values else None
 
 
 class _Cumulative:
@@ -326,14 +340,14 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         self._token: str | None = None
         self._token_stat: tuple[int, int] | None = None
         self._control_stat: tuple[int, int, int] | None = None
-        self._next_poll = 0.0
-        self._next_status = 0.0
-        self._last_report: EngineReport | None = None
-        self._status_lock = threading.Lock()
-        self._heartbeat_stop = threading.Event()
-        if self.channel_dir is not None:
-            threading.Thread(target=self._heartbeat, name="slipstream-status",
-                             daemon=True).start()
+        self._pending: _Config | None = None
+        """A control document the channel thread read and built, for the next step to take."""
+        self._report_now = False
+        self._queue_counts = (0, 0, 0, 0)
+        """(online waiting, offline waiting, online running, offline running) at the last
+        step: the channel thread reports these, never vLLM's queues."""
+        self._counted_at = 0.0
+        self._channel_stop = threading.Event()
         self.control: EngineControl | None = None
         self.planner: TwoPhasePlanner = build_planner("naive", mode=PlannerMode.ITERATION)
         self.ordering: Ordering = make_ordering("fcfs")
@@ -365,9 +379,37 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         self._last_output_s = 0.0
         self._last_predicted: float | None = None
         with self._guard.part("control"):
-            self._poll_control(force=True)
+            self._poll_control()
+            self._take_config()
+        if self.channel_dir is not None:
+            threading.Thread(target=self._channel_loop, name="slipstream-channel",
+                             daemon=True).start()
 
     # ------------------------------------------------------------------ control
+    #
+    # The channel thread polls ``control.json`` and writes ``status.json``; the scheduling
+    # thread only takes a finished configuration (one attribute read per step) and records
+    # counts. Nothing here does I/O or parsing on vLLM's scheduling thread while it serves.
+
+    def _channel_loop(self) -> None:
+        next_report = 0.0
+        while not self._channel_stop.wait(CONTROL_POLL_S):
+            if self.channel_dir is None or not self.channel_dir.is_dir():
+                return  # the channel is gone (the pod's emptyDir, a test's folder)
+            with self._guard.part("control"):
+                self._poll_control()
+            now = time.monotonic()
+            if self._report_now or now >= next_report:
+                self._report_now = False
+                next_report = now + STATUS_EVERY_S
+                with self._guard.part("report"):
+                    self._write_report(self.report())
+
+    def _take_config(self) -> None:
+        cfg = self._pending
+        if cfg is not None:
+            self._pending = None
+            self._install(cfg)
 
     def _read_token(self) -> None:
         if self.channel_dir is None:
@@ -385,11 +427,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         self._token = token or None
         self._token_stat = key
 
-    def _poll_control(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now < self._next_poll:
-            return
-        self._next_poll = now + CONTROL_POLL_S
+    def _poll_control(self) -> None:
+        """Read the token and, if it changed, the control document, and build it for the next
+        step (the channel thread; once at start)."""
         if self.channel_dir is None:
             return
         self._read_token()
@@ -412,7 +452,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
                 self.control.generation if self.control else None,
             )
             return
-        self.apply(doc)
+        cfg = self._build(doc)
+        if cfg is not None:
+            self._pending = cfg
 
     def set_offline_token(self, token: str) -> None:
         """Use ``token`` as the pod's secret (in-process use; a pod reads ``offline.token``)."""
@@ -420,9 +462,23 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         self._token_stat = (-1, -1)
 
     def apply(self, doc: EngineControl) -> bool:
-        """Apply a control document if it is newer than the one in force; True if applied."""
-        if self.control is not None and doc.generation <= self.control.generation:
+        """Apply a control document now if it is newer than the one in force; True if applied
+        (in-process use; in a pod the channel thread builds it and the next step takes it)."""
+        cfg = self._build(doc)
+        if cfg is None:
             return False
+        self._install(cfg)
+        return True
+
+    def _build(self, doc: EngineControl) -> _Config | None:
+        """Everything a control document needs built, or None if it is not newer than the one
+        in force (or pending) or does not build."""
+        newest = max(
+            self.control.generation if self.control is not None else -1,
+            self._pending.doc.generation if self._pending is not None else -1,
+        )
+        if doc.generation <= newest:
+            return None
         try:
             model = (
                 LinearLatencyModel.from_dict(doc.latency_model)
@@ -436,8 +492,14 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
             psm = PsmParams.model_validate({"block_size": self.block_size, **doc.psm_params})
         except Exception as exc:  # a bad document must never take the engine down
             logger.error("slipstream: control generation %s refused: %s", doc.generation, exc)
-            return False
-        self.planner, self.ordering = planner, ordering
+            return None
+        return _Config(doc, planner, ordering, psm)
+
+    def _install(self, cfg: _Config) -> None:
+        doc, psm = cfg.doc, cfg.psm
+        if self.control is not None and doc.generation <= self.control.generation:
+            return
+        self.planner, self.ordering = cfg.planner, cfg.ordering
         self.budget_s, self.idle_budget_s = doc.budget_s, doc.idle_budget_s
         if psm != self._psm.params or doc.offline_order != self.offline_order:
             self._rebuild_psm(psm)
@@ -453,7 +515,6 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
             doc.ordering,
             doc.budget_s,
         )
-        return True
 
     def _rebuild_psm(self, params: PsmParams) -> None:
         old = self._psm
@@ -689,8 +750,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         guard = self._guard
-        with guard.part("control"):
-            self._poll_control()
+        if self._pending is not None:
+            with guard.part("control"):
+                self._take_config()
         if guard.tripped:  # repeated faults: vLLM's own policy until a new generation
             return self._vllm_walk(throttle_prefills)
         if self.kv_holding_waiting:  # connector KV loads: not steered, vLLM's walk
@@ -715,6 +777,8 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         online_q, offline_q = self._ordered_queues(waiting)
         self._stage = "planner"
         snap = self._snapshot(online_q, offline_q)
+        online_r = sum(1 for q in snap.running if q.cls is _ONLINE)
+        self._queue_counts = (len(online_q), len(offline_q), online_r, len(snap.running) - online_r)
         plan = self.planner.plan(snap)
         if online_q and self.ordering.preemptive:
             self._stage = "ordering"
@@ -759,9 +823,28 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
 
     def _vllm_walk(self, throttle_prefills: bool) -> SchedulerOutput:
         """vLLM's own walk with nothing of Slipstream's in it but the bookkeeping, which
-        cannot change the output."""
+        cannot change the output (the report's queue counts are refreshed twice a second)."""
+        now = time.monotonic()
+        if now - self._counted_at >= STATUS_EVERY_S:
+            self._counted_at = now
+            with self._guard.part("bookkeeping"):
+                self._count_queues()
         out = super().schedule(throttle_prefills)
         return self._finish_schedule(out, None)
+
+    def _count_queues(self) -> None:
+        online_w = offline_w = online_r = offline_r = 0
+        for r in self._waiting_requests():
+            if self._class_of(r) is _OFFLINE:
+                offline_w += 1
+            else:
+                online_w += 1
+        for r in self.running:
+            if self._class_of(r) is _OFFLINE:
+                offline_r += 1
+            else:
+                online_r += 1
+        self._queue_counts = (online_w, offline_w, online_r, offline_r)
 
     # ------------------------------------------------------------------ online preemption
 
@@ -817,11 +900,22 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         return True
 
     @contextlib.contextmanager
-    def _ranked_online(self) -> Iterator[None]:
+    def _ranked_online(self, *, plan_fits: bool = False) -> Iterator[None]:
         """For one walk of vLLM's, running online requests carry their rank in the ordering
         as their priority (client priority first, then key, then arrival), so the request
         vLLM preempts when KV runs out (the largest priority) is the ordering's last, and the
-        walk gives blocks in rank order. Priorities are restored afterwards."""
+        walk gives blocks in rank order. Priorities are restored afterwards.
+
+        ``plan_fits``: the walk's token cap is the plan's own total, so every running request
+        gets its tokens in any order; then the ranking matters only if the walk can run out
+        of KV blocks, and is skipped when the free blocks cover the most this walk can take
+        (a block per request plus the cap's tokens in blocks)."""
+        if plan_fits:
+            most = (self.max_num_scheduled_tokens // self.block_size + len(self.running)
+                    + len(self.waiting) + 1)
+            if self.kv_cache_manager.block_pool.get_num_free_blocks() >= most:
+                yield
+                return
         try:
             online = [
                 (int(r.priority), self._online_key(r, m), r.arrival_time, r)
@@ -910,7 +1004,7 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         try:
             if 0 < saved_threshold < widest:
                 sc.long_prefill_token_threshold = widest
-            with self._ranked_online():
+            with self._ranked_online(plan_fits=True):
                 self._walking = True
                 out = super().schedule(throttle)
                 self._walking = False
@@ -999,9 +1093,10 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         finished = False
         with self._guard.part("bookkeeping"):
             finished = self._note_outputs(reqs, outputs)
-        # A finish may leave the engine idle (no further step): report it at once.
-        with self._guard.part("report"):
-            self._maybe_write_status(force=finished)
+        if finished:  # a finish may leave the engine idle: the channel thread reports it next
+            if not self.requests:
+                self._queue_counts = (0, 0, 0, 0)
+            self._report_now = True
         result: dict[int, EngineCoreOutputs] = outputs
         return result
 
@@ -1094,17 +1189,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
     # ------------------------------------------------------------------ report
 
     def report(self) -> EngineReport:
-        online_w = offline_w = online_r = offline_r = 0
-        for r in self._waiting_requests():
-            if self._class_of(r) is _OFFLINE:
-                offline_w += 1
-            else:
-                online_w += 1
-        for r in self.running:
-            if self._class_of(r) is _OFFLINE:
-                offline_r += 1
-            else:
-                online_r += 1
+        """The plugin's state; safe on any thread (it reads counters and copies of the
+        windows, never vLLM's queues)."""
+        online_w, offline_w, online_r, offline_r = self._queue_counts
         c = self.control
         return EngineReport(
             generation=c.generation if c is not None else -1,
@@ -1141,46 +1228,19 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
             offline_counts=self._stats[_OFFLINE].counts(),
         )
 
-    def _maybe_write_status(self, *, force: bool = False) -> None:
+    def _write_report(self, rep: EngineReport) -> None:
         if self.channel_dir is None:
             return
-        now = time.monotonic()
-        if not force and now < self._next_status:
-            return
-        self._next_status = now + STATUS_EVERY_S
-        self._write_report(self.report())
-
-    def _write_report(self, rep: EngineReport, *, replacing: EngineReport | None = None) -> None:
-        """Write ``rep``; with ``replacing``, only if that is still the last report written
-        (the heartbeat never overwrites a newer report of a step)."""
-        if self.channel_dir is None:
-            return
-        with self._status_lock:
-            if replacing is not None and self._last_report is not replacing:
-                return
-            self._last_report = rep
-            try:
-                _atomic_write(self.channel_dir / STATUS_FILE, rep.model_dump_json())
-            except OSError as exc:
-                if self.channel_dir.is_dir():  # a folder removed meanwhile is no fault here
-                    logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
-
-    def _heartbeat(self) -> None:
-        """While no step has written for a period (vLLM idle), rewrite the last report."""
-        while not self._heartbeat_stop.wait(STATUS_EVERY_S):
-            if self.channel_dir is None or not self.channel_dir.is_dir():
-                return  # the channel is gone (the pod's emptyDir, a test's folder)
-            last = self._last_report
-            if last is None or time.monotonic() < self._next_status + STATUS_EVERY_S:
-                continue
-            with self._guard.part("report"):
-                self._write_report(last.model_copy(update={"written_at": time.time()}),
-                                   replacing=last)
+        try:
+            _atomic_write(self.channel_dir / STATUS_FILE, rep.model_dump_json())
+        except OSError as exc:
+            if self.channel_dir.is_dir():  # a folder removed meanwhile is no fault here
+                logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
 
     def shutdown(self) -> None:
-        self._heartbeat_stop.set()
+        self._channel_stop.set()
         with self._guard.part("report"):
-            self._maybe_write_status(force=True)
+            self._write_report(self.report())
         super().shutdown()
 
 

@@ -36,9 +36,9 @@ class FaultyScheduler(SlipstreamScheduler):  # type: ignore[misc]
         if part in getattr(self, "faults", ()):
             raise InjectedFaultError(part)
 
-    def _poll_control(self, *, force: bool = False) -> None:
+    def _poll_control(self) -> None:
         self._fault("control")
-        super()._poll_control(force=force)
+        super()._poll_control()
 
     def _ordered_queues(self, waiting: list[Any]) -> Any:
         self._fault("ordering")

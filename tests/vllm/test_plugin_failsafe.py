@@ -127,6 +127,12 @@ def test_a_fault_in_one_part_never_stops_the_engine(
     _run(eng)
     _every_request_finished_once(eng)
     sched = eng.scheduler
+    if part == "report":  # the channel thread writes the report, twice a second
+        import time
+
+        deadline = time.monotonic() + 10
+        while not sched._guard.counts[part] and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert sched._guard.counts[part] > 0, sched._guard.counts
     if part != "report":
         rep = sched.report()
@@ -154,7 +160,7 @@ def test_repeated_faults_hold_vllms_policy_until_a_new_generation(
     # The fault is mended and a new control generation arrives: the planner runs again.
     monkeypatch.setattr(planner_cls, "plan", original)
     _control(channel, model, generation=2)
-    sched._next_poll = 0.0
+    sched._poll_control()  # what the channel thread does every 0.2 s
     eng.step()
     assert not sched.report().failsafe
     assert sched.steps == steps_while_tripped + 1
@@ -172,7 +178,8 @@ def test_a_control_channel_that_raises_keeps_the_generation_in_force(
     sched = eng.scheduler
     monkeypatch.setattr(plugin, "decode_control", _boom)
     _control(channel, model, generation=2)
-    sched._next_poll = 0.0
+    with sched._guard.part("control"):  # as the channel thread polls
+        sched._poll_control()
     _run(eng)
     _every_request_finished_once(eng)
     assert sched._guard.counts["control"] >= 1

@@ -266,13 +266,20 @@ def test_an_older_generation_is_ignored_and_survives_a_restart(
     assert sched.control.generation == 5 and sched.budget_s == 0.05
     import time
 
-    time.sleep(0.25)  # past the poll interval
+    from slipstream_vllm.scheduler import CONTROL_POLL_S
+
+    # The channel thread reads the document off the scheduling thread; the next step takes it.
     _control(channel, generation=3, policy="naive")
+    time.sleep(3 * CONTROL_POLL_S)
+    assert sched._pending is None  # older than the one in force: never built
     _add(eng, "on0", 50, 3)
     _run(eng)
     assert sched.control.generation == 5 and sched.planner.name == "budget"
-    time.sleep(0.25)
     _control(channel, generation=6, policy="budget", budget_s=0.07, latency_model=model.to_dict())
+    deadline = time.monotonic() + 10
+    while sched._pending is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sched._pending is not None and sched.control.generation == 5  # built, not yet taken
     _add(eng, "on1", 50, 3)
     _run(eng)
     assert sched.control.generation == 6 and sched.budget_s == 0.07
@@ -282,8 +289,8 @@ def test_an_older_generation_is_ignored_and_survives_a_restart(
 
 
 def test_an_idle_engine_keeps_its_report_fresh(channel: Path) -> None:
-    """No step runs while vLLM is idle; the heartbeat rewrites the last report meanwhile, and
-    never overwrites a step's newer report with an older one."""
+    """No step runs while vLLM is idle; the channel thread rewrites the report meanwhile (the
+    same figures, a new written_at), and the report of a later step replaces it."""
     import time
 
     from slipstream_scheduler.enginecontrol import EngineReport
@@ -293,7 +300,19 @@ def test_an_idle_engine_keeps_its_report_fresh(channel: Path) -> None:
     _add(eng, "on0", 40, 3)
     _run(eng)
     path = channel / STATUS_FILE
-    first = EngineReport.model_validate_json(path.read_text())
+
+    def written(steps: int) -> EngineReport:
+        # The channel thread writes the report (at most 0.2 s after a finish); wait for it.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if path.exists():
+                rep = EngineReport.model_validate_json(path.read_text())
+                if rep.steps == steps:
+                    return rep
+            time.sleep(0.02)
+        raise AssertionError(f"no report of step {steps}")
+
+    first = written(eng.scheduler.steps)
     assert first.online_waiting == 0 and first.online_running == 0
     time.sleep(4 * STATUS_EVERY_S)  # idle: nothing calls into the scheduler
     later = EngineReport.model_validate_json(path.read_text())
@@ -301,8 +320,8 @@ def test_an_idle_engine_keeps_its_report_fresh(channel: Path) -> None:
     assert later.model_copy(update={"written_at": first.written_at}) == first
     _add(eng, "on1", 40, 3)
     _run(eng)
-    busy = EngineReport.model_validate_json(path.read_text())
-    assert busy.steps > first.steps  # the step's report, not the heartbeat's copy
+    busy = written(eng.scheduler.steps)
+    assert busy.steps > first.steps
     time.sleep(4 * STATUS_EVERY_S)
     assert EngineReport.model_validate_json(path.read_text()).steps == busy.steps
     eng.scheduler.shutdown()

@@ -28,6 +28,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fleet": ("slipstream_cli.benches.fleet", "shard placement across a fleet of pods"),
     "lengths": ("slipstream_cli.benches.lengths", "output-length predictor accuracy"),
     "fidelity": ("slipstream_cli.benches.fidelity", "the engine model vs vLLM's own scheduler"),
+    "plugin-overhead": ("slipstream_cli.benches.plugin_overhead",
+                        "CPU time the vLLM plugin adds per step"),
 }
 
 

@@ -1,0 +1,168 @@
+"""``slipstream bench plugin-overhead``: the CPU time Slipstream's plugin adds to vLLM's step.
+
+vLLM's real v1 scheduler is stepped in-process (:class:`slipstream_vllm.inprocess.VllmEngine`)
+with N requests decoding (16, 64 and 256 by default: every one running, long outputs, no
+offline work), once as stock vLLM (``AsyncScheduler``) and once per plugin configuration
+(``SlipstreamScheduler`` with the ``naive`` policy and FCFS ordering: the plugin's machinery
+alone; with Gittins ordering over predicted lengths: the shipped online ordering; with the
+``budget`` policy and a latency model: planning every step). Each step's ``schedule()`` and
+``update_from_output()`` are timed with the calling thread's CPU clock
+(``time.thread_time_ns``), which other processes on the host do not inflate. Rounds
+alternate stock and plugin; the report gives, per N and configuration, the median CPU time per
+step of each, the plugin's added microseconds and the ratio to stock, measured in the same
+run.
+
+Deliberately left out: the GPU (no model runs; the step's own time is not part of this) and
+``vllm serve`` throughput (the HTTP server and tokenizer dominate on this CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from slipstream_cli.benches.fidelity import installed_vllm
+from slipstream_cli.benches.fidelity_vllm import require_vllm, slipstream_argv
+from slipstream_scheduler.engine.model import EngineConfig
+
+SCHEMA = "slipstream.bench.plugin-overhead/v1"
+PLUGIN = "slipstream_vllm.scheduler.SlipstreamScheduler"
+STOCK = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+CONFIGS: dict[str, dict[str, Any]] = {
+    "naive-fcfs": {"policy": "naive", "ordering": "fcfs"},
+    "naive-gittins": {"policy": "naive", "ordering": "gittins"},
+    "budget-gittins": {"policy": "budget", "ordering": "gittins", "budget_s": 1.0},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--running", type=int, nargs="+", default=[16, 64, 256],
+                        help="requests decoding at once (default 16 64 256)")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="timed steps per round (default 200)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds, stock and plugin alternating (default 3)")
+    parser.add_argument("--config", choices=list(CONFIGS), nargs="+", default=list(CONFIGS),
+                        help="plugin configurations (default: all)")
+    parser.add_argument("--json", type=Path, help="write the JSON report here")
+
+
+def _engine(n: int, channel: Path | None, control: dict[str, Any] | None) -> Any:
+    from slipstream_vllm.inprocess import VllmEngine
+
+    cfg = EngineConfig(max_num_seqs=max(n, 16), max_num_batched_tokens=max(2 * n, 512),
+                       num_gpu_blocks=n * 24 + 64, noise_cv=0.0)
+    if channel is not None and control is not None:
+        _write_control(channel, control, cfg)
+        os.environ["SLIPSTREAM_CHANNEL_DIR"] = str(channel)
+    eng = VllmEngine(cfg, scheduler_cls=PLUGIN if channel is not None else STOCK)
+    os.environ.pop("SLIPSTREAM_CHANNEL_DIR", None)
+    for i in range(n):
+        eng.add_tokens(f"r{i}", eng.synth.prompt(f"r{i}", 128 + (i % 7) * 16, ()), 100_000)
+    while eng.stats().running < n or any(  # until every request decodes
+        r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running
+    ):
+        eng.step()
+    return eng
+
+
+def _write_control(channel: Path, control: dict[str, Any], cfg: EngineConfig) -> None:
+    from slipstream_scheduler.enginecontrol import EngineControl
+    from slipstream_scheduler.sim.simulator import profile_latency_model
+    from slipstream_vllm.scheduler import write_control
+
+    doc = dict(control)
+    if doc["policy"] == "budget":
+        doc["latency_model"] = profile_latency_model(cfg, samples=200).to_dict()
+    write_control(channel, EngineControl(generation=1, **doc))
+
+
+def _timed_steps(eng: Any, steps: int) -> list[int]:
+    """CPU nanoseconds of each step's schedule() plus update_from_output()."""
+    sched = eng.scheduler
+    schedule, update = sched.schedule, sched.update_from_output
+    spent: list[int] = []
+
+    def timed_schedule(*a: Any, **k: Any) -> Any:
+        t = time.thread_time_ns()
+        out = schedule(*a, **k)
+        spent.append(time.thread_time_ns() - t)
+        return out
+
+    def timed_update(*a: Any, **k: Any) -> Any:
+        t = time.thread_time_ns()
+        out = update(*a, **k)
+        spent[-1] += time.thread_time_ns() - t
+        return out
+
+    sched.schedule, sched.update_from_output = timed_schedule, timed_update
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        del sched.schedule, sched.update_from_output
+    return spent
+
+
+def measure(n: int, config: str, steps: int, rounds: int) -> dict[str, Any]:
+    stock: list[int] = []
+    plugin: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        channel = Path(tmp)
+        engines = (_engine(n, None, None), _engine(n, channel, CONFIGS[config]))
+        for _ in range(rounds):
+            stock += _timed_steps(engines[0], steps)
+            plugin += _timed_steps(engines[1], steps)
+        engines[1].scheduler.shutdown()
+    s_med, p_med = statistics.median(stock), statistics.median(plugin)
+    return {
+        "running": n,
+        "config": config,
+        "steps": len(stock),
+        "stock_median_us": s_med / 1e3,
+        "plugin_median_us": p_med / 1e3,
+        "added_median_us": (p_med - s_med) / 1e3,
+        "ratio": p_med / s_med,
+        "stock_p90_us": statistics.quantiles(stock, n=10)[-1] / 1e3,
+        "plugin_p90_us": statistics.quantiles(plugin, n=10)[-1] / 1e3,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    parser = argparse.ArgumentParser(prog="slipstream bench plugin-overhead")
+    add_arguments(parser)
+    if args.steps < 10 or args.rounds < 1 or min(args.running) < 1:
+        parser.error("--steps must be >= 10, --rounds >= 1 and --running >= 1")
+    require_vllm(parser, slipstream_argv(["bench", "plugin-overhead"]))
+    version = ".".join(map(str, installed_vllm()))
+
+    console = Console(width=max(Console().width, 110))
+    rows = []
+    for n in args.running:
+        for config in args.config:
+            with console.status(f"plugin overhead: {n} running, {config}"):
+                rows.append(measure(n, config, args.steps, args.rounds))
+    table = Table(title=f"CPU time per step, vLLM {version} in-process (median, µs)")
+    for col in ("running", "plugin config", "stock", "plugin", "added", "ratio"):
+        table.add_column(col, justify="left" if col == "plugin config" else "right")
+    for r in rows:
+        table.add_row(str(r["running"]), r["config"], f"{r['stock_median_us']:.0f}",
+                      f"{r['plugin_median_us']:.0f}", f"{r['added_median_us']:+.0f}",
+                      f"{r['ratio']:.2f}x")
+    console.print(table)
+    if args.json:
+        doc = {"schema": SCHEMA, "vllm_version": version, "steps_per_round": args.steps,
+               "rounds": args.rounds, "rows": rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
