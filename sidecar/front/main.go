@@ -64,6 +64,8 @@ func main() {
 	controlPath := flag.String("control", "", "the sidecar's control socket")
 	internal := flag.String("internal", "", "the sidecar's own HTTP server (Unix socket)")
 	conns := flag.Int("engine-connections", 1024, "connections kept open to the engine")
+	dialWait := flag.Duration("engine-dial-timeout", 60*time.Second,
+		"how long a request waits to connect to a slow engine (a refused connection is not waited for)")
 	flag.Parse()
 	target, err := url.Parse(*engine)
 	if err != nil || target.Scheme != "http" || target.Host == "" {
@@ -81,7 +83,7 @@ func main() {
 	f := &front{
 		engine: strings.TrimRight(*engine, "/"),
 		client: &http.Client{Transport: &http.Transport{
-			DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+			DialContext:         newEngineDialer(*dialWait).DialContext,
 			MaxIdleConns:        *conns,
 			MaxIdleConnsPerHost: *conns,
 			IdleConnTimeout:     90 * time.Second,
@@ -378,8 +380,14 @@ func cause(err error) string {
 	return "connection failed"
 }
 
+// retryAfter is what a 503 tells clients: the engine is restarting or gone, try again.
+const retryAfter = "1"
+
 func writeError(w http.ResponseWriter, status int, message, kind string) {
 	w.Header().Set("Content-Type", "application/json")
+	if status == http.StatusServiceUnavailable {
+		w.Header().Set("Retry-After", retryAfter)
+	}
 	w.WriteHeader(status)
 	msg, _ := json.Marshal(message)
 	fmt.Fprintf(w, `{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`, msg, kind, status)
