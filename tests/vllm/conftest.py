@@ -10,12 +10,17 @@ takes one of its own from ``vllm_server_factory``.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_FILE
+from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.sim.simulator import profile_latency_model
 from slipstream_testbed.vllm import VllmServer, VllmServerOptions, ensure
 
 # vLLM picks its platform when first imported; without a GPU the official wheel must be told
@@ -23,6 +28,28 @@ from slipstream_testbed.vllm import VllmServer, VllmServerOptions, ensure
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 pytestmark = pytest.mark.vllm
+
+
+PLUGIN_CFG = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=400,
+                          noise_cv=0.0)
+"""The engine the plugin's in-process tests price steps for (the ``model`` fixture)."""
+
+
+@pytest.fixture(scope="module")
+def model() -> LinearLatencyModel:
+    """A latency model profiled on :data:`PLUGIN_CFG`'s GPU timing."""
+    return profile_latency_model(PLUGIN_CFG, samples=400)
+
+
+@pytest.fixture
+def channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The plugin's channel folder with the pod's offline token, named in the environment as a
+    pod's vLLM finds it (``SLIPSTREAM_CHANNEL_DIR``)."""
+    d = tmp_path / "channel"
+    d.mkdir()
+    (d / OFFLINE_TOKEN_FILE).write_text(secrets.token_hex(16))
+    monkeypatch.setenv("SLIPSTREAM_CHANNEL_DIR", str(d))
+    yield d
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,8 +10,6 @@ step is timed from its own scheduler output.
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,6 @@ import pytest
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, OFFLINE_TOKEN_FILE, EngineControl
 from slipstream_scheduler.latency import LinearLatencyModel
-from slipstream_scheduler.sim.simulator import profile_latency_model
 from slipstream_scheduler.types import BatchItem, Phase, RequestClass
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -30,20 +27,6 @@ CFG = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=4
 # Too few blocks for everything at once: vLLM preempts.
 TIGHT = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=120,
                      noise_cv=0.0)
-
-
-@pytest.fixture(scope="module")
-def model() -> LinearLatencyModel:
-    return profile_latency_model(CFG, samples=400)
-
-
-@pytest.fixture
-def channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    d = tmp_path / "channel"
-    d.mkdir()
-    (d / OFFLINE_TOKEN_FILE).write_text(secrets.token_hex(16))
-    monkeypatch.setenv("SLIPSTREAM_CHANNEL_DIR", str(d))
-    yield d
 
 
 def _budget(model: LinearLatencyModel) -> float:

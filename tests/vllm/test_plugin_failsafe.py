@@ -11,8 +11,7 @@ requests from it leaves every request in vLLM's queues.
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import pytest
 from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, OFFLINE_TOKEN_FILE, EngineControl
 from slipstream_scheduler.latency import LinearLatencyModel
-from slipstream_scheduler.sim.simulator import profile_latency_model
 from slipstream_scheduler.types import BatchItem, Phase
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -38,20 +36,6 @@ class InjectedError(RuntimeError):
 
 def _boom(*_: Any, **__: Any) -> Any:
     raise InjectedError("injected fault")
-
-
-@pytest.fixture(scope="module")
-def model() -> LinearLatencyModel:
-    return profile_latency_model(CFG, samples=400)
-
-
-@pytest.fixture
-def channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    d = tmp_path / "channel"
-    d.mkdir()
-    (d / OFFLINE_TOKEN_FILE).write_text(secrets.token_hex(16))
-    monkeypatch.setenv("SLIPSTREAM_CHANNEL_DIR", str(d))
-    yield d
 
 
 def _control(

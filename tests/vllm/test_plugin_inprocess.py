@@ -7,8 +7,6 @@ vLLM's ``schedule()`` returned under the plugin. The checks read that batch, nev
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +19,12 @@ from slipstream_scheduler.enginecontrol import (
     EngineControl,
 )
 from slipstream_scheduler.latency import LinearLatencyModel
-from slipstream_scheduler.sim.simulator import profile_latency_model
 from slipstream_scheduler.types import BatchItem, Phase
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 PLUGIN = "slipstream_vllm.scheduler.SlipstreamScheduler"
 CFG = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_gpu_blocks=400, noise_cv=0.0)
-
-
-@pytest.fixture(scope="module")
-def model() -> LinearLatencyModel:
-    return profile_latency_model(CFG, samples=400)
-
-
-@pytest.fixture
-def channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    d = tmp_path / "channel"
-    d.mkdir()
-    (d / OFFLINE_TOKEN_FILE).write_text(secrets.token_hex(16))
-    monkeypatch.setenv("SLIPSTREAM_CHANNEL_DIR", str(d))
-    yield d
 
 
 def _token(channel: Path) -> str:
