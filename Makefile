@@ -155,6 +155,7 @@ bench: venv
 	@$(BIN)/slipstream bench ordering --json docs/benchmarks/ordering.json
 	@$(BIN)/slipstream bench prefix --json docs/benchmarks/prefix.json
 	@$(BIN)/slipstream bench sidecar --json docs/benchmarks/sidecar.json
+	@$(BIN)/slipstream bench plugin-overhead --json docs/benchmarks/plugin-overhead.json
 
 proto: venv
 	@bash hack/gen-proto.sh

@@ -400,3 +400,15 @@ def test_fidelity_page_figures() -> None:
 def test_fleet_page_results_block_is_the_benchs() -> None:
     page = (BENCH / "fleet.md").read_text()
     assert splice(page, markdown(_load("fleet.json"))) == page
+
+
+def test_plugin_overhead_page_figures() -> None:
+    rows = {(r["running"], r["config"]): r for r in _load("plugin-overhead.json")["rows"]}
+    table = _table((BENCH / "plugin-overhead.md").read_text(), "## Results")
+    assert len(table) == len(rows)
+    for r in table:
+        row = rows[(int(r["running"]), _plain(r["plugin config"]))]
+        _shows(r["stock µs"], row["stock_median_us"])
+        _shows(r["plugin µs"], row["plugin_median_us"])
+        _shows(r["added µs"], row["added_median_us"])
+        _shows(r["ratio"], row["ratio"])
