@@ -15,7 +15,7 @@ import (
 
 // fullListener is a loopback listener whose accept queue is full: nothing accepts, and the
 // kernel drops further SYNs, as for an engine whose server is behind on a burst.
-func fullListener(t *testing.T) (net.Listener, []net.Conn) {
+func fullListener(t *testing.T) net.Listener {
 	t.Helper()
 	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
@@ -41,22 +41,22 @@ func fullListener(t *testing.T) (net.Listener, []net.Conn) {
 		}
 		held = append(held, c)
 	}
+	t.Cleanup(func() {
+		for _, c := range held {
+			c.Close()
+		}
+		ln.Close()
+	})
 	if _, err := net.DialTimeout("tcp", ln.Addr().String(), 500*time.Millisecond); !isTimeout(err) {
 		t.Fatalf("the accept queue is not full (dial: %v)", err)
 	}
-	return ln, held
+	return ln
 }
 
 // A dial that would time out while the engine catches up is made again; it connects once the
 // engine accepts, where one fixed-length attempt fails.
 func TestASlowEngineIsWaitedForNotAnswered503(t *testing.T) {
-	ln, held := fullListener(t)
-	defer ln.Close()
-	defer func() {
-		for _, c := range held {
-			c.Close()
-		}
-	}()
+	ln := fullListener(t)
 	addr := ln.Addr().String()
 	once := &engineDialer{attempt: time.Second, total: time.Second}
 	if _, err := once.DialContext(context.Background(), "tcp", addr); !isTimeout(err) {
@@ -109,13 +109,7 @@ func TestARefusedConnectionIsAnswered503WithRetryAfterAtOnce(t *testing.T) {
 
 // The client going away ends the wait for a slow engine.
 func TestTheClientGoingAwayEndsTheWait(t *testing.T) {
-	ln, held := fullListener(t)
-	defer ln.Close()
-	defer func() {
-		for _, c := range held {
-			c.Close()
-		}
-	}()
+	ln := fullListener(t)
 	d := &engineDialer{attempt: time.Second, total: time.Minute}
 	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
 	defer cancel()

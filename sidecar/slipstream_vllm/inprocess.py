@@ -509,11 +509,7 @@ class VllmEngine:
             req = s.requests.get(rid)
             if req is None or rid not in self._live:
                 continue
-            ctx = req.num_computed_tokens - n
-            decoding = n == 1 and ctx >= req.num_prompt_tokens
-            items.append(BatchItem(Phase.DECODE if decoding else Phase.PREFILL, n, ctx))
-            if not decoding:
-                self._prefill_computed += n
+            items.append(self._batch_item(req, n))
             if req.num_computed_tokens >= req.num_tokens:  # the prompt is done: it samples
                 samples.append(rid)
         preempted = tuple(sorted(out.preempted_req_ids or ()))
@@ -530,6 +526,15 @@ class VllmEngine:
         self._hit_tokens += hit
         self._q_tokens += sum(len(nr.prompt_token_ids or ()) for nr in out.scheduled_new_reqs)
         return _Batch(out, samples, items, preempted, hit)
+
+    def _batch_item(self, req: Request, n: int) -> BatchItem:
+        """What ``n`` tokens just scheduled for ``req`` are for the GPU timing (a prefill's
+        tokens are counted as computed prefill)."""
+        ctx = req.num_computed_tokens - n
+        if n == 1 and ctx >= req.num_prompt_tokens:
+            return BatchItem(Phase.DECODE, n, ctx)
+        self._prefill_computed += n
+        return BatchItem(Phase.PREFILL, n, ctx)
 
     def _deliver(self, batch: _Batch) -> StepResult:
         """``update_from_output`` of one batch: a token for each request that sampled, as vLLM
@@ -617,11 +622,7 @@ class VllmEngine:
             if lv is None or req is None:
                 sampled.append([])
                 continue
-            ctx = req.num_computed_tokens - n
-            decoding = n == 1 and ctx >= req.num_prompt_tokens
-            items.append(BatchItem(Phase.DECODE if decoding else Phase.PREFILL, n, ctx))
-            if not decoding:
-                self._prefill_computed += n
+            items.append(self._batch_item(req, n))
             if req.num_computed_tokens >= req.num_tokens:
                 tok = output_token(rid, req.num_output_tokens)
                 sampled.append([tok])
