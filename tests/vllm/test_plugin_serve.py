@@ -148,11 +148,16 @@ def test_faults_in_the_plugin_never_stop_vllm_serve(
         online = [pool.submit(_complete, srv, 12) for _ in range(6)]
         outs = [f.result() for f in offline + online]
     assert [o["usage"]["completion_tokens"] for o in outs] == [20] * 6 + [12] * 6
+    # status.json is written by the plugin's channel thread after the steps it reports: wait
+    # until it has counted every token the clients received, then check what it says.
+    def counted(r: Any) -> bool:
+        return bool(r.offline_tokens >= 6 * 20 and r.online_tokens >= 6 * 12)
+
     if faults == "planner":
-        rep = _report(channel, lambda r: r.faults.get("planner", 0) >= 5 and r.failsafe)
+        rep = _report(channel, lambda r: counted(r) and r.failsafe)
         assert rep.faults == {"planner": 5} and rep.fault_steps == 5
     else:
-        rep = _report(channel, lambda r: r.offline_tokens >= 6 * 20)
+        rep = _report(channel, counted)
         assert rep.faults.get("psm", 0) > 0 and rep.faults.get("predictor", 0) > 0
         assert not rep.failsafe or "faults within" in rep.failsafe
     assert rep.offline_tokens == 6 * 20 and rep.online_tokens == 6 * 12
