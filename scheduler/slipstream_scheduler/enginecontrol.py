@@ -44,6 +44,10 @@ __all__ = [
     "OFFLINE_TOKEN_ARG",
     "OFFLINE_TOKEN_FILE",
     "STATUS_FILE",
+    "STEPS_DIR",
+    "STEP_RECORDS_BUFFERED",
+    "STEP_SEGMENTS_KEPT",
+    "STEP_SEGMENT_RECORDS",
     "TBT_BUCKETS_S",
     "TTFT_BUCKETS_S",
     "ClassCounts",
@@ -62,6 +66,15 @@ STATUS_FILE = "status.json"
 OFFLINE_TOKEN_FILE = "offline.token"
 OFFLINE_TOKEN_ARG = "slipstream_offline"
 """The ``vllm_xargs`` key an offline request's proof travels under."""
+STEPS_DIR = "steps"
+"""Folder of the channel where the plugin writes its step records
+(:class:`slipstream_scheduler.learning.StepRecord`, JSON lines), one segment file at a time."""
+STEP_RECORDS_BUFFERED = 8192
+"""Most step records the plugin holds between two writes; older ones are dropped."""
+STEP_SEGMENT_RECORDS = 1024
+"""Most records in one segment file."""
+STEP_SEGMENTS_KEPT = 64
+"""Segments the plugin keeps in the folder (the newest); the sidecar reads them as they come."""
 
 
 class ControlFormatError(ValueError):

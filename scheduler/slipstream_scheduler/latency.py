@@ -1004,6 +1004,29 @@ def fit(
     rows, as the profiler keeps, measure the chosen model without that bias.
     """
     n = len(rows)
+    y = np.fromiter((float(t) for _, t in rows), dtype=np.float64, count=n)
+    x = feature_matrix([b for b, _ in rows])  # hinge column at knee 0: total tokens
+    return fit_matrix(x, y, feature_sets=feature_sets, knees=knees, folds=folds, seed=seed,
+                      parsimony=parsimony, meta=meta)
+
+
+def fit_matrix(
+    x: npt.NDArray[np.float64],
+    y: npt.NDArray[np.float64],
+    *,
+    feature_sets: Sequence[FeatureSet] | None = None,
+    knees: Sequence[int] | None = None,
+    folds: int = 5,
+    seed: int = 0,
+    parsimony: float = 0.02,
+    meta: LatencyModelMeta | None = None,
+) -> FitResult:
+    """:func:`fit` on feature rows already built: ``x`` as :func:`feature_matrix` makes it
+    (knee 0), ``y`` the seconds of each row. Rows learned from a live engine arrive as
+    feature sums (:mod:`slipstream_scheduler.learning`), not as batches."""
+    n = len(y)
+    if x.shape != (n, _N_FEATURES):
+        raise FitError(f"feature rows must be {n} x {_N_FEATURES}, got {x.shape}", rows=n)
     candidates = list(feature_sets) if feature_sets is not None else list(DEFAULT_FEATURE_SETS)
     if not candidates:
         raise FitError("no feature set to try", rows=n)
@@ -1013,10 +1036,8 @@ def fit(
     min_rows = max(folds, max(len(fs.columns) for fs in candidates) + 1)
     if n < min_rows:
         raise FitError(f"need at least {min_rows} rows to fit", rows=n)
-    y = np.fromiter((float(t) for _, t in rows), dtype=np.float64, count=n)
     if not np.all(np.isfinite(y)) or np.any(y <= 0.0):
         raise FitError("iteration times must be finite and positive", rows=n)
-    x = feature_matrix([b for b, _ in rows])  # hinge column at knee 0: total tokens
     usable = candidate_knees(x[:, _HINGE], grid)
     if not usable:
         dropped = [fs for fs in candidates if fs.has_hinge]

@@ -17,10 +17,12 @@ from typing import Any
 
 from slipstream_scheduler.enginecontrol import CumulativeHistogram
 from slipstream_scheduler.latency import LinearLatencyModel
+from slipstream_scheduler.learning import Learned
 from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.enginechannel import EngineChannel, EngineReportCollector, control_document
+from slipstream_sidecar.learner import EngineLearner, LearnerCollector
 from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, make_embedder
 from slipstream_sidecar.proxy import Proxy, ProxyState
@@ -82,6 +84,7 @@ class SidecarStatus:
     idle_budget_s: float | None = None
     latency_model: LinearLatencyModel | None = None  # the model in force (None: none)
     online_counters: ClassCounters | None = None  # /metrics' online series, now
+    learned: Learned | None = None  # the model learned from the engine's steps (engine mode)
 
 
 class Sidecar:
@@ -111,6 +114,10 @@ class Sidecar:
             self.channel = EngineChannel(settings.engine_channel)
             self.metrics.registry.register(EngineReportCollector(self.channel))
             self._write_engine_control(restart=True)
+        self.learner: EngineLearner | None = None
+        if settings.engine_channel is not None and settings.learn_latency:
+            self.learner = EngineLearner(settings.engine_channel)
+            self.metrics.registry.register(LearnerCollector(self.learner))
         self.lengths = PromptLengths(
             make_embedder(settings.length_predictor),
             history=settings.length_history,
@@ -150,6 +157,8 @@ class Sidecar:
         # One check before serving, so /ready and the ready line agree from the start.
         self._engine_health(await self.engine.health())
         self._ready_task = asyncio.get_running_loop().create_task(self._watch_engine())
+        if self.learner is not None:
+            self.learner.start()
         for doc in (self.state_dir.load("shards") or {}).values():
             spec = ShardSpec(**doc)
             self.assign(spec, persist=False)
@@ -160,6 +169,8 @@ class Sidecar:
         if self._ready_task is not None:
             self._ready_task.cancel()
             await asyncio.gather(self._ready_task, return_exceptions=True)
+        if self.learner is not None:
+            await self.learner.stop()
         await self.controller.stop()
         await self.engine.close()
         self.lengths.close()
@@ -366,6 +377,7 @@ class Sidecar:
                            else self.dispatcher.config.idle_budget_s),
             latency_model=self.brain.latency_model,
             online_counters=self._online_counters(),
+            learned=self.learner.learned if self.learner is not None else None,
         )
 
     def _online_counters(self) -> ClassCounters:

@@ -22,6 +22,7 @@ from slipstream_scheduler.latency import (
     MAX_CURVE_SPAN_TOKENS,
     LinearLatencyModel,
 )
+from slipstream_scheduler.learning import Learned
 from slipstream_scheduler.storage_scope import ScopeError, check_uri
 from slipstream_sidecar.app import ConfigUpdate, Sidecar, SidecarStatus, Slo
 from slipstream_sidecar.auth import BearerAuthInterceptor, TokenFile
@@ -75,7 +76,17 @@ def status_pb(s: SidecarStatus) -> pb.StatusResponse:
         msg.idle_budget_s = s.idle_budget_s
     if s.online_counters is not None:
         msg.online_counters.CopyFrom(counters_pb(s.online_counters))
+    if s.learned is not None:
+        msg.learned_model.CopyFrom(learned_pb(s.learned))
     return msg
+
+
+def learned_pb(lr: Learned) -> pb.LearnedModel:
+    return pb.LearnedModel(
+        model=latency_spec_pb(lr.model), source="learned", fit_steps=lr.fit_steps,
+        seen_steps=lr.seen_steps, heldout_mape=lr.heldout_mape, revision=lr.revision,
+        fitted_at=lr.fitted_at,
+    )
 
 
 def histogram_pb(h: HistogramSnapshot) -> pb.Histogram:

@@ -151,6 +151,12 @@ class SidecarSettings(BaseSettings):
         "written there, offline requests carry the pod's token, and the plugin's report is "
         "served in /metrics. None: sidecar mode (the sidecar enforces the budget itself).",
     )
+    learn_latency: bool = Field(
+        default=True,
+        description="Engine mode: learn the latency model from the plugin's step records "
+        "(steps/ in the channel) and report it to the operator (docs/operations.md, "
+        "\"Where the latency model comes from\").",
+    )
     offline_max_retries: int = Field(
         default=3, ge=0, description="Engine failures tolerated per offline line before an error."
     )

@@ -132,6 +132,7 @@ from slipstream_scheduler.types import (
 )
 from slipstream_vllm import compat
 from slipstream_vllm.failsafe import FaultGuard
+from slipstream_vllm.steps import Counts, StepRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ PSM_ORDER_TTL_S = 0.5
 """How long an unchanged PSM queue's order is reused (the fairness rule ages in minutes)."""
 
 _ONLINE = RequestClass.ONLINE
+_NO_COUNTS: Counts = (0, 0, 0, 0, 0, 0, 0)
 _OFFLINE = RequestClass.OFFLINE
 _NO_LENGTHS = np.zeros(0, dtype=np.float64)
 
@@ -375,7 +377,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         # (id of a scheduler output, when schedule() returned it, its predicted step time),
         # oldest first: with async scheduling the next step is scheduled before the last
         # one's output arrives.
-        self._inflight: deque[tuple[int, float, float | None]] = deque(maxlen=8)
+        self._inflight: deque[tuple[int, float, float | None, Counts]] = deque(maxlen=8)
+        self.step_records = StepRecorder()
+        """Each step's composition and measured time, for the sidecar to learn from."""
         self._last_output_s = 0.0
         self._last_predicted: float | None = None
         with self._guard.part("control"):
@@ -398,6 +402,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
                 return  # the channel is gone (the pod's emptyDir, a test's folder)
             with self._guard.part("control"):
                 self._poll_control()
+            if self.step_records.pending():
+                with self._guard.part("report"):
+                    self.step_records.flush(self.channel_dir)
             now = time.monotonic()
             if self._report_now or now >= next_report:
                 self._report_now = False
@@ -1042,9 +1049,11 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         self.waiting = q
 
     def _finish_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> SchedulerOutput:
+        counts: Counts = _NO_COUNTS
         with self._guard.part("bookkeeping"):
             self._note_schedule(out, plan)
-        self._inflight.append((id(out), time.monotonic(), self._last_predicted))
+            counts = StepRecorder.compose(out.num_scheduled_tokens, self.requests)
+        self._inflight.append((id(out), time.monotonic(), self._last_predicted, counts))
         return out
 
     def _note_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> None:
@@ -1105,10 +1114,12 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         step before it finished; one step runs at a time) to its output."""
         now = time.monotonic()
         while self._inflight:
-            oid, done_s, predicted = self._inflight.popleft()
+            oid, done_s, predicted, counts = self._inflight.popleft()
             if oid != out_id:
                 continue  # an output vLLM never delivered (an empty step)
-            self._measured.add(now - max(done_s, self._last_output_s))
+            took = now - max(done_s, self._last_output_s)
+            self._measured.add(took)
+            self.step_records.record(took, counts)
             if predicted is not None:
                 self._predicted.add(predicted)
             break

@@ -602,6 +602,7 @@ class StatusResponse(_message.Message):
     IDLE_BUDGET_S_FIELD_NUMBER: _builtins.int
     LATENCY_MODEL_FIELD_NUMBER: _builtins.int
     ONLINE_COUNTERS_FIELD_NUMBER: _builtins.int
+    LEARNED_MODEL_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     budget_s: _builtins.float
     spare_capacity: _builtins.float
@@ -633,6 +634,13 @@ class StatusResponse(_message.Message):
         the operator then scrapes /metrics).
         """
 
+    @_builtins.property
+    def learned_model(self) -> Global___LearnedModel:
+        """The latency model this pod learned from its own engine's steps (engine
+        mode: the plugin's step records; docs/concepts/latency-model.md); absent
+        until a fit has passed validation on held-out steps.
+        """
+
     def __init__(
         self,
         *,
@@ -650,10 +658,11 @@ class StatusResponse(_message.Message):
         idle_budget_s: _builtins.float | None = ...,
         latency_model: Global___LatencyModelSpec | None = ...,
         online_counters: Global___ClassCounters | None = ...,
+        learned_model: Global___LearnedModel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "offline", b"offline", "online", b"online", "online_counters", b"online_counters"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "learned_model", b"learned_model", "offline", b"offline", "online", b"online", "online_counters", b"online_counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "online_counters", b"online_counters", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "learned_model", b"learned_model", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "online_counters", b"online_counters", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__budget_s: _TypeAlias = _typing.Literal["budget_s"]  # noqa: Y015
     _WhichOneofArgType__budget_s: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s"]  # noqa: Y015
@@ -665,6 +674,51 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__idle_budget_s) -> _WhichOneofReturnType__idle_budget_s | None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class LearnedModel(_message.Message):
+    """A latency model fitted from the pod's own engine, with its evidence."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    FIT_STEPS_FIELD_NUMBER: _builtins.int
+    SEEN_STEPS_FIELD_NUMBER: _builtins.int
+    HELDOUT_MAPE_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    FITTED_AT_FIELD_NUMBER: _builtins.int
+    source: _builtins.str
+    """"learned" (fitted from served steps) or "profiled" (slipstream profile engine)."""
+    fit_steps: _builtins.int
+    """Steps the fit used (the reservoir's rows) and steps recorded in all."""
+    seen_steps: _builtins.int
+    heldout_mape: _builtins.float
+    """Mean absolute percentage error (fraction) on recent held-out steps."""
+    revision: _builtins.int
+    """Increases with every fit that replaced the previous one."""
+    fitted_at: _builtins.float
+    """Unix seconds of the accepted fit."""
+    @_builtins.property
+    def model(self) -> Global___LatencyModelSpec: ...
+    def __init__(
+        self,
+        *,
+        model: Global___LatencyModelSpec | None = ...,
+        source: _builtins.str = ...,
+        fit_steps: _builtins.int = ...,
+        seen_steps: _builtins.int = ...,
+        heldout_mape: _builtins.float = ...,
+        revision: _builtins.int = ...,
+        fitted_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fit_steps", b"fit_steps", "fitted_at", b"fitted_at", "heldout_mape", b"heldout_mape", "model", b"model", "revision", b"revision", "seen_steps", b"seen_steps", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LearnedModel: _TypeAlias = LearnedModel  # noqa: Y015
 
 @_typing.final
 class DrainRequest(_message.Message):
