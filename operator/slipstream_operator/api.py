@@ -622,6 +622,12 @@ class Enforcement(StrEnum):
     ENGINE = "engine"
 
 
+class LatencyModelPolicy(StrEnum):
+    AUTO = "auto"
+    PROFILE = "profile"
+    NONE = "none"
+
+
 class SchedulingSpec(ApiModel):
     """How each pod's sidecar orders and co-locates work."""
 
@@ -639,6 +645,13 @@ class SchedulingSpec(ApiModel):
         "Slipstream's scheduler plugin (--scheduler-cls; engine.image must include it, see "
         "docs/plugin.md), online traffic goes straight to vLLM's port and the sidecar keeps "
         "the control API and the offline shards. Default: sidecar.",
+    )
+    latency_model: LatencyModelPolicy = Field(
+        default=LatencyModelPolicy.AUTO,
+        description="Which latency model budgets the offline work. auto: the profile for "
+        "(model, gpuType) if there is one, else the model the pods learn from their engine "
+        "(docs/concepts/learned-latency-model.md). profile: profiles only. none: no model "
+        "and no budget, offline work fills free capacity (naive co-location). Default: auto.",
     )
 
 
@@ -838,6 +851,46 @@ class BudgetStatus(ApiModel):
     )
 
 
+class LatencyModelStatus(ApiModel):
+    """The latency model the budget search and the pods use."""
+
+    source: Literal["shipped", "user", "profiled", "learned", "none"] = Field(
+        default="none",
+        description="Where it came from: shipped (a profile shipped with Slipstream), user "
+        "(a profile from the operator's profile folder), profiled (a profile timed on the real "
+        "engine by slipstream profile engine), learned (fitted by a pod's sidecar from its own "
+        "engine's steps), none (no model good enough yet: see the BudgetReady condition).",
+    )
+    name: str = Field(
+        default="",
+        description="The profile file, e.g. shipped:latency_llama-2-7b_h100.json, or the pod "
+        "whose learned model is in force.",
+        max_length=512,
+    )
+    steps: int | None = Field(
+        default=None, description="Learned models: engine steps the fit used.", ge=0
+    )
+    heldout_mape: float | None = Field(
+        default=None,
+        alias="heldoutMAPE",
+        description="Learned models: mean absolute percentage error (fraction) on recent steps "
+        "the fit did not see.",
+        ge=0,
+    )
+    revision: int | None = Field(
+        default=None,
+        description="Learned models: the pod's revision; each refit that replaces the model "
+        "increases it and makes a new budget search.",
+        ge=0,
+    )
+    scale: float | None = Field(
+        default=None,
+        description="Profiles: the calibration factor on every coefficient, when not 1 "
+        "(refitted from the pods' observed step times).",
+        gt=0,
+    )
+
+
 class OfflineStatus(ApiModel):
     """Offline work running on this service's pods."""
 
@@ -866,6 +919,9 @@ class InferenceServiceStatus(ApiModel):
     ready_replicas: int = Field(default=0, description="Pods whose sidecar reports ready.", ge=0)
     observed: ObservedLatency | None = Field(default=None, description="Measured online latency.")
     budget: BudgetStatus | None = Field(default=None, description="Budget in force.")
+    latency_model: LatencyModelStatus | None = Field(
+        default=None, description="The latency model in force and where it came from."
+    )
     offline: OfflineStatus | None = Field(
         default=None, description="Offline throughput on these pods."
     )

@@ -70,6 +70,9 @@ CRD_META: dict[str, dict[str, Any]] = {
             {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas",
              "priority": 1},
             {"name": "Target", "type": "string", "jsonPath": ".status.sloSummary", "priority": 1},
+            # "Model" is taken (spec.model): this one says where the latency model came from.
+            {"name": "Latency-Model", "type": "string",
+             "jsonPath": ".status.latencyModel.source", "priority": 1},
         ],
     },
     "OfflineJob": {

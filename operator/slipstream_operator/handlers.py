@@ -77,6 +77,7 @@ from slipstream_operator.conditions import set_condition
 from slipstream_operator.drain import GrpcDrainControl, drain_service
 from slipstream_operator.errors import InputError, OperatorError, OutputError, SidecarError
 from slipstream_operator.gateway import InferencePools
+from slipstream_operator.modelchoice import LearnedParams
 from slipstream_operator.observe import (
     PodHistory,
     WindowStats,
@@ -586,6 +587,8 @@ class Handlers:
             ref, spec, observed, self.state.services.get(uid, ServiceMemory()),
             previous_status=previous, now=now, now_s=now_s, params=self.settings.budget,
             search_for=self._search_for, calibration=self.settings.calibration,
+            learned=LearnedParams(max_mape=self.settings.learned_max_mape,
+                                  min_steps=self.settings.learned_min_steps),
         )
         # Changed children are applied now, in order (the Secret before the Deployment). A
         # resync of unchanged ones runs in the background, so it never delays the status.

@@ -15,12 +15,19 @@ previous budget memory, it returns
   condition turns True on the first reconcile that sees every pod at the
   generation.
 
-Latency model: the profile's model times the calibration scale refitted from
-the pods' predicted/observed step times (``calibration``); the scaled
-coefficients are what the ConfigMap and the Configure calls carry, and a
-refit makes a new search (the budget's ``model_key`` includes the scale).
+Latency model: the one in force (``modelchoice``): the profile's model times the
+calibration scale refitted from the pods' predicted/observed step times
+(``calibration``), else, for a service without a profile, the model a ready pod
+learned from its own engine (never calibrated). The model in force is what the
+Configure calls carry; the ConfigMap carries a profile's (scaled) model only, so
+that a learned model appearing never changes the pod template. A refit or a new
+learned revision makes a new search (the budget's ``model_key`` includes the scale,
+or the learned model's pod and revision) and a ``LatencyModelRefit`` or
+``LatencyModelLearned`` event; ``status.latencyModel`` and the ``BudgetReady``
+message say which model is in force, and ``NoLatencyModel`` how far learning got.
 The budget search is asked for through ``search_for`` with a
-:class:`~slipstream_operator.searchpool.SearchSubject`; its evidence (the
+:class:`~slipstream_operator.searchpool.SearchSubject` (in the simulator's
+``in-engine`` mode for ``scheduling.enforcement: engine``); its evidence (the
 simulator trials) goes into the ``BudgetSearched`` event and the
 ``BudgetReady`` condition's message, and an unattainable SLO (even the
 online-only budget misses it in simulation) makes ``BudgetReady`` say
@@ -63,6 +70,7 @@ from slipstream_operator.api import (
     ConditionStatus,
     Enforcement,
     InferenceServiceSpec,
+    LatencyModelPolicy,
     ResourceRequirements,
     format_duration,
 )
@@ -83,6 +91,7 @@ from slipstream_operator.calibration import (
     scaled,
 )
 from slipstream_operator.conditions import rfc3339, set_condition
+from slipstream_operator.modelchoice import LearnedParams, ModelChoice, ModelInForce, choose_model
 from slipstream_operator.observe import WindowStats
 from slipstream_operator.podspec import (
     DEFAULT_PLACEMENT,
@@ -178,6 +187,9 @@ class ServiceMemory:
     calibration: Calibration = field(default_factory=Calibration)
     rendered: RenderedChildren | None = None
     offline_tokens: TokenMeter = field(default_factory=TokenMeter)  # offline output tokens
+    # The latency model last in force (kept through reconciles without one, so that a pod
+    # missing one tick neither loses its place nor announces its model again).
+    in_force: ModelInForce | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,157 +373,183 @@ def _fingerprint(call: ConfigureCall) -> str:
     return hashlib.blake2b(json.dumps(doc).encode(), digest_size=8).hexdigest()
 
 
-def reconcile_service(
-    ref: ObjectRef,
-    spec: InferenceServiceSpec,
-    observed: ServiceObserved,
-    memory: ServiceMemory,
-    *,
-    previous_status: dict[str, Any],
-    now: datetime,
-    now_s: float,
-    params: BudgetParams,
-    search_for: Callable[[SearchSubject], BudgetSearch],
-    calibration: CalibrationParams | None = None,
-) -> ServiceOutcome:
-    """One reconcile of an InferenceService (see the module docstring)."""
-    targets = SLOTargets.from_spec(spec.slo)
-    window = observed.window
-    slo_obs = window.observed if window is not None else ObservedSLO(samples=0)
-    events: list[tuple[str, str, str]] = []
-    conditions: list[dict[str, Any]] = [dict(c) for c in previous_status.get("conditions", [])]
-    gen = ref.generation
+@dataclass(frozen=True, slots=True)
+class _Latency:
+    """The latency model in force for one reconcile, calibrated."""
 
-    # -- latency model calibration --------------------------------------------------------
-    base_model = observed.latency_model
+    choice: ModelChoice
+    calibration: Calibration
+    refit: float | None  # the median ratio when this reconcile refitted the scale
+    scale: float  # 1 for a learned model (never calibrated)
+    model: LinearLatencyModel | None  # the model in force times the scale
+    key: str  # the budget search's model key
+    events: tuple[tuple[str, str, str], ...]
+
+
+def _latency(
+    spec: InferenceServiceSpec, observed: ServiceObserved, memory: ServiceMemory,
+    learned: LearnedParams, calibration: CalibrationParams,
+) -> _Latency:
+    """Which model is in force (``modelchoice``) and its calibration (profiles only)."""
+    ready = [p for p in observed.pods if p.ready and p.sidecar is not None]
+    policy = spec.scheduling.latency_model
+    if policy is LatencyModelPolicy.NONE:
+        choice = ModelChoice(None, "spec.scheduling.latencyModel is none: offline work fills "
+                             "free capacity without a budget")
+    else:
+        reports = ((p.name, p.sidecar.learned) for p in ready if p.sidecar is not None
+                   and policy is LatencyModelPolicy.AUTO)
+        what = f"{spec.model} on {spec.engine.gpu_type}"
+        choice = choose_model(observed.latency_model, observed.profile, reports, learned,
+                              held=memory.in_force, what=what)
+        if choice.in_force is None and policy is LatencyModelPolicy.PROFILE:
+            choice = ModelChoice(None, f"no latency profile for {what}; "
+                                 "spec.scheduling.latencyModel is profile (learned models off)")
+    in_force = choice.in_force
     cal = memory.calibration
     refit: float | None = None
-    if base_model is not None:
+    events: list[tuple[str, str, str]] = []
+    if in_force is not None and in_force.calibrated:
         samples = [StepSample(p.sidecar.predicted_step_s, p.sidecar.observed_step_s,
                               p.sidecar.generation,
                               busy=p.sidecar.online_in_flight + p.sidecar.offline_in_flight > 0)
-                   for p in observed.pods if p.ready and p.sidecar is not None]
+                   for p in ready if p.sidecar is not None]
         before = cal.scale
-        cal, refit = observe(cal, samples, calibration or CalibrationParams())
+        cal, refit = observe(cal, samples, calibration)
         if refit is not None:
             events.append(("Normal", "LatencyModelRefit",
                            f"observed/predicted step time median {refit:.3g} over the last "
-                           f"{(calibration or CalibrationParams()).window} samples; latency "
-                           f"coefficients x{cal.scale:.3g} of {observed.profile} "
-                           f"(was x{before:.3g})"))
-    model = scaled(base_model, cal.scale) if base_model is not None else None
-    model_key = observed.profile + (f" x{cal.scale:.3g} (refit)" if cal.scale != 1.0 else "")
+                           f"{calibration.window} samples; latency coefficients "
+                           f"x{cal.scale:.3g} of {observed.profile} (was x{before:.3g})"))
+    elif in_force is not None and (memory.in_force is None
+                                   or memory.in_force.key != in_force.key):
+        events.append(("Normal", "LatencyModelLearned",
+                       f"latency model in force: {in_force.describe()}; the budget is "
+                       f"searched with it"[:1000]))
+    if in_force is None:
+        return _Latency(choice, cal, refit, 1.0, None, "", tuple(events))
+    scale = cal.scale if in_force.calibrated else 1.0
+    key = in_force.key + (f" x{scale:.3g} (refit)" if scale != 1.0 else "")
+    return _Latency(choice, cal, refit, scale, scaled(in_force.model, scale), key,
+                    tuple(events))
 
-    # -- budget ---------------------------------------------------------------------------
-    budget = memory.budget
-    if base_model is not None and window is not None:
-        subject = SearchSubject(model_name=spec.model, gpu=spec.engine.gpu_type,
-                                profile=observed.profile, model=base_model, scale=cal.scale,
-                                limits=engine_limits(spec.engine.args))
-        budget = decide(
-            memory.budget,
-            targets=targets,
-            load=window.load,
-            observed=slo_obs,
-            search=search_for(subject),
-            now_s=now_s,
-            params=params,
-            model_key=model_key,
-        )
-        new_search = memory.budget is None or budget.searched is not memory.budget.searched
-        if new_search and not budget.searched.provisional and budget.searched.trials:
-            events.append(("Normal", "BudgetSearched",
-                           f"iteration budget {format_duration(budget.budget_s)}; "
-                           f"{budget.searched.summary()}"[:1000]))
-            if not budget.searched.feasible:
-                events.append(("Warning", "SLOUnattainable",
-                               "no budget meets the SLOs in simulation, not even online-only "
-                               f"serving; pushing the online-only budget "
-                               f"{format_duration(budget.budget_s)}"))
-        elif memory.budget is None or budget.budget_s != memory.budget.budget_s:
-            events.append(("Normal", f"Budget{budget.reason}",
-                           f"iteration budget {format_duration(budget.budget_s)}"))
-    budget_s = budget.budget_s if budget is not None else None
-    idle_budget_s = budget.searched.idle_budget_s if budget is not None else None
 
-    # -- configuration generation ----------------------------------------------------------
-    pods = observed.pods
-    ready = [p for p in pods if p.ready]
-    floor_gen = max(
-        [memory.config_generation,
-         int((previous_status.get("budget") or {}).get("configGeneration", 0))]
-        + [p.sidecar.generation for p in pods if p.sidecar is not None]
+def _budget(
+    spec: InferenceServiceSpec, observed: ServiceObserved, memory: ServiceMemory,
+    latency: _Latency, targets: SLOTargets, *, now_s: float, params: BudgetParams,
+    search_for: Callable[[SearchSubject], BudgetSearch], events: list[tuple[str, str, str]],
+) -> BudgetState | None:
+    """The next budget: searched with the model in force once there are online statistics."""
+    window = observed.window
+    in_force = latency.choice.in_force
+    if in_force is None or window is None:
+        return memory.budget
+    slo_obs = window.observed
+    engine_mode = spec.scheduling.enforcement == Enforcement.ENGINE
+    subject = SearchSubject(model_name=spec.model, gpu=spec.engine.gpu_type,
+                            profile=in_force.key, model=in_force.model, scale=latency.scale,
+                            limits=engine_limits(spec.engine.args),
+                            mode="in-engine" if engine_mode else "sidecar")
+    budget = decide(
+        memory.budget,
+        targets=targets,
+        load=window.load,
+        observed=slo_obs,
+        search=search_for(subject),
+        now_s=now_s,
+        params=params,
+        model_key=latency.key,
     )
-    call = _configure_call(floor_gen, budget_s, targets, spec, model,
-                           idle_budget_s=idle_budget_s)
-    fingerprint = _fingerprint(call)
-    generation = memory.config_generation
-    computed_at = memory.computed_at or rfc3339(now)
-    if fingerprint != memory.config_fingerprint:
-        generation = floor_gen + 1
-        computed_at = rfc3339(now)
-        call = _configure_call(generation, budget_s, targets, spec, model,
-                               idle_budget_s=idle_budget_s)
-    pushes = tuple((p.name, call) for p in ready
-                   if p.sidecar is not None and p.sidecar.generation < generation)
-    if refit is not None:
-        cal = replace(cal, since_generation=generation)
+    new_search = memory.budget is None or budget.searched is not memory.budget.searched
+    if new_search and not budget.searched.provisional and budget.searched.trials:
+        events.append(("Normal", "BudgetSearched",
+                       f"iteration budget {format_duration(budget.budget_s)}; "
+                       f"{budget.searched.summary()}"[:1000]))
+        if not budget.searched.feasible:
+            events.append(("Warning", "SLOUnattainable",
+                           "no budget meets the SLOs in simulation, not even online-only "
+                           f"serving; pushing the online-only budget "
+                           f"{format_duration(budget.budget_s)}"))
+    elif memory.budget is None or budget.budget_s != memory.budget.budget_s:
+        events.append(("Normal", f"Budget{budget.reason}",
+                       f"iteration budget {format_duration(budget.budget_s)}"))
+    return budget
 
-    # -- conditions -------------------------------------------------------------------------
+
+def _ready_conditions(
+    conditions: list[dict[str, Any]], spec: InferenceServiceSpec, ready: int, *,
+    now: datetime, gen: int,
+) -> None:
     if spec.replicas == 0:
         set_condition(conditions, "Ready", True, reason="ScaledToZero",
                       message="spec.replicas is 0", now=now, observed_generation=gen)
-    elif len(ready) >= spec.replicas:
+    elif ready >= spec.replicas:
         set_condition(conditions, "Ready", True, reason="AllReplicasReady",
-                      message=f"{len(ready)}/{spec.replicas} pods ready", now=now,
+                      message=f"{ready}/{spec.replicas} pods ready", now=now,
                       observed_generation=gen)
     else:
         reason = "NoReplicasReady" if not ready else "ReplicasNotReady"
         set_condition(conditions, "Ready", False, reason=reason,
-                      message=f"{len(ready)}/{spec.replicas} pods ready", now=now,
+                      message=f"{ready}/{spec.replicas} pods ready", now=now,
                       observed_generation=gen)
 
+
+def _slo_condition(
+    conditions: list[dict[str, Any]], targets: SLOTargets, slo_obs: ObservedSLO,
+    params: BudgetParams, events: list[tuple[str, str, str]], *, now: datetime, gen: int,
+) -> str:
+    """SLOMet; returns the SLO summary (``status.sloSummary``)."""
     worst = worst_metric(targets, slo_obs)
-    slo_summary = ""
     if slo_obs.samples < params.min_samples or worst is None:
         set_condition(conditions, "SLOMet", ConditionStatus.UNKNOWN, reason="InsufficientSamples",
                       message=f"{slo_obs.samples} online requests in the window (need "
                       f"{params.min_samples})", now=now, observed_generation=gen)
+        return ""
+    metric, value, target = worst
+    slo_summary = f"{metric} {format_duration(value)}/{format_duration(target)}"
+    if value > target:
+        changed = set_condition(conditions, "SLOMet", False, reason=_reason_for(metric),
+                                message=slo_summary, now=now, observed_generation=gen)
+        if changed:
+            events.append(("Warning", "SLOMissed", slo_summary))
     else:
-        metric, value, target = worst
-        slo_summary = f"{metric} {format_duration(value)}/{format_duration(target)}"
-        if value > target:
-            changed = set_condition(conditions, "SLOMet", False, reason=_reason_for(metric),
-                                    message=slo_summary, now=now, observed_generation=gen)
-            if changed:
-                events.append(("Warning", "SLOMissed", slo_summary))
-        else:
-            set_condition(conditions, "SLOMet", True, reason="WithinTarget",
-                          message=slo_summary, now=now, observed_generation=gen)
+        set_condition(conditions, "SLOMet", True, reason="WithinTarget",
+                      message=slo_summary, now=now, observed_generation=gen)
+    return slo_summary
 
-    evidence = ""
-    pushed_reason = "Pushed"
-    if budget is not None:
-        evidence = "; " + budget.searched.summary(limit=4)
-        if not budget.searched.feasible:
-            pushed_reason = "SLOUnattainable"
-    if model is None:
+
+def _budget_condition(
+    conditions: list[dict[str, Any]], choice: ModelChoice, budget: BudgetState | None, *,
+    ready: int, behind: int, generation: int, now: datetime, gen: int,
+) -> None:
+    """BudgetReady, naming the latency model in force (or why there is none yet)."""
+    in_force = choice.in_force
+    if in_force is None:
         set_condition(conditions, "BudgetReady", False, reason="NoLatencyModel",
-                      message=f"no latency profile for {spec.model} on {spec.engine.gpu_type}",
-                      now=now, observed_generation=gen)
-    elif budget is None:
+                      message=choice.waiting, now=now, observed_generation=gen)
+        return
+    model = f"; latency model {in_force.describe()}"
+    if budget is None:
         set_condition(conditions, "BudgetReady", False, reason="AwaitingLoadStatistics",
-                      message="no online statistics yet", now=now, observed_generation=gen)
-    elif pushes or not ready:
+                      message=f"no online statistics yet{model}", now=now,
+                      observed_generation=gen)
+        return
+    evidence = "; " + budget.searched.summary(limit=4)
+    reason = "Pushed" if budget.searched.feasible else "SLOUnattainable"
+    if behind or not ready:
         set_condition(conditions, "BudgetReady", False, reason="Pushing",
-                      message=f"{len(ready) - len(pushes)}/{len(ready)} ready pods at "
-                      f"generation {generation}{evidence}", now=now, observed_generation=gen)
+                      message=f"{ready - behind}/{ready} ready pods at generation "
+                      f"{generation}{model}{evidence}", now=now, observed_generation=gen)
     else:
-        set_condition(conditions, "BudgetReady", True, reason=pushed_reason,
-                      message=f"{len(ready)} pods at generation {generation}{evidence}",
+        set_condition(conditions, "BudgetReady", True, reason=reason,
+                      message=f"{ready} pods at generation {generation}{model}{evidence}",
                       now=now, observed_generation=gen)
 
-    # -- status -----------------------------------------------------------------------------
+
+def _offline(
+    pods: tuple[PodView, ...], ready: list[PodView], meter: TokenMeter, now_s: float,
+) -> tuple[dict[str, Any], TokenMeter]:
+    """``status.offline`` and the next offline-token meter."""
     offline_tps = 0.0
     active = 0
     counters: dict[tuple[str, str], int] = {}
@@ -526,59 +564,135 @@ def reconcile_service(
     # that did not answer keeps its keys, so its counters are not counted twice.
     answered = {pod.name for pod in ready}
     present = {pod.name for pod in pods}
-    gone = frozenset(k for k in memory.offline_tokens.seen
-                     if k[0] in answered or k[0] not in present)
-    offline_tokens = memory.offline_tokens.advance(counters, now_s, OFFLINE_RATE_WINDOW_S,
-                                                   forget=gone)
+    gone = frozenset(k for k in meter.seen if k[0] in answered or k[0] not in present)
+    offline_tokens = meter.advance(counters, now_s, OFFLINE_RATE_WINDOW_S, forget=gone)
     offline_rate = offline_tokens.rate()
     if offline_rate is not None:
         offline_tps = offline_rate
-    status: dict[str, Any] = {
-        "observedGeneration": gen,
-        "conditions": conditions,
-        "replicas": len(pods),
-        "readyReplicas": len(ready),
-        "offline": {"tokensPerSecond": round(offline_tps, 2), "activeShards": active},
-        "sloSummary": slo_summary,
-    }
+    return {"tokensPerSecond": round(offline_tps, 2), "activeShards": active}, offline_tokens
+
+
+def _observed_status(observed: ServiceObserved, slo_obs: ObservedSLO) -> dict[str, Any]:
+    """``status.observed``."""
     obs: dict[str, Any] = {"window": observed.window_label, "samples": slo_obs.samples,
-                           "source": observed.window_source if window is not None else "none"}
+                           "source": observed.window_source if observed.window is not None
+                           else "none"}
     for key in ("ttft_mean_s", "ttft_p99_s", "tbt_mean_s", "tbt_p99_s"):
         value = getattr(slo_obs, key)
         if value is not None and slo_obs.samples > 0:
             camel = key[:-2].replace("_mean", "Mean").replace("_p99", "P99")
             obs[camel] = format_duration(value)
-    status["observed"] = obs
-    if budget is not None:
-        status["budget"] = {
-            "iteration": format_duration(budget.budget_s),
-            "searched": format_duration(budget.searched.budget_s),
-            "computedAt": computed_at,
-            "reason": budget.reason,
-            "configGeneration": generation,
-            "profile": model_key,
-        }
+    return obs
+
+
+def _rendered(
+    ref: ObjectRef, spec: InferenceServiceSpec, observed: ServiceObserved,
+    model: LinearLatencyModel | None, rendered: RenderedChildren | None,
+) -> RenderedChildren:
+    """The children, rendered again only when what they come from changed."""
     inputs = (ref, spec, observed.token, model, observed.storage_roots,
               observed.sidecar_image, observed.sidecar_resources, observed.placement)
-    rendered = memory.rendered
-    if rendered is None or rendered.inputs != inputs:
-        rendered = RenderedChildren(inputs, children(
-            ref, spec, observed.token, model, storage_roots=observed.storage_roots,
-            sidecar_image=observed.sidecar_image, sidecar_resources=observed.sidecar_resources,
-            placement=observed.placement))
-    new_memory = ServiceMemory(
-        budget=budget,
-        config_generation=generation,
-        config_fingerprint=fingerprint,
-        computed_at=computed_at,
-        calibration=cal,
-        rendered=rendered,
-        offline_tokens=offline_tokens,
+    if rendered is not None and rendered.inputs == inputs:
+        return rendered
+    return RenderedChildren(inputs, children(
+        ref, spec, observed.token, model, storage_roots=observed.storage_roots,
+        sidecar_image=observed.sidecar_image, sidecar_resources=observed.sidecar_resources,
+        placement=observed.placement))
+
+
+def _generation(
+    memory: ServiceMemory, previous_status: dict[str, Any], pods: tuple[PodView, ...],
+    make: Callable[[int], ConfigureCall], now: datetime,
+) -> tuple[int, ConfigureCall, str, str]:
+    """The configuration generation, its call, fingerprint and computedAt: a new generation
+    (above every pod's) whenever the call's content changed."""
+    floor_gen = max(
+        [memory.config_generation,
+         int((previous_status.get("budget") or {}).get("configGeneration", 0))]
+        + [p.sidecar.generation for p in pods if p.sidecar is not None]
     )
-    return ServiceOutcome(
-        children=rendered.objects,
-        status=status,
-        pushes=pushes,
-        memory=new_memory,
-        events=tuple(events),
-    )
+    call = make(floor_gen)
+    fingerprint = _fingerprint(call)
+    generation = memory.config_generation
+    computed_at = memory.computed_at or rfc3339(now)
+    if fingerprint != memory.config_fingerprint:
+        generation = floor_gen + 1
+        computed_at = rfc3339(now)
+        call = make(generation)
+    return generation, call, fingerprint, computed_at
+
+
+def reconcile_service(
+    ref: ObjectRef,
+    spec: InferenceServiceSpec,
+    observed: ServiceObserved,
+    memory: ServiceMemory,
+    *,
+    previous_status: dict[str, Any],
+    now: datetime,
+    now_s: float,
+    params: BudgetParams,
+    search_for: Callable[[SearchSubject], BudgetSearch],
+    calibration: CalibrationParams | None = None,
+    learned: LearnedParams | None = None,
+) -> ServiceOutcome:
+    """One reconcile of an InferenceService (see the module docstring)."""
+    targets = SLOTargets.from_spec(spec.slo)
+    window = observed.window
+    slo_obs = window.observed if window is not None else ObservedSLO(samples=0)
+    conditions: list[dict[str, Any]] = [dict(c) for c in previous_status.get("conditions", [])]
+    gen = ref.generation
+    latency = _latency(spec, observed, memory, learned or LearnedParams(),
+                       calibration or CalibrationParams())
+    events = list(latency.events)
+    in_force = latency.choice.in_force
+    budget = _budget(spec, observed, memory, latency, targets, now_s=now_s, params=params,
+                     search_for=search_for, events=events)
+    budget_s = budget.budget_s if budget is not None else None
+    idle_budget_s = budget.searched.idle_budget_s if budget is not None else None
+
+    pods = observed.pods
+    ready = [p for p in pods if p.ready]
+    generation, call, fingerprint, computed_at = _generation(
+        memory, previous_status, pods,
+        lambda g: _configure_call(g, budget_s, targets, spec, latency.model,
+                                  idle_budget_s=idle_budget_s), now)
+    pushes = tuple((p.name, call) for p in ready
+                   if p.sidecar is not None and p.sidecar.generation < generation)
+    cal = latency.calibration
+    if latency.refit is not None:
+        cal = replace(cal, since_generation=generation)
+
+    _ready_conditions(conditions, spec, len(ready), now=now, gen=gen)
+    slo_summary = _slo_condition(conditions, targets, slo_obs, params, events, now=now, gen=gen)
+    _budget_condition(conditions, latency.choice, budget, ready=len(ready), behind=len(pushes),
+                      generation=generation, now=now, gen=gen)
+
+    offline, offline_tokens = _offline(pods, ready, memory.offline_tokens, now_s)
+    status: dict[str, Any] = {
+        "observedGeneration": gen,
+        "conditions": conditions,
+        "replicas": len(pods),
+        "readyReplicas": len(ready),
+        "offline": offline,
+        "sloSummary": slo_summary,
+        "observed": _observed_status(observed, slo_obs),
+        "latencyModel": (in_force.status(latency.scale) if in_force is not None
+                         else {"source": "none"}),
+    }
+    if budget is not None:
+        status["budget"] = {"iteration": format_duration(budget.budget_s),
+                            "searched": format_duration(budget.searched.budget_s),
+                            "computedAt": computed_at, "reason": budget.reason,
+                            "configGeneration": generation, "profile": latency.key}
+    # The ConfigMap carries a profile's model only: a learned one reaches the pods through
+    # Configure, and the pod template (which names the file) must not change when one appears.
+    file_model = latency.model if in_force is not None and in_force.calibrated else None
+    rendered = _rendered(ref, spec, observed, file_model, memory.rendered)
+    new_memory = ServiceMemory(budget=budget, config_generation=generation,
+                               config_fingerprint=fingerprint, computed_at=computed_at,
+                               calibration=cal, rendered=rendered,
+                               offline_tokens=offline_tokens,
+                               in_force=in_force or memory.in_force)
+    return ServiceOutcome(children=rendered.objects, status=status, pushes=pushes,
+                          memory=new_memory, events=tuple(events))

@@ -1,10 +1,10 @@
 """Budget searches off the event loop, cached by (model, GPU, SLOs, load bucket).
 
 :class:`BudgetSearches` hands the reconciler a :data:`BudgetSearch` per
-:class:`SearchSubject` (a service's profile, (model, GPU), engine limits and
-calibration scale). Called with (targets, load) it
+:class:`SearchSubject` (a service's latency model, (model, GPU), engine limits,
+calibration scale and enforcement mode). Called with (targets, load) it
 
-* answers from its LRU cache when this (model, GPU, profile, scale, limits,
+* answers from its LRU cache when this (model, GPU, profile, scale, limits, mode,
   SLO targets, load bucket) was searched before: a steady service never
   searches twice;
 * otherwise starts a :class:`~slipstream_operator.simsearch.SimulatedSearch` on
@@ -48,6 +48,7 @@ from concurrent.futures import (
     wait,
 )
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from slipstream_operator.budgets import (
     AnalyticSearch,
@@ -72,14 +73,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SearchSubject:
-    """What a budget is searched for: one service's profile, engine and calibration."""
+    """What a budget is searched for: one service's latency model, engine, calibration and
+    mode (where the budget is enforced: the sidecar in front of vLLM, or the plugin in it)."""
 
     model_name: str  # spec.model, e.g. meta-llama/Llama-2-7b-hf
     gpu: str  # spec.engine.gpuType, e.g. h100
-    profile: str  # where the latency model came from, e.g. shipped:latency_x_h100.json
-    model: LinearLatencyModel = field(compare=False)  # the profile's model, uncalibrated
+    # Where the latency model came from, e.g. shipped:latency_x_h100.json, or a learned
+    # model's pod and revision (learned:chat-0 r3): a new revision is a new search.
+    profile: str
+    model: LinearLatencyModel = field(compare=False)  # the model in force, uncalibrated
     scale: float = 1.0  # calibration factor in force
     limits: EngineLimits = field(default_factory=EngineLimits)
+    mode: Literal["sidecar", "in-engine"] = "sidecar"  # SimConfig.mode of the trials
 
     @property
     def calibrated(self) -> LinearLatencyModel:
@@ -87,7 +92,8 @@ class SearchSubject:
 
     @property
     def key(self) -> tuple[Hashable, ...]:
-        return (self.model_name, self.gpu.lower(), self.profile, round(self.scale, 6), self.limits)
+        return (self.model_name, self.gpu.lower(), self.profile, round(self.scale, 6), self.limits,
+                self.mode)
 
 
 class BudgetSearches:
@@ -152,7 +158,8 @@ class BudgetSearches:
                 max_num_batched_tokens=subject.limits.max_num_batched_tokens,
                 block_size=subject.limits.block_size,
             )
-            job = SimulatedSearch(subject.model, engine, self.params, subject.scale)
+            job = SimulatedSearch(subject.model, engine, self.params, subject.scale,
+                                  mode=subject.mode)
             running = self._submit(job, targets, sample)
             self._running[key] = running
             self.searches_started += 1

@@ -194,6 +194,19 @@ class OperatorSettings(BaseSettings):
         default_factory=lambda: CalibrationParams.model_validate({}),
         description="Latency-model refit from the sidecars' step timings.",
     )
+    learned_max_mape: float = Field(
+        default=0.10,
+        gt=0,
+        description="Largest held-out error (mean absolute percentage error on recent steps "
+        "the fit did not see, as a fraction) at which a latency model a pod learned from its "
+        "own engine is used, for a service without a latency profile. Default: 0.1.",
+    )
+    learned_min_steps: int = Field(
+        default=200,
+        ge=1,
+        description="Fewest engine steps a learned latency model must have been fitted on to "
+        "be used. Default: 200.",
+    )
     gc_young_threshold: int = Field(
         default=50_000,
         ge=0,

@@ -34,7 +34,9 @@ Deliberately left out: retries (the next timer tick is the retry).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping
@@ -43,6 +45,7 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from slipstream_operator.errors import SidecarError
 from slipstream_operator.observe import Histogram, Sample
+from slipstream_scheduler.latency import LatencyModelError, LinearLatencyModel
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,27 @@ def group_by_job(reports: Iterable[ShardReport]) -> dict[str, JobShards]:
     }
 
 
+LEARNED_SOURCES = ("learned", "profiled")
+
+
+@dataclass(frozen=True, slots=True)
+class LearnedLatency:
+    """The latency model a pod's sidecar learned from its own engine (``learned_model``).
+
+    ``model`` is None while the pod has no fitted model yet (or reported one that does not
+    make a valid model: logged, and treated as none); ``seen_steps`` then still says how far
+    its learning got.
+    """
+
+    model: LinearLatencyModel | None
+    source: str = "learned"  # learned (served steps) | profiled (slipstream profile engine)
+    fit_steps: int = 0  # steps the fit used
+    seen_steps: int = 0  # steps recorded in all
+    heldout_mape: float = math.inf  # fraction, on recent steps the fit did not see
+    revision: int = 0  # increases with every fit that replaced the previous one
+    fitted_at: float = 0.0  # unix seconds of the accepted fit
+
+
 @dataclass(frozen=True, slots=True)
 class SidecarStatus:
     """One Status reply.
@@ -118,6 +142,8 @@ class SidecarStatus:
     """The online class's histograms and counters, stamped with the operator's monotonic
     clock when the reply arrived; None from a sidecar that does not send them (the operator
     then scrapes its ``/metrics``)."""
+    learned: LearnedLatency | None = None
+    """The model the pod learned from its own engine; None from a sidecar that reports none."""
     by_job: Mapping[str, JobShards] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -219,6 +245,43 @@ def _online_sample(counters: object, taken_s: float) -> Sample | None:
         return None
     return Sample(at_s=taken_s, ttft=ttft, tbt=tbt, admitted=counters.admitted,
                   finished=counters.finished_ok, output_tokens=counters.output_tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _warn_malformed(source: str, revision: int, problem: str) -> None:
+    """Logged once per (source, revision, problem): a pod repeats its model every Status."""
+    logger.warning("a sidecar reported a malformed %s latency model (revision %d): %s; "
+                   "ignoring it", source, revision, problem)
+
+
+def learned_from_pb(msg: object) -> LearnedLatency:
+    """A :class:`LearnedLatency` from a ``LearnedModel`` message; a spec without coefficients
+    or one that does not make a valid model (logged) gives ``model=None``."""
+    from slipstream_sidecar.brain import latency_model_from_spec
+    from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+    assert isinstance(msg, pb.LearnedModel)
+    source = msg.source if msg.source in LEARNED_SOURCES else "learned"
+    model: LinearLatencyModel | None = None
+    spec = msg.model
+    if msg.HasField("model") and spec.coefficients:
+        try:
+            model = latency_model_from_spec(
+                spec.kind, dict(spec.coefficients), int(spec.knee_tokens),
+                token_curve=tuple(spec.token_curve),
+                curve_step_tokens=int(spec.curve_step_tokens))
+        except (ValueError, LatencyModelError) as exc:
+            _warn_malformed(source, int(msg.revision), str(exc)[:300])
+    mape = float(msg.heldout_mape)
+    return LearnedLatency(
+        model=model,
+        source=source,
+        fit_steps=int(msg.fit_steps),
+        seen_steps=int(msg.seen_steps),
+        heldout_mape=mape if math.isfinite(mape) and mape >= 0 else math.inf,
+        revision=int(msg.revision),
+        fitted_at=float(msg.fitted_at),
+    )
 
 
 class GrpcSidecarControl:
@@ -385,6 +448,8 @@ def status_from_pb(reply: object) -> SidecarStatus:
         latency_curve_knots=len(reply.latency_model.token_curve),
         online_sample=(_online_sample(reply.online_counters, time.monotonic())
                        if reply.HasField("online_counters") else None),
+        learned=(learned_from_pb(reply.learned_model)
+                 if reply.HasField("learned_model") else None),
     )
 
 

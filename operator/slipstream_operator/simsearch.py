@@ -8,9 +8,11 @@ given the SLO targets and the recent online load it
    observed means (``length_sigma``), and a saturating offline backlog of
    fixed-shape requests, all from one seeded generator;
 2. bisects the budget with ``slipstream_scheduler.budget.search_budget``,
-   each trial a replay of that sample by the core simulator in sidecar mode
-   (the sidecar's dispatcher and ADMISSION planner in front of the engine
-   model of the service's (model, GPU) profile), judging the online TTFT/TBT
+   each trial a replay of that sample by the core simulator in the service's
+   mode: ``sidecar`` (the sidecar's dispatcher and ADMISSION planner in front of
+   the engine model of the service's (model, GPU) profile) or, for
+   ``enforcement: engine``, ``in-engine`` (the planner picks each step's batch
+   inside the engine, as the scheduler plugin does), judging the online TTFT/TBT
    mean and P99 against the targets;
 3. returns the largest passing budget, or the online-only budget (the floor)
    with ``feasible=False`` when even that misses, plus every trial's verdict.
@@ -24,6 +26,10 @@ profile's own timing, is a GPU ``s`` times faster than the real one. Replaying
 the real system in profile time means arrivals ``s`` times as fast and targets
 divided by ``s``; the budget found is then multiplied by ``s`` to be read by
 the calibrated model the sidecars run.
+
+The simulated engine times its steps with the engine model of the (model, GPU) pair
+(``SimConfig`` has no latency model for timing); the latency model searched with (a
+profile, or a model a pod learned from its own engine) is the planner's, as in the pods.
 
 Deterministic for equal inputs (seeded); bounded by ``max_wall_s`` between
 trials (a running trial finishes; each is bounded by ``horizon_s`` of virtual
@@ -303,14 +309,17 @@ def _worst(observed: Observed, slos: Sequence[Slo], scale: float) -> str:
 class SimulatedSearch:
     """Budget search by simulator trials for one (model, GPU) profile and calibration scale.
 
-    ``model`` is the profile's latency model as shipped (fitted on the engine
-    model); ``scale`` the calibration factor in force (see the module docstring).
+    ``model`` is the latency model in force, uncalibrated (a profile as shipped, fitted on
+    the engine model, or a learned one); ``scale`` the calibration factor in force (see the
+    module docstring); ``mode`` the simulator's mode (``SimConfig.mode``): ``in-engine`` for
+    a service whose budget the scheduler plugin enforces.
     """
 
     model: LinearLatencyModel
     engine: EngineConfig
     params: SimSearchParams = field(default_factory=SimSearchParams)
     scale: float = 1.0
+    mode: Literal["sidecar", "in-engine"] = "sidecar"
 
     def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
         calibrated = scaled(self.model, self.scale)
@@ -335,6 +344,7 @@ class SimulatedSearch:
                 max_steps=self.params.max_steps,
                 backlog_depth=self.params.offline_requests,
                 dispatcher=DispatcherConfig(idle_budget_s=idle_s),
+                mode=self.mode,
             )
             observed = simulate(workload, config, latency_model=self.model).observed()
             met = all(observed.get(x.key, math.nan) <= (x.limit_s or 0.0) for x in slos)

@@ -40,6 +40,7 @@ def change_signature(msg: pb.StatusResponse) -> tuple[Hashable, ...]:
         msg.online.admitted_total,
         (counters.admitted, counters.finished_ok, counters.ttft_seconds.count,
          counters.tbt_seconds.count) if msg.HasField("online_counters") else None,
+        msg.learned_model.revision if msg.HasField("learned_model") else None,
     )
 
 
