@@ -18,7 +18,9 @@ uniformly from its own history.
 Validation. Each record first enters a window of the most recent ``holdout`` steps; only
 when it leaves the window does it reach the reservoir. The window is thus always steps the
 fit has not seen, and recent ones: a candidate whose mean absolute percentage error (MAPE)
-on it exceeds ``max_mape`` is not used.
+on it exceeds ``max_mape`` is not used. Stragglers (steps more than three times slower than
+the median of their stratum: host hiccups no model of the batch predicts) are left out of
+both the fit and the validation (:func:`without_stragglers`).
 
 Drift. A candidate that passes replaces the model in force when there is none, when the
 one in force fails the same validation (``stale``), when its error on the window is lower
@@ -267,6 +269,24 @@ def mape(model: LinearLatencyModel, records: Iterable[StepRecord]) -> float:
     return float(np.mean(np.abs(predictions(model, recs) - y) / y))
 
 
+STRAGGLER = 3.0
+"""A step slower than this many times the median of its stratum is a straggler."""
+
+
+def without_stragglers(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """``records`` less the stragglers: steps slower than :data:`STRAGGLER` x the median
+    step of their stratum (strata of at least five steps). A host hiccup (a page fault
+    storm, a descheduled process, a garbage collection) makes one step many times slower
+    than its composition explains; no latency model predicts it, and one such step in a
+    least-squares fit or a mean error outweighs hundreds of ordinary ones."""
+    recs = list(records)
+    by: dict[tuple[str, int, int], list[float]] = {}
+    for r in recs:
+        by.setdefault(stratum(r), []).append(r.wall_time)
+    cap = {k: STRAGGLER * float(np.median(v)) for k, v in by.items() if len(v) >= 5}
+    return [r for r in recs if r.wall_time <= cap.get(stratum(r), math.inf)]
+
+
 @dataclass(frozen=True, slots=True)
 class LearnParams:
     min_steps: int = 200  # steps in the reservoir before the first fit
@@ -352,8 +372,8 @@ class StepLearner:
     def refit(self, now: float) -> FitOutcome:
         """Fit on the reservoir, validate on the held-out window, and decide."""
         self._since_fit = 0
-        x, y = matrix(self._reservoir)
-        held = list(self._recent)
+        x, y = matrix(without_stragglers(self._reservoir))
+        held = without_stragglers(self._recent)
         try:
             cand = fit_matrix(x, y, folds=self.params.folds, seed=self.seed,
                               meta=self.meta).model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from slipstream_scheduler.learning import (
     StepRecordError,
     matrix,
     read_records,
+    without_stragglers,
 )
 from slipstream_scheduler.profiler import engine_run_rows
 from slipstream_scheduler.types import BatchItem, Phase
@@ -163,3 +165,19 @@ def test_params_are_checked() -> None:
         LearnParams(max_mape=1.5)
     with pytest.raises(ValueError, match="min_steps"):
         LearnParams(holdout=2)
+
+
+def test_stragglers_are_left_out_of_fits_and_validation(
+    engine_steps: list[tuple[list[BatchItem], float]],
+) -> None:
+    recs = [record(b, t) for b, t in engine_steps[:1200]]
+    # One step in fifty is a host hiccup, twenty times slower than its batch explains.
+    noisy = [replace(r, wall_time=20 * r.wall_time) if i % 50 == 7 else r
+             for i, r in enumerate(recs)]
+    kept = without_stragglers(noisy)
+    assert len(kept) == len(noisy) - len(range(7, len(noisy), 50))
+    assert all(r.wall_time < 10 * 0.2 for r in kept)
+    lr = StepLearner(PARAMS)
+    lr.extend(noisy)
+    out = lr.refit(now=0.0)
+    assert out.accepted and out.heldout_mape is not None and out.heldout_mape < 0.05

@@ -30,6 +30,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fidelity": ("slipstream_cli.benches.fidelity", "the engine model vs vLLM's own scheduler"),
     "plugin-overhead": ("slipstream_cli.benches.plugin_overhead",
                         "CPU time the vLLM plugin adds per step"),
+    "learning": ("slipstream_cli.benches.learning",
+                 "the latency model learned from engine steps: error, fit time, cost"),
 }
 
 

@@ -1,0 +1,270 @@
+"""``slipstream bench learning``: how well, how fast and at what cost a pod learns its latency
+model from its own engine's steps.
+
+Two sources of steps:
+
+* ``engine-model``: the engine model with a GPU's timing (llama-2-7b on an A100 and an H100
+  by default), a mixed online/offline run (``profiler.engine_run_rows``); the held-out test
+  steps come from a run with another seed.
+* ``vllm``: real ``vllm serve`` on this CPU with the tiny model and Slipstream's plugin,
+  driven by concurrent requests of mixed prompt and output lengths; the plugin's own step
+  records (``steps/`` in the channel) are the rows, and the last 20 % of them, in time, are
+  the held-out test steps.
+
+For each source, the learner (``slipstream_scheduler.learning.StepLearner``, the sidecar's)
+is fed the training steps in order; after 100, 1,000 and 10,000 steps (those the source has)
+it fits on its reservoir, and the report gives the fit's MAPE on the test steps and the fit's
+wall time. The baseline, measured on the same test steps, is what the operator does without
+learning: the shipped llama-2-7b A100 profile, rescaled by calibration's one factor (the
+median of measured over predicted step time over the first 100 steps). The recording cost
+is the plugin's per-step work on vLLM's scheduling thread (``StepRecorder.compose`` and
+``record``) timed over N scheduled requests (16, 64, 256) with objects carrying the two
+attributes it reads.
+
+Deliberately left out: the plugin's cost inside a real step (see ``bench plugin-overhead``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import secrets
+import statistics
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.enginecontrol import CONTROL_FILE, STEPS_DIR, EngineControl
+from slipstream_scheduler.latency import LinearLatencyModel, fit_matrix
+from slipstream_scheduler.learning import (
+    LearnParams,
+    StepLearner,
+    StepRecord,
+    mape,
+    matrix,
+    predictions,
+    read_records,
+    without_stragglers,
+)
+from slipstream_scheduler.profiler import engine_run_rows
+from slipstream_scheduler.types import BatchItem, Phase
+
+SCHEMA = "slipstream.bench.learning/v1"
+PROFILES = Path(__file__).resolve().parents[3] / "scheduler/slipstream_scheduler/engine/profiles"
+CHECKPOINTS = (100, 1000, 10000)
+PLUGIN = "slipstream_vllm.scheduler.SlipstreamScheduler"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", choices=["engine-model", "vllm"], nargs="+",
+                        default=["engine-model", "vllm"], help="where steps come from")
+    parser.add_argument("--gpus", nargs="+", default=["a100", "h100"],
+                        help="engine-model GPUs (default a100 h100)")
+    parser.add_argument("--vllm-requests", type=int, default=3600,
+                        help="requests sent to vllm serve (default 3600)")
+    parser.add_argument("--running", type=int, nargs="+", default=[16, 64, 256],
+                        help="scheduled requests per step for the recording cost")
+    parser.add_argument("--steps-out", type=Path,
+                        help="also write the vLLM run's step records (JSON lines) here")
+    parser.add_argument("--steps-in", type=Path,
+                        help="read the vLLM step records from this file instead of running vLLM")
+    parser.add_argument("--json", type=Path, help="write the JSON report here")
+
+
+def record_of(batch: list[BatchItem], t: float) -> StepRecord:
+    pre = [i for i in batch if i.phase is Phase.PREFILL]
+    dec = [i for i in batch if i.phase is Phase.DECODE]
+    return StepRecord(
+        wall_time=t, num_prefill_requests=len(pre), sum_prefill_tokens=sum(i.tokens for i in pre),
+        sum_prefill_kv_tokens=sum(i.context for i in pre),
+        sum_prefill_chunk_kv=sum(i.tokens * i.context for i in pre),
+        num_decode_requests=len(dec), sum_decode_tokens=sum(i.tokens for i in dec),
+        sum_decode_kv_tokens=sum(i.context for i in dec))
+
+
+def calibrated_baseline(train: list[StepRecord], test: list[StepRecord],
+                        gpu: str = "a100") -> dict[str, float]:
+    """The shipped llama-2-7b profile times calibration's one factor (the operator's
+    ``calibration.scaled``: every coefficient times the median measured/predicted ratio),
+    taken over the first 100 steps."""
+    shipped = LinearLatencyModel.from_json(
+        (PROFILES / f"latency_llama-2-7b_{gpu}.json").read_text())
+    first = train[:100]
+    ratio = statistics.median(
+        r.wall_time / p for r, p in zip(first, predictions(shipped, first), strict=True))
+    rescaled = replace(shipped, coefficients=tuple(c * ratio for c in shipped.coefficients),
+                       stats=None)
+    clean = without_stragglers(test)
+    return {"scale": ratio, "mape": mape(rescaled, clean), "mape_unscaled": mape(shipped, clean),
+            "mape_all": mape(rescaled, test)}
+
+
+def learning_curve(train: list[StepRecord], test: list[StepRecord]) -> list[dict[str, Any]]:
+    learner = StepLearner(LearnParams())
+    out = []
+    marks = [c for c in CHECKPOINTS if c <= len(train)]
+    for i, rec in enumerate(train, 1):
+        learner.add(rec)
+        if i not in marks:
+            continue
+        # Everything seen so far (the reservoir and the held-out window) is what a fit at
+        # this point can use; the test steps are separate.
+        rows = without_stragglers([*learner.reservoir, *learner._recent])
+        t0 = time.perf_counter()
+        model = fit_matrix(*matrix(rows)).model
+        fit_s = time.perf_counter() - t0
+        out.append({"steps": i, "rows": len(rows), "fit_s": fit_s,
+                    "feature_set": model.feature_set.value,
+                    "mape": mape(model, without_stragglers(test)), "mape_all": mape(model, test)})
+    return out
+
+
+def noise_floor(train: list[StepRecord], test: list[StepRecord]) -> dict[str, float]:
+    """The control: how far a test step's time is from the median time of the training
+    steps of exactly its composition (any model of the composition can do no better on
+    those steps), over the test steps whose composition the training steps hold at least
+    three times."""
+    by: dict[tuple[int, ...], list[float]] = {}
+    for r in without_stragglers(train):
+        by.setdefault(_composition(r), []).append(r.wall_time)
+    apes = [abs(r.wall_time - statistics.median(by[k])) / r.wall_time
+            for r in without_stragglers(test) if len(by.get(k := _composition(r), ())) >= 3]
+    return {"mape": statistics.fmean(apes) if apes else float("nan"), "steps": len(apes)}
+
+
+def _composition(r: StepRecord) -> tuple[int, ...]:
+    return (r.num_prefill_requests, r.sum_prefill_tokens, r.sum_prefill_chunk_kv,
+            r.num_decode_requests, r.sum_decode_kv_tokens // 64)
+
+
+def engine_model_source(gpu: str) -> dict[str, Any]:
+    cfg = EngineConfig(gpu=gpu)
+    train = [record_of(list(b), t) for b, t in engine_run_rows(cfg, 11, 10000, 4096)]
+    test = [record_of(list(b), t) for b, t in engine_run_rows(cfg, 12, 2000, 4096)]
+    return {"source": f"engine-model llama-2-7b/{gpu}", "train_steps": len(train),
+            "test_steps": len(test), "curve": learning_curve(train, test),
+            "baseline": calibrated_baseline(train, test, gpu),
+            "noise_floor": noise_floor(train, test)}
+
+
+def _post(url: str, body: dict[str, Any]) -> None:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        resp.read()
+
+
+def vllm_source(requests: int, steps_out: Path | None = None,
+                steps_in: Path | None = None) -> dict[str, Any]:
+    lines = (steps_in.read_text().splitlines() if steps_in is not None
+             else vllm_steps(requests))
+    if steps_out is not None:
+        steps_out.write_text("".join(line + "\n" for line in lines))
+    recs, errors = read_records(lines)
+    if errors:
+        raise RuntimeError(f"bad step records: {errors[:3]}")
+    cut = int(len(recs) * 0.8)
+    train, test = recs[:cut], recs[cut:]
+    return {"source": "vllm serve (CPU, tiny model)", "train_steps": len(train),
+            "test_steps": len(test), "curve": learning_curve(train, test),
+            "baseline": calibrated_baseline(train, test),
+            "noise_floor": noise_floor(train, test)}
+
+
+def vllm_steps(requests: int) -> list[str]:
+    """The plugin's step records of one run of real ``vllm serve``."""
+    from slipstream_testbed.vllm import DEFAULT_SERVED_NAME, VllmServer, VllmServerOptions
+    from slipstream_testbed.vllm.tiny_model import ensure
+
+    with tempfile.TemporaryDirectory(prefix="slipstream-learning-") as tmp:
+        channel = Path(tmp)
+        (channel / CONTROL_FILE).write_text(EngineControl(generation=1, policy="naive").encode())
+        srv = VllmServer(VllmServerOptions(
+            model_dir=ensure(), scheduler_cls=PLUGIN, max_num_batched_tokens=256,
+            env={"SLIPSTREAM_CHANNEL_DIR": str(channel)}, log_path=channel / "vllm.log"))
+        srv.start()
+        try:
+            rng = random.Random(7)
+            salt = secrets.randbelow(500)
+            bodies = []
+            for i in range(requests):
+                n = rng.choice((8, 32, 60, 120, 200, 300))
+                prompt = [2 + (salt + i) % 1000] + [rng.randrange(2, 1000) for _ in range(n - 1)]
+                bodies.append({"model": DEFAULT_SERVED_NAME, "prompt": prompt,
+                               "max_tokens": rng.choice((4, 16, 48, 120)),
+                               "temperature": 0, "ignore_eos": True})
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda b: _post(srv.url + "/v1/completions", b), bodies))
+            time.sleep(1.0)  # the channel thread's last flush
+        finally:
+            srv.stop()
+        return [line for p in sorted((channel / STEPS_DIR).glob("*.jsonl"))
+                for line in p.read_text().splitlines()]
+
+
+@dataclass
+class _Req:
+    num_computed_tokens: int
+    num_prompt_tokens: int
+
+
+def recording_cost(running: int, steps: int = 20000) -> dict[str, float]:
+    from slipstream_vllm.steps import StepRecorder
+
+    requests = {f"r{i}": _Req(100 + i + 1, 50) for i in range(running)}
+    scheduled = dict.fromkeys(requests, 1)
+    rec = StepRecorder()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(steps // 5):
+            rec.record(0.01, StepRecorder.compose(scheduled, requests))
+        samples.append((time.perf_counter_ns() - t0) / (steps // 5) / 1000)
+        rec.drain()
+    return {"running": running, "us_per_step": statistics.median(samples)}
+
+
+def run(args: argparse.Namespace) -> int:
+    sources: list[dict[str, Any]] = []
+    for name in args.source:
+        if name == "engine-model":
+            sources.extend(engine_model_source(g) for g in args.gpus)
+        else:
+            sources.append(vllm_source(args.vllm_requests, args.steps_out, args.steps_in))
+    cost = [recording_cost(n) for n in args.running]
+    report = {"schema": SCHEMA, "sources": sources, "recording": cost}
+    _print(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
+    console = Console(width=160)
+    table = Table(title="held-out MAPE of the learned model vs steps seen (stragglers out; "
+                  "with them in brackets)")
+    for col in ("source", "steps", "rows", "features", "fit ms", "learned MAPE",
+                "shipped x scale MAPE", "learned / shipped", "noise floor"):
+        table.add_column(col)
+    for src in report["sources"]:
+        base, floor = src["baseline"], src["noise_floor"]
+        for pt in src["curve"]:
+            table.add_row(src["source"], str(pt["steps"]), str(pt["rows"]), pt["feature_set"],
+                          f"{1000 * pt['fit_s']:.0f}",
+                          f"{pt['mape']:.2%} ({pt['mape_all']:.2%})",
+                          f"{base['mape']:.2%} (x{base['scale']:.3g})",
+                          f"{pt['mape'] / base['mape']:.2f}",
+                          f"{floor['mape']:.2%} (n={floor['steps']})")
+    console.print(table)
+    for c in report["recording"]:
+        console.print(f"recording: {c['running']} scheduled requests: "
+                      f"{c['us_per_step']:.1f} us per step")
