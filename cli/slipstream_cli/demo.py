@@ -25,19 +25,26 @@ Steps, each announced on the console with the time since the start:
    preemptions) and write ``summary.json`` and ``timeline.png`` (online load, offline
    tokens/s, TTFT and TBT p99 against the SLO, for both runs) to ``out/demo-<time>/``.
 
-The naive run serves the same engine under the name ``llama-2-7b-unprofiled``, for which
-the operator has no latency profile: it pushes no latency model, and each sidecar then
-builds the naive planner (online first, offline fills, no budget). Everything else (engine
-model and GPU profile, replicas, engine flags, trace, backlog) is the same.
+The naive run sets ``spec.scheduling.latencyModel: none`` (and serves the same engine under
+the name ``llama-2-7b-unprofiled``): the operator pushes no latency model, and each sidecar
+then builds the naive planner (online first, offline fills, no budget). Everything else
+(engine, replicas, engine flags, trace, backlog) is the same.
 
 Everything is torn down at the end (processes by process group; the cluster stops unless
 ``--keep-cluster``). Only shipped files are read, so it works from a fresh clone; a trace under
 ``$SLIPSTREAM_DATA`` is used only when the shipped slice is missing.
 
-``--engine vllm`` (``make demo ENGINE=vllm``) changes only the engine: each pod runs real
+``--engine vllm`` (``make demo ENGINE=vllm``) changes the engine: each pod runs real
 ``vllm serve`` on CPU with the tiny model of :func:`slipstream_testbed.vllm.ensure` (``make
-vllm-env`` installs it) instead of the engine model. The one other change follows from the
-model: its context is 2,048 tokens, so the trace's prompts are capped at 480 words.
+vllm-env`` installs it) instead of the engine model. No shipped profile describes that model
+on this CPU, so the Slipstream run serves it as ``tiny-llama-cpu`` (no profile) and its
+budget is priced by the model the pods learn from their own engine (``--mode engine``: the
+plugin's step records; docs/concepts/learned-latency-model.md); the replay starts once that
+model is in force. The operator accepts a learned model up to 25 % held-out error here
+(``learned_max_mape``; the default is 10 %): steps of identical composition on this loaded
+2-core host spread by 6-10 % on their own. With ``--mode sidecar`` nothing is learned from
+served steps, and the run says so. The model's context is 2,048 tokens, so the trace's
+prompts are capped at 480 words.
 
 Deliberately left out: real GPUs (see docs/install.md), Grafana (the dashboard JSON is in the
 chart), and tuning: the numbers are those of a loaded 2-core laptop-class machine.
@@ -92,6 +99,8 @@ class DemoError(Exception):
 
 SLIPSTREAM_MODEL = "llama-2-7b"
 NAIVE_MODEL = "llama-2-7b-unprofiled"  # same engine profile; no operator latency profile
+VLLM_MODEL = "tiny-llama-cpu"  # real vLLM's model: no shipped profile, so it is learned
+LEARNED_MAX_MAPE = 0.25  # the operator's bar for a learned model on this noisy host
 ENGINES = ("model", "vllm")
 MODES = ("sidecar", "engine")
 ENGINE_NAMES = {
@@ -181,7 +190,7 @@ def offline_input(out: Path, model: str, copies: int, max_tokens: int) -> tuple[
 
 
 def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo, *,
-              mode: str = "sidecar") -> Path:
+              mode: str = "sidecar", engine: str = "model") -> Path:
     """The example InferenceService and OfflineJob for one run, pointed at the demo's files;
     ``mode`` is the service's ``scheduling.enforcement``."""
     docs = []
@@ -193,13 +202,15 @@ def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo, 
     service, job = docs
     if service["metadata"]["name"] != SERVICE:
         raise DemoError("examples/inferenceservice.yaml changed names; update slipstream_cli.demo")
-    model = served_model(run)
-    if run != "naive" and service["spec"]["model"] != model:
+    model = served_model(run, engine)
+    if model == SLIPSTREAM_MODEL and service["spec"]["model"] != model:
         raise DemoError("examples/inferenceservice.yaml changed its model; update "
                         "slipstream_cli.demo")
     service["spec"]["model"] = model
     service["spec"]["slo"] = slo.spec()
     service["spec"].setdefault("scheduling", {})["enforcement"] = mode
+    if run == "naive":
+        service["spec"]["scheduling"]["latencyModel"] = "none"
     job["metadata"]["name"] = job_name(run)
     job["spec"]["model"] = model
     job["spec"]["input"]["uri"] = f"file://{input_path}"
@@ -211,9 +222,12 @@ def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo, 
     return path
 
 
-def served_model(run: str) -> str:
-    """The model name a run serves: the naive run's has no latency profile (same engine)."""
-    return NAIVE_MODEL if run == "naive" else SLIPSTREAM_MODEL
+def served_model(run: str, engine: str = "model") -> str:
+    """The model name a run serves: the naive run's has no latency profile (same engine);
+    under real vLLM, the Slipstream run's has none either (its model is learned)."""
+    if run == "naive":
+        return NAIVE_MODEL
+    return VLLM_MODEL if engine == "vllm" else SLIPSTREAM_MODEL
 
 
 def job_name(run: str) -> str:
@@ -360,7 +374,9 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
                       "--create-namespace", "--take-ownership", "--force-conflicts",
                       "--set", "operator.reconcileIntervalSeconds=2",
                       "--set", "operator.windowSeconds=30", "--set", "operator.logLevel=info",
-                      "--set", "operator.stallTimeoutSeconds=60")
+                      "--set", "operator.stallTimeoutSeconds=60",
+                      "--set", "operator.extraEnv[0].name=SLIPSTREAM_OPERATOR_LEARNED_MAX_MAPE",
+                      "--set-string", f"operator.extraEnv[0].value={LEARNED_MAX_MAPE}")
         console.print("[green]✓[/] helm release 'slipstream' installed in "
                       f"{SYSTEM_NS} (CRDs, operator Deployment, RBAC, dashboard)")
         (out / "helm-status.txt").write_text(kube.helm("status", RELEASE, "-n", SYSTEM_NS))
@@ -440,13 +456,14 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
     from slipstream_cli.loadgen import LoadConfig, LoadGenerator, load_trace
 
     job = job_name(name)
-    served = served_model(name)
+    served = served_model(name, args.engine)
     input_path, total = offline_input(out, served, args.offline_copies, args.offline_max_tokens)
     manifest = manifests(out, name, input_path, args.offline_max_tokens, slo,
-                         mode=args.mode)
+                         mode=args.mode, engine=args.engine)
     kube.kubectl("apply", "-n", DEMO_NS, "-f", str(manifest))
     how = ("naive co-location: no latency model, no budget" if name == "naive"
-           else "Slipstream: latency model and iteration budget")
+           else "Slipstream: latency model and iteration budget" if served != VLLM_MODEL
+           else "Slipstream: the latency model learned from the engine, and its budget")
     console.print(f"[green]✓[/] {name}: applied InferenceService/{SERVICE} ({how}; TTFT p99 "
                   f"{slo.ttft_p99_s:g}s, TBT p99 {slo.tbt_p99_s * 1000:.0f}ms) and "
                   f"OfflineJob/{job} ({total} MMLU requests)")
@@ -459,6 +476,8 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
         wait_for("offline shards on the pods",
                  lambda: (_job_status(kube, job).get("shards") or {}).get("assigned"), 90.0,
                  f"see the operator log under {out / 'pods'}")
+    if served == VLLM_MODEL:
+        _await_learned_model(console, kube, args.mode, out)
     load_config = LoadConfig(model=served, speedup=args.speedup, duration_s=args.duration,
                              max_requests=100_000, max_output_tokens=args.max_output_tokens,
                              max_prompt_tokens=PROMPT_WORDS_CAP[args.engine],
@@ -495,13 +514,14 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
     service = json.loads(kube.kubectl("get", "-n", DEMO_NS, "inferenceservices.slipstream.dev",
                                       SERVICE, "-o", "json", check=False) or "{}")
     budget = str(((service.get("status") or {}).get("budget") or {}).get("iteration", ""))
+    in_force = describe_model((service.get("status") or {}).get("latencyModel") or {})
     offline_series = _range(prometheus, 'sum(rate(slipstream_output_tokens_total'
                             '{class="offline"}[15s]))', load_started, time.time())
     result = run_result(
         name, generator.results, slo,
         offline_tokens_per_s=None if offline_tokens is None else offline_tokens / replay_s,
         offline_requests_done=int((status.get("requests") or {}).get("completed") or 0),
-        preemptions=preemptions, kubectl_lines=lines, budget=budget)
+        preemptions=preemptions, kubectl_lines=lines, budget=budget, latency_model=in_force)
     tl = timeline(generator.results, duration_s=args.duration, bucket_s=5.0,
                   offline=list(zip(*offline_series, strict=True)))
     console.print(f"{name}: done; deleting OfflineJob/{job} and InferenceService/{SERVICE}")
@@ -513,6 +533,36 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
                  lambda: not any(p.kind == "inference" for p in runner.snapshot()), 120.0,
                  f"see the pod logs under {out / 'pods'}")
     return result, tl
+
+
+def describe_model(status: dict[str, Any]) -> str:
+    """``status.latencyModel`` in a few words: its source, and for a learned model its steps
+    and held-out error."""
+    source = str(status.get("source") or "none")
+    if source != "learned":
+        return source
+    return (f"learned r{status.get('revision', 0)}: {status.get('steps', 0)} steps, "
+            f"held-out {100 * float(status.get('heldoutMAPE', 0.0)):.1f} %")
+
+
+def _await_learned_model(console: Console, kube: Kube, mode: str, out: Path) -> None:
+    """Under real vLLM the Slipstream run's model is learned: wait for it (engine mode)."""
+    if mode != "engine":
+        console.print("[yellow]![/] sidecar mode learns no latency model from served steps: "
+                      "this run has no budget (try --mode engine)")
+        return
+
+    def learned() -> bool:
+        doc = json.loads(kube.kubectl("get", "-n", DEMO_NS, "inferenceservices.slipstream.dev",
+                                      SERVICE, "-o", "json", check=False) or "{}")
+        return (((doc.get("status") or {}).get("latencyModel") or {}).get("source")
+                == "learned")
+
+    with console.status("Waiting for the pods to learn the latency model from their "
+                        "engine's steps ..."):
+        wait_for("a learned latency model in force", learned, 300.0,
+                 f"see slipstream_learned_* in the sidecar logs under {out / 'pods'}")
+    console.print("[green]✓[/] latency model learned from the engine's steps is in force")
 
 
 def _sample_size() -> int:

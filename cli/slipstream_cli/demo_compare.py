@@ -79,6 +79,7 @@ class RunResult:
     preemptions: float | None
     kubectl_lines: tuple[str, ...] = ()
     budget: str = ""
+    latency_model: str = ""
 
     def met(self, slo: Slo) -> dict[str, bool]:
         """Per metric: is the p99 within its target (no measurement: not met)."""
@@ -92,13 +93,14 @@ class RunResult:
                 "offline_tokens_per_s": self.offline_tokens_per_s,
                 "offline_requests_done": self.offline_requests_done,
                 "preemptions": self.preemptions, "budget": self.budget,
+                "latency_model": self.latency_model,
                 "slo_met": self.met(slo), "kubectl_get": list(self.kubectl_lines)}
 
 
 def run_result(name: str, results: Sequence[RequestResult], slo: Slo, *,
                offline_tokens_per_s: float | None, offline_requests_done: int,
                preemptions: float | None, kubectl_lines: Sequence[str] = (),
-               budget: str = "") -> RunResult:
+               budget: str = "", latency_model: str = "") -> RunResult:
     """A run's online latencies and attainment from what the client saw."""
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -108,7 +110,8 @@ def run_result(name: str, results: Sequence[RequestResult], slo: Slo, *,
         ttft_attainment=sum(t <= slo.ttft_p99_s for t in ttfts) / len(ttfts) if ttfts else None,
         tbt_attainment=sum(g <= slo.tbt_p99_s for g in gaps) / len(gaps) if gaps else None,
         offline_tokens_per_s=offline_tokens_per_s, offline_requests_done=offline_requests_done,
-        preemptions=preemptions, kubectl_lines=tuple(kubectl_lines), budget=budget)
+        preemptions=preemptions, kubectl_lines=tuple(kubectl_lines), budget=budget,
+        latency_model=latency_model)
 
 
 def side_by_side(runs: Mapping[str, RunResult], slo: Slo) -> list[tuple[str, ...]]:
@@ -138,6 +141,7 @@ def side_by_side(runs: Mapping[str, RunResult], slo: Slo) -> list[tuple[str, ...
         ("offline requests done", *(str(r.offline_requests_done) for r in order)),
         ("offline preemptions", *("-" if r.preemptions is None else f"{r.preemptions:.0f}"
                                   for r in order)),
+        ("latency model in force", *(r.latency_model or "none" for r in order)),
         ("iteration budget", *(r.budget or "none" for r in order)),
     ]
 

@@ -96,6 +96,33 @@ def test_slo_spec_and_the_runs_manifests(tmp_path: Path) -> None:
     assert demo.served_model("naive").startswith(demo.served_model("slipstream"))
 
 
+def test_the_naive_run_turns_the_latency_model_off_and_real_vllm_learns_it(
+        tmp_path: Path) -> None:
+    import yaml
+
+    for engine in ("model", "vllm"):
+        runs = {}
+        for run in ("naive", "slipstream"):
+            path = demo.manifests(tmp_path, run, tmp_path / "in.jsonl", 64, SLO, mode="engine",
+                                  engine=engine)
+            service, _ = yaml.safe_load_all(path.read_text())
+            runs[run] = service["spec"]
+        assert runs["naive"]["scheduling"]["latencyModel"] == "none"
+        assert "latencyModel" not in runs["slipstream"]["scheduling"]  # auto
+        assert runs["slipstream"]["scheduling"]["enforcement"] == "engine"
+    # Under real vLLM the Slipstream run serves a model no shipped profile describes.
+    assert demo.served_model("slipstream", "vllm") == demo.VLLM_MODEL
+    assert demo.served_model("slipstream", "model") == demo.SLIPSTREAM_MODEL
+    assert demo.describe_model({"source": "learned", "revision": 2, "steps": 812,
+                                "heldoutMAPE": 0.0813}) == (
+        "learned r2: 812 steps, held-out 8.1 %")
+    assert demo.describe_model({}) == "none"
+    good = run_result("slipstream", [], SLO, offline_tokens_per_s=1.0,
+                      offline_requests_done=0, preemptions=None, latency_model="shipped")
+    rows = {row[0]: row[1:] for row in side_by_side({"slipstream": good}, SLO)}
+    assert rows["latency model in force"] == ("shipped",)
+
+
 def test_offline_input_addresses_the_served_model(tmp_path: Path) -> None:
     import json
 
