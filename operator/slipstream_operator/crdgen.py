@@ -191,6 +191,11 @@ def _rewrite(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str,
             out.setdefault("type", "string")
         elif key == "allOf":
             raise SchemaError(f"{path}: allOf is not structural")
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            # JSON Schema 2020 (pydantic's gt/lt) has the bound here; Kubernetes' OpenAPI v3.0
+            # takes the bound in minimum/maximum and a boolean here.
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
         else:
             out[key] = value
     if "type" not in out and "x-kubernetes-int-or-string" not in out:

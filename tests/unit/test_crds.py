@@ -68,6 +68,11 @@ def test_schema_is_structural(kind: str) -> None:
     for path, node in _walk(schema):
         assert "type" in node or node.get("x-kubernetes-int-or-string"), path
         assert not ("properties" in node and "additionalProperties" in node), path
+        # Kubernetes' OpenAPI v3.0: an exclusive bound is a boolean beside minimum/maximum
+        # (a number here, as JSON Schema 2020 writes it, fails the API server's apply).
+        for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if key in node:
+                assert node[key] is True and bound in node, (path, key)
         if node.get("type") == "object" and "properties" in node:
             for req in node.get("required", ()):
                 assert req in node["properties"], (path, req)
