@@ -124,8 +124,10 @@ def _learning(reports: list[tuple[str, LearnedLatency]], params: LearnedParams) 
     if steps < params.min_steps:
         return f"learning from the engine: {steps}/{params.min_steps} steps (pod {pod})"
     if best.model is None:
+        last = (f" (the last one: held-out error {best.heldout_mape * 100:.0f} % on recent "
+                "steps)" if math.isfinite(best.heldout_mape) else "")
         return (f"learning from the engine: {steps} steps seen, no fit has passed validation "
-                f"yet (pod {pod})")
+                f"yet{last} (pod {pod})")
     error = (f"{best.heldout_mape * 100:.0f} %" if math.isfinite(best.heldout_mape)
              else "unknown")
     return (f"learning from the engine: held-out error {error} > "

@@ -339,6 +339,7 @@ class StepLearner:
     seed: int = 0
     current: Learned | None = None
     seen: int = 0
+    attempts: int = 0
     rejected: int = 0
     _recent: deque[StepRecord] = field(init=False)
     _reservoir: RegimeReservoir = field(init=False)
@@ -367,11 +368,12 @@ class StepLearner:
         """Enough steps for a first fit, or enough new ones since the last attempt."""
         if len(self._reservoir) < self.params.min_steps or len(self._recent) < self.params.holdout:
             return False
-        return self.current is None or self._since_fit >= self.params.refit_every
+        return self.attempts == 0 or self._since_fit >= self.params.refit_every
 
     def refit(self, now: float) -> FitOutcome:
         """Fit on the reservoir, validate on the held-out window, and decide."""
         self._since_fit = 0
+        self.attempts += 1
         x, y = matrix(without_stragglers(self._reservoir))
         held = without_stragglers(self._recent)
         try:

@@ -17,12 +17,12 @@ from typing import Any
 
 from slipstream_scheduler.enginecontrol import CumulativeHistogram
 from slipstream_scheduler.latency import LinearLatencyModel
-from slipstream_scheduler.learning import Learned
+from slipstream_scheduler.learning import Learned, LearnParams
 from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.enginechannel import EngineChannel, EngineReportCollector, control_document
-from slipstream_sidecar.learner import EngineLearner, LearnerCollector
+from slipstream_sidecar.learner import EngineLearner, LearnerCollector, LearnerSnapshot
 from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, make_embedder
 from slipstream_sidecar.proxy import Proxy, ProxyState
@@ -85,6 +85,7 @@ class SidecarStatus:
     latency_model: LinearLatencyModel | None = None  # the model in force (None: none)
     online_counters: ClassCounters | None = None  # /metrics' online series, now
     learned: Learned | None = None  # the model learned from the engine's steps (engine mode)
+    learning: LearnerSnapshot | None = None  # how learning goes (engine mode)
 
 
 class Sidecar:
@@ -116,7 +117,8 @@ class Sidecar:
             self._write_engine_control(restart=True)
         self.learner: EngineLearner | None = None
         if settings.engine_channel is not None and settings.learn_latency:
-            self.learner = EngineLearner(settings.engine_channel)
+            self.learner = EngineLearner(settings.engine_channel,
+                                         params=LearnParams(max_mape=settings.learn_max_mape))
             self.metrics.registry.register(LearnerCollector(self.learner))
         self.lengths = PromptLengths(
             make_embedder(settings.length_predictor),
@@ -378,6 +380,7 @@ class Sidecar:
             latency_model=self.brain.latency_model,
             online_counters=self._online_counters(),
             learned=self.learner.learned if self.learner is not None else None,
+            learning=self.learner.snapshot() if self.learner is not None else None,
         )
 
     def _online_counters(self) -> ClassCounters:

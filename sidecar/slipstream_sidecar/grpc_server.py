@@ -13,6 +13,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator
+from math import inf
 
 import grpc
 
@@ -78,6 +79,12 @@ def status_pb(s: SidecarStatus) -> pb.StatusResponse:
         msg.online_counters.CopyFrom(counters_pb(s.online_counters))
     if s.learned is not None:
         msg.learned_model.CopyFrom(learned_pb(s.learned))
+    elif s.learning is not None and s.learning.seen > 0:
+        # Learning, no fit used yet: the steps seen and the last fit's held-out error.
+        last = s.learning.last
+        err = last.heldout_mape if last is not None and last.heldout_mape is not None else inf
+        msg.learned_model.CopyFrom(pb.LearnedModel(source="learned",
+                                                   seen_steps=s.learning.seen, heldout_mape=err))
     return msg
 
 

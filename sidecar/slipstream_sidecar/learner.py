@@ -177,6 +177,9 @@ class LearnerCollector(Collector):
         yield g("fits", "Fits tried since the sidecar started.", float(s.fits))
         yield g("fits_rejected", "Fits not used (failed validation on held-out steps).",
                 float(s.rejected))
+        if s.last is not None and s.last.heldout_mape is not None:
+            yield g("last_fit_heldout_mape", "Held-out error (fraction) of the last fit tried, "
+                    "used or not.", s.last.heldout_mape)
         if s.learned is not None:
             yield g("revision", "Revision of the learned model (increases with each accepted "
                     "refit).", float(s.learned.revision))

@@ -157,6 +157,12 @@ class SidecarSettings(BaseSettings):
         "(steps/ in the channel) and report it to the operator (docs/operations.md, "
         "\"Where the latency model comes from\").",
     )
+    learn_max_mape: float = Field(
+        default=0.25, gt=0, lt=1,
+        description="Engine mode: a fit whose error on recent held-out steps (mean absolute "
+        "percentage error, a fraction) exceeds this is not used. The operator applies its own, "
+        "usually stricter, bar (learned_max_mape) before a learned model prices a budget.",
+    )
     offline_max_retries: int = Field(
         default=3, ge=0, description="Engine failures tolerated per offline line before an error."
     )

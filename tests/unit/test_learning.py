@@ -181,3 +181,20 @@ def test_stragglers_are_left_out_of_fits_and_validation(
     lr.extend(noisy)
     out = lr.refit(now=0.0)
     assert out.accepted and out.heldout_mape is not None and out.heldout_mape < 0.05
+
+
+def test_after_a_fit_that_was_not_used_the_next_waits_for_new_steps() -> None:
+    rng = random.Random(1)
+    lr = StepLearner(PARAMS)
+
+    def noise() -> StepRecord:
+        n = rng.randint(1, 64)
+        return StepRecord(rng.uniform(0.001, 1.0), num_decode_requests=n, sum_decode_tokens=n,
+                          sum_decode_kv_tokens=n * rng.randint(1, 2000))
+
+    lr.extend(noise() for _ in range(400))
+    assert lr.due() and not lr.refit(now=0.0).accepted
+    lr.extend(noise() for _ in range(PARAMS.refit_every - 1))
+    assert not lr.due()
+    lr.add(noise())
+    assert lr.due() and lr.attempts == 1

@@ -207,6 +207,10 @@ def test_learned_models_of_pods_that_are_not_ready_are_ignored() -> None:
     (learned(steps=120), "learning from the engine: 120/200 steps (pod chat-0)"),
     (learned(mape=0.14), "learning from the engine: held-out error 14 % > 10 %"),
     (learned(None, steps=0), "learning from the engine: 100/200 steps (pod chat-0)"),
+    (LearnedLatency(None, source="learned", fit_steps=0, seen_steps=5900, heldout_mape=1.22,
+                    revision=0, fitted_at=0.0),
+     "5900 steps seen, no fit has passed validation yet (the last one: held-out error 122 % "
+     "on recent steps) (pod chat-0)"),
     (None, "learning from the engine: no ready pod reports a fitted model yet"),
 ])
 def test_until_a_learned_model_is_good_enough_there_is_no_budget(

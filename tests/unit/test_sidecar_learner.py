@@ -127,3 +127,37 @@ def test_the_reader_skips_bad_segments_lines(tmp_path: Path, bad: str) -> None:
         bad + "\n" + good.to_json() + "\n")
     reader = SegmentReader(tmp_path)
     assert reader.read_new() == [good] and reader.bad_lines == 1
+
+
+def test_while_no_fit_is_used_the_status_says_how_learning_goes(tmp_path: Path) -> None:
+    import random
+
+    from slipstream_sidecar.app import ClassStatus, SidecarStatus
+    from slipstream_sidecar.grpc_server import status_pb
+
+    rng = random.Random(0)
+    rec = StepRecorder()
+    for _ in range(600):  # times unrelated to the batches: no fit passes
+        n = rng.randint(1, 64)
+        rec.record(rng.uniform(0.001, 1.0), (0, 0, 0, 0, n, n, n * rng.randint(1, 2000)))
+    rec.flush(tmp_path)
+    learner = EngineLearner(tmp_path, params=LearnParams(min_steps=100, holdout=100))
+    out = asyncio.run(learner.step())
+    assert out is not None and not out.accepted and learner.learned is None
+    idle = ClassStatus(0, 0, 0, 0)
+    status = SidecarStatus(generation=1, online=idle, offline=idle, budget_s=None,
+                           spare_capacity=1.0, engine_ready=True, draining=False, shards=(),
+                           predicted_step_s=0.0, observed_step_s=0.0, ordering="fcfs",
+                           learning=learner.snapshot())
+    msg = status_pb(status).learned_model
+    assert msg.seen_steps == 600 and not msg.model.coefficients and msg.revision == 0
+    assert msg.heldout_mape == out.heldout_mape and msg.heldout_mape > 0.25
+    text = generate_latest(_registry(learner)).decode()
+    assert "slipstream_learned_last_fit_heldout_mape" in text
+    assert "slipstream_learned_revision" not in text
+
+
+def _registry(learner: EngineLearner) -> CollectorRegistry:
+    reg = CollectorRegistry()
+    reg.register(LearnerCollector(learner))
+    return reg
