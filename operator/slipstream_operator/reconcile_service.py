@@ -105,7 +105,7 @@ from slipstream_operator.podspec import (
 from slipstream_operator.rates import TokenMeter
 from slipstream_operator.searchpool import SearchSubject
 from slipstream_operator.sidecar_client import ACTIVE_STATES, ConfigureCall, SidecarStatus
-from slipstream_operator.simsearch import engine_limits
+from slipstream_operator.simsearch import engine_kv_blocks, engine_limits
 from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 
 SERVICE_LABEL = "slipstream.dev/service"
@@ -449,7 +449,9 @@ def _budget(
     subject = SearchSubject(model_name=spec.model, gpu=spec.engine.gpu_type,
                             profile=in_force.key, model=in_force.model, scale=latency.scale,
                             limits=engine_limits(spec.engine.args),
-                            mode="in-engine" if engine_mode else "sidecar")
+                            mode="in-engine" if engine_mode else "sidecar",
+                            timing_cv=in_force.heldout_mape if in_force.from_pod else None,
+                            kv_blocks=engine_kv_blocks(spec.engine.args))
     budget = decide(
         memory.budget,
         targets=targets,

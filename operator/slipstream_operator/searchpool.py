@@ -14,8 +14,10 @@ calibration scale and enforcement mode). Called with (targets, load) it
   marked *provisional*, which the budget policy replaces with the simulated
   result on a later reconcile once the worker has finished;
 * answers the analytic search (not provisional) where simulation is not
-  possible: disabled, no SLO target, or no engine model of the (model, GPU);
-  and caches it with a note when the simulated search failed.
+  possible: disabled or no SLO target; and caches it with a note when the
+  simulated search failed. A (model, GPU) without an engine-model GPU profile is
+  simulated with the model in force timing the steps
+  (:func:`~slipstream_operator.simsearch.simulated_engine`).
 
 The worker's wall time is bounded by ``SimSearchParams.max_wall_s`` inside the
 search (between trials); a thread cannot be killed, so a trial in progress
@@ -62,9 +64,8 @@ from slipstream_operator.simsearch import (
     SimSearchParams,
     SimulatedSearch,
     bucket_load,
-    engine_model_name,
+    simulated_engine,
 )
-from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.types import EngineLimits
 
@@ -85,6 +86,11 @@ class SearchSubject:
     scale: float = 1.0  # calibration factor in force
     limits: EngineLimits = field(default_factory=EngineLimits)
     mode: Literal["sidecar", "in-engine"] = "sidecar"  # SimConfig.mode of the trials
+    # Where no GPU profile of (model_name, gpu) ships, the model in force times the simulated
+    # steps: with this spread (its held-out error; None: SimSearchParams.timing_cv) and this
+    # many KV blocks (--num-gpu-blocks-override; None: SimSearchParams.kv_tokens).
+    timing_cv: float | None = None
+    kv_blocks: int | None = None
 
     @property
     def calibrated(self) -> LinearLatencyModel:
@@ -92,8 +98,9 @@ class SearchSubject:
 
     @property
     def key(self) -> tuple[Hashable, ...]:
+        cv = None if self.timing_cv is None else round(self.timing_cv, 6)
         return (self.model_name, self.gpu.lower(), self.profile, round(self.scale, 6), self.limits,
-                self.mode)
+                self.mode, cv, self.kv_blocks)
 
 
 class BudgetSearches:
@@ -134,14 +141,8 @@ class BudgetSearches:
 
     def _search(self, subject: SearchSubject, targets: SLOTargets, load: LoadStats) -> SearchResult:
         analytic = AnalyticSearch(subject.calibrated, subject.limits)
-        engine_name = engine_model_name(subject.model_name, subject.gpu)
         if not self.params.enabled or not targets.items():
             return analytic(targets, load)
-        if engine_name is None:
-            found = analytic(targets, load)
-            return replace(
-                found, note=f"no engine model of {subject.model_name} on {subject.gpu} to simulate"
-            )
         sample = bucket_load(load, self.params.bucket_ratio, self.params.min_rate_rps)
         key = (*subject.key, targets, sample)
         hit = self._cache.get(key)
@@ -151,26 +152,24 @@ class BudgetSearches:
         running = self._running.get(key)
         if running is None:
             self._drop_superseded(key, (*subject.key, targets))
-            engine = EngineConfig(
-                model=engine_name,
-                gpu=subject.gpu.lower(),
-                max_num_seqs=subject.limits.max_num_seqs,
-                max_num_batched_tokens=subject.limits.max_num_batched_tokens,
-                block_size=subject.limits.block_size,
+            engine, timed_by_model = simulated_engine(
+                subject.model_name, subject.gpu, subject.limits, self.params,
+                kv_blocks=subject.kv_blocks, timing_cv=subject.timing_cv,
             )
             job = SimulatedSearch(subject.model, engine, self.params, subject.scale,
-                                  mode=subject.mode)
+                                  mode=subject.mode, timed_by_model=timed_by_model)
             running = self._submit(job, targets, sample)
             self._running[key] = running
             self.searches_started += 1
             logger.info(
                 "simulated budget search queued for %s on %s at %.3g rps, prompt %.0f, "
-                "output %.0f tokens",
+                "output %.0f tokens%s",
                 subject.model_name,
                 subject.gpu,
                 sample.arrival_rate_rps,
                 sample.mean_prompt_tokens,
                 sample.mean_output_tokens,
+                ", steps timed by the latency model (no GPU profile)" if timed_by_model else "",
             )
         if running.done():
             del self._running[key]

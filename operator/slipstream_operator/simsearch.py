@@ -10,7 +10,7 @@ given the SLO targets and the recent online load it
 2. bisects the budget with ``slipstream_scheduler.budget.search_budget``,
    each trial a replay of that sample by the core simulator in the service's
    mode: ``sidecar`` (the sidecar's dispatcher and ADMISSION planner in front of
-   the engine model of the service's (model, GPU) profile) or, for
+   the engine model) or, for
    ``enforcement: engine``, ``in-engine`` (the planner picks each step's batch
    inside the engine, as the scheduler plugin does), judging the online TTFT/TBT
    mean and P99 against the targets;
@@ -27,9 +27,14 @@ the real system in profile time means arrivals ``s`` times as fast and targets
 divided by ``s``; the budget found is then multiplied by ``s`` to be read by
 the calibrated model the sidecars run.
 
-The simulated engine times its steps with the engine model of the (model, GPU) pair
-(``SimConfig`` has no latency model for timing); the latency model searched with (a
+The simulated engine times its steps with the engine model's GPU profile of the
+(model, GPU) pair where Slipstream ships one; the latency model searched with (a
 profile, or a model a pod learned from its own engine) is the planner's, as in the pods.
+Where no GPU profile exists (:func:`simulated_engine`), the model in force times the
+steps too (``SimConfig.timing_model``), with its held-out error as the step-time spread
+(``timing_cv`` where unknown) and the KV cache of ``--num-gpu-blocks-override`` or
+``kv_tokens``: the search then tests the budget against the model's own view of the
+GPU, noise included, rather than against an independent engine model.
 
 Deterministic for equal inputs (seeded); bounded by ``max_wall_s`` between
 trials (a running trial finishes; each is bounded by ``horizon_s`` of virtual
@@ -77,8 +82,25 @@ class SimSearchParams(BaseModel):
 
     enabled: bool = Field(
         default=True,
-        description="Search by simulation where the engine model has the (model, GPU); "
-        "false: the analytic search only. Default: true.",
+        description="Search by simulation (with the engine model's GPU profile of the "
+        "(model, GPU), or else with the model in force timing the steps); false: the "
+        "analytic search only. Default: true.",
+    )
+    timing_cv: float = Field(
+        default=0.05,
+        ge=0,
+        le=0.5,
+        description="Where the model in force times the simulated steps (no GPU profile of "
+        "the (model, GPU)): their spread (coefficient of variation) when the model carries "
+        "no held-out error (a profile, not a pod's learned model). Default: 0.05.",
+    )
+    kv_tokens: int = Field(
+        default=65536,
+        ge=1,
+        description="Where the model in force times the simulated steps: the KV cache "
+        "(tokens) when the engine's args give no --num-gpu-blocks-override (a latency model "
+        "knows no memory). Default: 65536, below every shipped profile's cache (Llama-2-7B "
+        "at 0.9 of an 80 GB A100 holds about 104k tokens).",
     )
     horizon_s: float = Field(
         default=60.0,
@@ -228,6 +250,56 @@ def engine_limits(args: Sequence[str]) -> EngineLimits:
     )
 
 
+def engine_kv_blocks(args: Sequence[str]) -> int | None:
+    """The KV blocks given on the engine's command line (vLLM's
+    ``--num-gpu-blocks-override``, last occurrence wins), or None."""
+    found: int | None = None
+    items = list(args)
+    for i, arg in enumerate(items):
+        name, eq, value = arg.partition("=")
+        if name == "--num-gpu-blocks-override":
+            raw = value if eq else (items[i + 1] if i + 1 < len(items) else "")
+            if raw.isdigit() and int(raw) >= 1:
+                found = int(raw)
+    return found
+
+
+def simulated_engine(
+    model_name: str,
+    gpu: str,
+    limits: EngineLimits,
+    params: SimSearchParams,
+    *,
+    kv_blocks: int | None = None,
+    timing_cv: float | None = None,
+) -> tuple[EngineConfig, bool]:
+    """The engine a simulated search replays on, and whether the model in force times its
+    steps (True: no GPU profile of (``model_name``, ``gpu``) ships; ``kv_blocks`` or
+    ``params.kv_tokens`` sizes its KV cache and ``timing_cv``, the model's held-out
+    error, or ``params.timing_cv`` where None or not finite, its step-time spread)."""
+    profile = engine_model_name(model_name, gpu)
+    if profile is not None:
+        engine = EngineConfig(
+            model=profile,
+            gpu=gpu.lower(),
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            block_size=limits.block_size,
+        )
+        return engine, False
+    cv = timing_cv if timing_cv is not None and math.isfinite(timing_cv) else params.timing_cv
+    engine = EngineConfig(
+        model=model_name,
+        gpu=gpu.lower(),
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+        block_size=limits.block_size,
+        num_gpu_blocks=kv_blocks or max(1, params.kv_tokens // limits.block_size),
+        noise_cv=min(max(cv, 0.0), 0.5),
+    )
+    return engine, True
+
+
 def bucket(value: float, ratio: float) -> float:
     """``value`` rounded to the nearest power of ``ratio`` (in log space)."""
     return float(ratio ** round(math.log(value) / math.log(ratio)))
@@ -312,7 +384,9 @@ class SimulatedSearch:
     ``model`` is the latency model in force, uncalibrated (a profile as shipped, fitted on
     the engine model, or a learned one); ``scale`` the calibration factor in force (see the
     module docstring); ``mode`` the simulator's mode (``SimConfig.mode``): ``in-engine`` for
-    a service whose budget the scheduler plugin enforces.
+    a service whose budget the scheduler plugin enforces. ``timed_by_model``: ``model``
+    times the simulated steps too (``SimConfig.timing_model``; ``engine`` then gives the KV
+    blocks and the spread as ``noise_cv``), for a (model, GPU) without a GPU profile.
     """
 
     model: LinearLatencyModel
@@ -320,6 +394,7 @@ class SimulatedSearch:
     params: SimSearchParams = field(default_factory=SimSearchParams)
     scale: float = 1.0
     mode: Literal["sidecar", "in-engine"] = "sidecar"
+    timed_by_model: bool = False
 
     def __call__(self, targets: SLOTargets, load: LoadStats) -> SearchResult:
         calibrated = scaled(self.model, self.scale)
@@ -345,6 +420,7 @@ class SimulatedSearch:
                 backlog_depth=self.params.offline_requests,
                 dispatcher=DispatcherConfig(idle_budget_s=idle_s),
                 mode=self.mode,
+                timing_model=self.model if self.timed_by_model else None,
             )
             observed = simulate(workload, config, latency_model=self.model).observed()
             met = all(observed.get(x.key, math.nan) <= (x.limit_s or 0.0) for x in slos)
@@ -391,5 +467,11 @@ class SimulatedSearch:
             idle_budget_s=None if idle is None else idle * s,
             note=f"{rate:.3g} rps, prompt {load.mean_prompt_tokens:.0f}, "
             f"output {load.mean_output_tokens:.0f} tokens, {workload.horizon_s or 0:.0f} s "
-            f"sample, {self.params.headroom:.0%} headroom",
+            f"sample, {self.params.headroom:.0%} headroom{self._timing_note()}",
         )
+
+    def _timing_note(self) -> str:
+        if not self.timed_by_model:
+            return ""
+        return (f", steps timed by the latency model ({self.engine.noise_cv:.1%} spread, "
+                f"{self.engine.num_gpu_blocks} KV blocks)")

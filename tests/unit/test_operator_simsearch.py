@@ -128,11 +128,17 @@ def test_background_searches_answer_provisionally_then_from_the_cache() -> None:
         assert searches.wait_idle(60.0) and searches.searches_started == 2
 
 
-def test_background_searches_fall_back_where_nothing_can_be_simulated() -> None:
-    searches = BudgetSearches(PARAMS)
-    result = searches.search_for(subject("mistralai/Mistral-7B"))(SLOTargets(tbt_p99_s=0.1), LOAD)
-    assert result.source == "analytic" and not result.provisional
-    assert "no engine model" in result.note and searches.searches_started == 0
+def test_a_model_without_an_engine_model_is_simulated_and_a_disabled_search_is_not() -> None:
+    gate = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(gate.wait)  # the worker is busy: the search below stays queued
+        searches = BudgetSearches(PARAMS, executor=pool)
+        # No GPU profile for this model: it is simulated with the model in force timing each
+        # step (slipstream_operator.simsearch.simulated_engine), not answered analytically.
+        result = searches.search_for(subject("mistralai/Mistral-7B"))(
+            SLOTargets(tbt_p99_s=0.1), LOAD)
+        assert result.provisional and searches.searches_started == 1
+        gate.set()
     off = BudgetSearches(PARAMS.model_copy(update={"enabled": False}))
     assert off.search_for(subject())(SLOTargets(tbt_p99_s=0.1), LOAD).note == ""
     assert off.searches_started == 0

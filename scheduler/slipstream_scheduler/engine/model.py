@@ -1,8 +1,9 @@
 """A vLLM v1 engine in virtual time: scheduling, KV blocks, prefix cache, step times.
 
 The caller owns time: :meth:`EngineModel.step` runs one iteration and says how
-long it took (from :mod:`slipstream_scheduler.engine.gpu`); the simulator adds
-that to its virtual clock, the real-time engine server sleeps for it.
+long it took (from :mod:`slipstream_scheduler.engine.gpu`, or from a batch-latency
+model given as ``timing_model``: :mod:`slipstream_scheduler.engine.steptiming`); the
+simulator adds that to its virtual clock, the real-time engine server sleeps for it.
 
 Scheduling follows ``vllm/v1/core/sched/scheduler.py`` (``schedule``):
 
@@ -61,6 +62,8 @@ from sortedcontainers import SortedList
 from slipstream_scheduler.engine.errors import RequestError
 from slipstream_scheduler.engine.gpu import GpuProfile, GpuTimingModel, load_profile
 from slipstream_scheduler.engine.kvcache import KvBlockPool
+from slipstream_scheduler.engine.steptiming import LatencyStepTiming
+from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.types import BatchItem, EngineLimits, Phase
 
 logger = logging.getLogger(__name__)
@@ -308,17 +311,34 @@ def _by_adm(r: _Req) -> int:
 
 
 class EngineModel:
-    """One vLLM v1 engine (see the module docstring). Pure: no clock, seeded noise."""
+    """One vLLM v1 engine (see the module docstring). Pure: no clock, seeded noise.
+
+    Steps are timed by the GPU ``profile`` (default: the shipped one of ``config.model``
+    on ``config.gpu``), or, with ``timing_model``, by that batch-latency model: then no
+    GPU profile is loaded, ``config.noise_cv`` is the model's residual spread and
+    ``config.num_gpu_blocks`` must size the KV cache.
+    """
 
     def __init__(
-        self, config: EngineConfig, seed: int = 0, *, profile: GpuProfile | None = None
+        self,
+        config: EngineConfig,
+        seed: int = 0,
+        *,
+        profile: GpuProfile | None = None,
+        timing_model: LinearLatencyModel | None = None,
     ) -> None:
         self.config = config
         self.limits = config.limits()
-        self.timing = GpuTimingModel(profile or load_profile(config.model, config.gpu))
-        blocks = config.num_gpu_blocks or self.timing.kv_capacity_blocks(
-            config.block_size, config.gpu_memory_utilization
-        )
+        self._gpu: GpuTimingModel | None = None
+        self._latency: LatencyStepTiming | None = None
+        if timing_model is None:
+            self._gpu = GpuTimingModel(profile or load_profile(config.model, config.gpu))
+            blocks = config.num_gpu_blocks or self._gpu.kv_capacity_blocks(
+                config.block_size, config.gpu_memory_utilization
+            )
+        else:
+            blocks = _latency_timed_blocks(config, profile)
+            self._latency = LatencyStepTiming(timing_model)
         if blocks < 1:
             raise ValueError("the GPU has no room for KV blocks with this model")
         self.pool = KvBlockPool(blocks)
@@ -355,6 +375,19 @@ class EngineModel:
         bench compares them with vLLM's); None (default) costs nothing."""
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def timing(self) -> GpuTimingModel:
+        """The GPU timing model of the profile (ValueError when steps are timed by a
+        latency model: there is no GPU profile then)."""
+        if self._gpu is None:
+            raise ValueError("this engine times its steps with a latency model; no GPU profile")
+        return self._gpu
+
+    @property
+    def timing_model(self) -> LinearLatencyModel | None:
+        """The batch-latency model timing the steps, or None (the GPU profile does)."""
+        return None if self._latency is None else self._latency.model
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request (it joins the waiting queue)."""
@@ -434,6 +467,8 @@ class EngineModel:
         """
         if not batch:
             return 0.0
+        if self._latency is not None:
+            return self._noisy(max(0.0, self._latency.model.predict(batch)))
         return self._noisy(self.timing.predict(batch))
 
     def inspect(self, request_id: str) -> RequestView | None:
@@ -777,7 +812,9 @@ class EngineModel:
             self._prefilling.remove(r)
             self._make_decoder(r, tick + 1)
         self._gen_tokens += n_dec + len(emitted_x)
-        duration = self._duration(tokens + n_dec, n_dec + len(chunks), pairs, dec_kv + kv_x)
+        duration = self._duration(
+            tokens + n_dec, n_dec + len(chunks), pairs, dec_kv + kv_x, explicit
+        )
         emitted = emitted_dec + tuple(emitted_x) if emitted_x else emitted_dec
         return StepResult(
             duration_s=duration,
@@ -824,8 +861,17 @@ class EngineModel:
                 (done if r.generated >= r.limit else new_dec).append(r)
         return items, emitted, pairs, tokens, kv, done, new_dec
 
-    def _duration(self, tokens: int, seqs: int, pairs: float, dec_kv: int) -> float:
-        return self._noisy(self.timing.step_time(tokens, seqs, pairs, dec_kv))
+    def _duration(
+        self, tokens: int, seqs: int, pairs: float, dec_kv: int, explicit: Sequence[BatchItem]
+    ) -> float:
+        """The step's time, noise included. ``explicit``: the items walked one by one; the
+        other ``seqs - len(explicit)`` sequences are steady decoders (one token each)."""
+        latency = self._latency
+        if latency is not None:
+            return self._noisy(latency.step_time(explicit, seqs, dec_kv))
+        gpu = self._gpu
+        assert gpu is not None
+        return self._noisy(gpu.step_time(tokens, seqs, pairs, dec_kv))
 
     def _noisy(self, base: float) -> float:
         sigma = self.config.noise_cv
@@ -911,7 +957,7 @@ class EngineModel:
                 keep.append(r)
         self._prefilling = keep
         self._gen_tokens += len(emitted)
-        duration = self._duration(tokens, len(scheduled), pairs, kv)
+        duration = self._duration(tokens, len(scheduled), pairs, kv, items)
         return StepResult(
             duration_s=duration,
             emitted=tuple(emitted),
@@ -1029,7 +1075,9 @@ class EngineModel:
             self._make_decoder(r, tick + 1)
         n_dec = len(dec_sched)
         self._gen_tokens += n_dec + len(emitted_x)
-        duration = self._duration(tokens + n_dec, n_dec + len(scheduled), pairs, dec_kv + kv_x)
+        duration = self._duration(
+            tokens + n_dec, n_dec + len(scheduled), pairs, dec_kv + kv_x, explicit
+        )
         return StepResult(
             duration_s=duration,
             emitted=(*emitted_dec, *emitted_x),
@@ -1057,3 +1105,15 @@ class EngineModel:
         r.npreempt += 1
         self._preemptions += 1
         self._push_waiting(r, front=True)
+
+
+def _latency_timed_blocks(config: EngineConfig, profile: GpuProfile | None) -> int:
+    """KV blocks of an engine timed by a latency model: ``config.num_gpu_blocks``."""
+    if profile is not None:
+        raise ValueError("give a GPU profile or a timing model, not both")
+    if config.num_gpu_blocks is None:
+        raise ValueError(
+            "EngineConfig.num_gpu_blocks is required when a latency model times the steps "
+            "(there is no GPU profile to size the KV cache from)"
+        )
+    return config.num_gpu_blocks

@@ -50,6 +50,7 @@ from slipstream_scheduler.engine.model import (
     StepResult,
     _Req,
 )
+from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.planner import PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.types import (
     QueuedRequest,
@@ -75,10 +76,11 @@ class PlannedEngine(EngineModel):
         budget_s: float | None,
         idle_budget_s: float | None,
         offline_priority: int,
+        timing_model: LinearLatencyModel | None = None,
     ) -> None:
         if planner.mode is not PlannerMode.ITERATION:
             raise ValueError("in-engine mode needs a planner in PlannerMode.ITERATION")
-        super().__init__(config, seed)
+        super().__init__(config, seed, timing_model=timing_model)
         self.planner = planner
         self.budget_s = budget_s
         self.idle_budget_s = idle_budget_s
@@ -221,7 +223,7 @@ class PlannedEngine(EngineModel):
         self._tick += 1
         self._prefilling = list(self._running)
         self._gen_tokens += len(emitted)
-        duration = self._duration(tokens, len(chunks), pairs, kv) if chunks else 0.0
+        duration = self._duration(tokens, len(chunks), pairs, kv, items) if chunks else 0.0
         return StepResult(
             duration_s=duration,
             emitted=tuple(emitted),

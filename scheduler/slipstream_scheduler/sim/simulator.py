@@ -206,6 +206,14 @@ class SimConfig(BaseModel):
     )
     tbt_target_s: float | None = Field(default=None, description="Per-request TBT target, seconds.")
     seed: int = Field(default=0, description="Seed of the engine's step-time noise.")
+    timing_model: LinearLatencyModel | None = Field(
+        default=None,
+        description="Time every engine step with this batch-latency model instead of the "
+        "GPU profile of (engine.model, engine.gpu), so any learned or fitted model can be "
+        "simulated; engine.noise_cv is then its residual spread and engine.num_gpu_blocks "
+        "must be set. The engine model only (no engine factory). None (default): the GPU "
+        "profile.",
+    )
     max_steps: int | None = Field(
         default=None, ge=1, description="Stop after this many steps (safety)."
     )
@@ -335,8 +343,11 @@ class Simulator:
         elif spec.admission == "static-cap":
             params.setdefault("max_offline_in_flight", config.static_cap)
         needs_model = ADMISSION_POLICIES[spec.admission].needs_latency_model or in_engine
+        timing_model = config.timing_model
+        if timing_model is not None and (engine_factory or in_engine_factory):
+            raise SimError("a timing model times the engine model only", config.policy)
         if needs_model and latency_model is None:
-            latency_model = profile_latency_model(config.engine, seed=config.seed)
+            latency_model = timing_model or profile_latency_model(config.engine, seed=config.seed)
         admission = spec.admission
         dispatcher_budget = config.budget_s if spec.admission == "budget" else None
         self.engine: SimEngine
@@ -378,6 +389,7 @@ class Simulator:
                         config.dispatcher.idle_budget_s if step_budget is not None else None
                     ),
                     offline_priority=config.dispatcher.offline_priority,
+                    timing_model=timing_model,
                 )
             # A per-step cap of 0 holds every offline request back: the sidecar sends none.
             window = config.in_engine_offline_window
@@ -388,7 +400,7 @@ class Simulator:
         elif engine_factory is not None:
             self.engine = engine_factory(config.engine, config.seed)
         else:
-            self.engine = EngineModel(config.engine, seed=config.seed)
+            self.engine = EngineModel(config.engine, seed=config.seed, timing_model=timing_model)
         planner = build_planner(
             admission,
             params or None,
