@@ -90,10 +90,12 @@ def shared_vllm(
         key = tuple(sorted(kw.items()))
         srv = _session_servers.get(key)
         if srv is None or not srv.healthy():
+            if srv is not None:
+                srv.stop()  # a server that died: its process group goes before a new one
             log = tmp_path_factory.mktemp("vllm") / "vllm-serve.log"
             srv = VllmServer(VllmServerOptions(model_dir=tiny_model, log_path=log, **kw))
+            _session_servers[key] = srv  # stopped at the session's end even if start fails
             srv.start()
-            _session_servers[key] = srv
         return srv
 
     return get

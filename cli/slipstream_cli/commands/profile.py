@@ -11,6 +11,8 @@ Subcommands:
   core's linear latency model (the token-curve set among the candidates unless
   ``--no-curve``); write its JSON (default: the shipped
   ``latency_<model>_<gpu>.json``).
+* ``engine``: profile a live engine through its OpenAI API and fit the same model
+  (:mod:`slipstream_cli.commands.profile_engine`).
 
 Deliberately left out: the SLO-aware budget search (the simulator's
 ``profile budget``, another module), and any download.
@@ -26,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream_cli.commands import profile_engine
 from slipstream_cli.workloads import data_root
 from slipstream_cli.workloads.profiling_data import (
     MlEnergyRow,
@@ -472,6 +475,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "held-out MAPE <= 1.5 %% on each); --no-curve fits the hinge sets only (schema 2, "
         "for operators and sidecars that predate the curve). Default: --curve",
     )
+    profile_engine.add_arguments(
+        sub.add_parser("engine", help="profile a live engine through its OpenAI API and fit")
+    )
 
 
 def _run_gpu(args: argparse.Namespace) -> int:
@@ -511,4 +517,6 @@ def _run_latency(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.profile_command == "gpu":
         return _run_gpu(args)
+    if args.profile_command == "engine":
+        return profile_engine.run(args)
     return _run_latency(args)
