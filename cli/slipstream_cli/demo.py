@@ -40,7 +40,7 @@ vllm-env`` installs it) instead of the engine model. No shipped profile describe
 on this CPU, so the Slipstream run serves it as ``tiny-llama-cpu`` (no profile) and its
 budget is priced by the model the pods learn from their own engine (``--mode engine``: the
 plugin's step records; docs/concepts/learned-latency-model.md); the replay starts once that
-model is in force, for up to three minutes. The operator accepts a learned model up to 25 %
+model is in force, for up to three minutes. The operator accepts a learned model up to 50 %
 held-out error here (``learned_max_mape``; the default is 10 %). On a 2-core host running
 two engines, the cluster and the load generator, the engines' step times follow the host's
 contention more than their batches (docs/benchmarks/learning.md), no fit passes, and the
@@ -102,7 +102,7 @@ class DemoError(Exception):
 SLIPSTREAM_MODEL = "llama-2-7b"
 NAIVE_MODEL = "llama-2-7b-unprofiled"  # same engine profile; no operator latency profile
 VLLM_MODEL = "tiny-llama-cpu"  # real vLLM's model: no shipped profile, so it is learned
-LEARNED_MAX_MAPE = 0.25  # the operator's bar for a learned model on this noisy host
+LEARNED_MAX_MAPE = 0.5  # the operator's bar for a learned model on this noisy host
 LEARN_WAIT_S = 180.0  # how long the Slipstream run waits for a learned model
 ENGINES = ("model", "vllm")
 MODES = ("sidecar", "engine")

@@ -9,12 +9,12 @@ The budget search, the ``BudgetReady`` condition and the Configure calls all use
    else ``shipped`` or ``user`` after the folder it came from. Calibration
    (``calibration``) scales it;
 2. else the model the ready pods' sidecars learned from their own engine
-   (``StatusResponse.learned_model``), accepted only when it was fitted on at least
-   ``min_steps`` steps and its held-out error (MAPE on recent steps the fit did not see) is
-   at most ``max_mape``. Of the pods that report an acceptable model, the one in force keeps
-   it (its new revisions replace it); otherwise the one fitted on the most steps wins, ties
-   going to the lower held-out error, then the pod name. A learned model is not calibrated:
-   it is already fitted to this engine's step times.
+   (``StatusResponse.learned_model``), accepted only when it was learned from at least
+   ``min_steps`` engine steps and its held-out error (MAPE on recent steps the fit did not
+   see) is at most ``max_mape``. Of the pods that report an acceptable model, the one in
+   force keeps it (its new revisions replace it); otherwise the one learned from the most
+   steps wins, ties going to the lower held-out error, then the pod name. A learned model is
+   not calibrated: it is already fitted to this engine's step times.
 
 A learned model's key (``budget.profile``, the budget search's model key) names the pod and
 the revision, so a refit the sidecar publishes (it does so only past its drift threshold, or
@@ -107,12 +107,12 @@ def profile_source(name: str, model: LinearLatencyModel) -> str:
 
 
 def _good(learned: LearnedLatency, params: LearnedParams) -> bool:
-    return (learned.model is not None and learned.fit_steps >= params.min_steps
+    return (learned.model is not None and learned.seen_steps >= params.min_steps
             and learned.heldout_mape <= params.max_mape)
 
 
 def _steps(learned: LearnedLatency) -> int:
-    return learned.fit_steps if learned.model is not None else learned.seen_steps
+    return learned.seen_steps
 
 
 def _learning(reports: list[tuple[str, LearnedLatency]], params: LearnedParams) -> str:
@@ -154,8 +154,8 @@ def choose_model(
         return ModelChoice(None, f"no latency profile for {what}; {_learning(reported, params)}")
     kept = [r for r in good if held is not None and held.from_pod and r[0] == held.name]
     pod, learned = kept[0] if kept else min(
-        good, key=lambda r: (-r[1].fit_steps, r[1].heldout_mape, r[0]))
+        good, key=lambda r: (-r[1].seen_steps, r[1].heldout_mape, r[0]))
     assert learned.model is not None
     return ModelChoice(ModelInForce(learned.model, learned.source, pod, from_pod=True,
-                                    steps=learned.fit_steps, heldout_mape=learned.heldout_mape,
+                                    steps=learned.seen_steps, heldout_mape=learned.heldout_mape,
                                     revision=learned.revision))

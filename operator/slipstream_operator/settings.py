@@ -204,8 +204,8 @@ class OperatorSettings(BaseSettings):
     learned_min_steps: int = Field(
         default=200,
         ge=1,
-        description="Fewest engine steps a learned latency model must have been fitted on to "
-        "be used. Default: 200.",
+        description="Fewest engine steps a learned latency model must have been learned from "
+        "(steps the pod's sidecar has seen) to be used. Default: 200.",
     )
     gc_young_threshold: int = Field(
         default=50_000,

@@ -269,6 +269,9 @@ def mape(model: LinearLatencyModel, records: Iterable[StepRecord]) -> float:
     return float(np.mean(np.abs(predictions(model, recs) - y) / y))
 
 
+MIN_FIT_ROWS = 20
+"""Fewest reservoir rows a fit is tried on (a workload of one regime fills few strata)."""
+
 STRAGGLER = 3.0
 """A step slower than this many times the median of its stratum is a straggler."""
 
@@ -289,7 +292,7 @@ def without_stragglers(records: Iterable[StepRecord]) -> list[StepRecord]:
 
 @dataclass(frozen=True, slots=True)
 class LearnParams:
-    min_steps: int = 200  # steps in the reservoir before the first fit
+    min_steps: int = 200  # steps past the held-out window before the first fit
     refit_every: int = 500  # new steps between fits
     holdout: int = 256  # most recent steps kept out of the fit, to validate on
     per_stratum: int = 64
@@ -366,7 +369,8 @@ class StepLearner:
 
     def due(self) -> bool:
         """Enough steps for a first fit, or enough new ones since the last attempt."""
-        if len(self._reservoir) < self.params.min_steps or len(self._recent) < self.params.holdout:
+        if (self.seen - self.params.holdout < self.params.min_steps
+                or len(self._reservoir) < MIN_FIT_ROWS):
             return False
         return self.attempts == 0 or self._since_fit >= self.params.refit_every
 

@@ -77,7 +77,7 @@ def spec(**overrides: Any) -> InferenceServiceSpec:
 
 def learned(model: LinearLatencyModel | None = LEARNED, *, steps: int = 1234,
             mape: float = 0.031, revision: int = 3, source: str = "learned") -> LearnedLatency:
-    return LearnedLatency(model, source=source, fit_steps=steps, seen_steps=steps + 100,
+    return LearnedLatency(model, source=source, fit_steps=min(steps, 900), seen_steps=steps,
                           heldout_mape=mape, revision=revision, fitted_at=1.7e9)
 
 
@@ -206,7 +206,7 @@ def test_learned_models_of_pods_that_are_not_ready_are_ignored() -> None:
 @pytest.mark.parametrize(("report", "message"), [
     (learned(steps=120), "learning from the engine: 120/200 steps (pod chat-0)"),
     (learned(mape=0.14), "learning from the engine: held-out error 14 % > 10 %"),
-    (learned(None, steps=0), "learning from the engine: 100/200 steps (pod chat-0)"),
+    (learned(None, steps=100), "learning from the engine: 100/200 steps (pod chat-0)"),
     (LearnedLatency(None, source="learned", fit_steps=0, seen_steps=5900, heldout_mape=1.22,
                     revision=0, fitted_at=0.0),
      "5900 steps seen, no fit has passed validation yet (the last one: held-out error 122 % "
