@@ -628,8 +628,25 @@ class LatencyModelPolicy(StrEnum):
     NONE = "none"
 
 
+PROFILE_AT_START_MIN_S = 10.0
+PROFILE_AT_START_MAX_S = 3600.0
+"""``spec.scheduling.profileAtStart``, when not 0: between these (seconds)."""
+
+
 class SchedulingSpec(ApiModel):
     """How each pod's sidecar orders and co-locates work."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "!has(self.profileAtStart) || duration(self.profileAtStart) == duration('0s')"
+                " || (duration(self.profileAtStart) >= duration('10s')"
+                " && duration(self.profileAtStart) <= duration('1h'))",
+                "profileAtStart must be 0s (off) or a duration between 10s and 1h, e.g. 90s",
+                ".profileAtStart",
+            ),
+        )
+    )
 
     ordering: Ordering = Field(
         default=Ordering.GITTINS,
@@ -653,6 +670,19 @@ class SchedulingSpec(ApiModel):
         "(docs/concepts/learned-latency-model.md). profile: profiles only. none: no model "
         "and no budget, offline work fills free capacity (naive co-location). Default: auto.",
     )
+    profile_at_start: Duration | None = Field(
+        default=None,
+        description="Profile each pod's engine for this long when the pod starts, before it "
+        "reports ready (slipstream profile engine, run by the sidecar; 10s to 1h, e.g. 90s). "
+        "With latencyModel auto and no profile file for (model, gpuType), the operator uses "
+        "the profiled model under the same bar as a learned one "
+        "(docs/concepts/learned-latency-model.md). A profile that fails or runs over never "
+        "keeps the pod unready. Unset or 0s: off.",
+    )
+
+    def profile_at_start_s(self) -> float:
+        """``profile_at_start`` in seconds; 0 when off."""
+        return 0.0 if self.profile_at_start is None else parse_duration(self.profile_at_start)
 
 
 class SidecarSpec(ApiModel):
@@ -1137,6 +1167,10 @@ def validate_semantics(spec: InferenceServiceSpec | OfflineJobSpec) -> list[str]
                 and parse_duration(target.p99) < parse_duration(target.mean)
             ):
                 problems.append(f"spec.slo.{name}.p99: p99 must be at least the mean")
+        profile_s = spec.scheduling.profile_at_start_s()
+        if profile_s and not PROFILE_AT_START_MIN_S <= profile_s <= PROFILE_AT_START_MAX_S:
+            problems.append("spec.scheduling.profileAtStart: must be 0s (off) or between 10s "
+                            "and 1h")
         if spec.sidecar.http_port == spec.sidecar.grpc_port:
             problems.append("spec.sidecar.grpcPort: sidecar httpPort and grpcPort must differ")
         pool = spec.gateway.inference_pool

@@ -121,6 +121,11 @@ def _learning(reports: list[tuple[str, LearnedLatency]], params: LearnedParams) 
         return "learning from the engine: no ready pod reports a fitted model yet"
     pod, best = min(reports, key=lambda r: (-_steps(r[1]), r[1].heldout_mape, r[0]))
     steps = _steps(best)
+    if best.source == "profiled" and best.model is not None:
+        error = (f"{best.heldout_mape * 100:.0f} %" if math.isfinite(best.heldout_mape)
+                 else "unknown")
+        return (f"profiled at pod start on {steps} rows, held-out error {error}; the bar is "
+                f"{params.min_steps} rows and {params.max_mape * 100:.0f} % (pod {pod})")
     if steps < params.min_steps:
         return f"learning from the engine: {steps}/{params.min_steps} steps (pod {pod})"
     if best.model is None:

@@ -203,6 +203,11 @@ def sidecar_container(
     if latency_file:
         env.append({"name": "SLIPSTREAM_SIDECAR_LATENCY_MODEL_FILE",
                     "value": f"{CONFIG_MOUNT}/latency.json"})
+    profile_s = spec.scheduling.profile_at_start_s()
+    if profile_s > 0:
+        # /ready answers 503 while the sidecar profiles the engine; the readiness probe only
+        # keeps the pod out of the Service meanwhile (no liveness or startup probe restarts it).
+        env.append({"name": "SLIPSTREAM_SIDECAR_PROFILE_AT_START_S", "value": f"{profile_s:g}"})
     return {
         "name": "sidecar",
         "image": image,

@@ -59,6 +59,9 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--event-loop": ("event_loop", str, "auto (uvloop when installed) | uvloop | asyncio"),
     "--engine-channel": (
         "engine_channel", Path, "engine mode: directory shared with vLLM's scheduler plugin"),
+    "--profile-at-start": (
+        "profile_at_start_s", float, "profile the engine for this many seconds at start "
+        "(slipstream profile engine) before /ready turns 200; 0: off (default)"),
 }
 
 
@@ -159,10 +162,11 @@ async def _serve(settings: Any) -> int:
     )
     # "ready" only when /ready says so; else "serving" (/ready turns 200 once the engine is).
     ready = sidecar.proxy_state.engine_ready
+    why = ("profiling the engine: /ready answers 503 until the profile ends"
+           if sidecar.profiling else "engine not ready: /ready answers 503 until it is")
     print(
         f"sidecar {'ready' if ready else 'serving'} http={front.port} grpc={grpc_port} "
-        f"loop={loop_name} engine={settings.engine}"
-        + ("" if ready else " (engine not ready: /ready answers 503 until it is)"),
+        f"loop={loop_name} engine={settings.engine}" + ("" if ready else f" ({why})"),
         flush=True,
     )
     stop = asyncio.Event()

@@ -11,8 +11,11 @@ Deliberately left out: argument parsing (``__main__.py``), protobuf types.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from slipstream_scheduler.enginecontrol import CumulativeHistogram
@@ -22,12 +25,16 @@ from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, laten
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.enginechannel import EngineChannel, EngineReportCollector, control_document
+from slipstream_sidecar.errors import EngineUnavailableError
 from slipstream_sidecar.learner import EngineLearner, LearnerCollector, LearnerSnapshot
 from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, make_embedder
 from slipstream_sidecar.proxy import Proxy, ProxyState
 from slipstream_sidecar.settings import SidecarSettings
 from slipstream_sidecar.shards import EngineWatch, ShardProgress, ShardRunner, ShardSpec, ShardState
+from slipstream_sidecar.startprofile import ProfiledModel
+from slipstream_sidecar.startprofile import load as load_profile
+from slipstream_sidecar.startprofile import profile as profile_engine
 from slipstream_sidecar.state import StateDir
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,7 @@ class SidecarStatus:
     online_counters: ClassCounters | None = None  # /metrics' online series, now
     learned: Learned | None = None  # the model learned from the engine's steps (engine mode)
     learning: LearnerSnapshot | None = None  # how learning goes (engine mode)
+    profiled: ProfiledModel | None = None  # the model profiled at start (profile_at_start_s)
 
 
 class Sidecar:
@@ -148,6 +156,16 @@ class Sidecar:
         self.shards: dict[str, ShardRunner] = {}
         self._specs: dict[str, dict[str, Any]] = {}
         self._ready_task: asyncio.Task[None] | None = None
+        # Profile at start (profile_at_start_s): the model profiled now or by an earlier start
+        # with the same state directory; while profiling, /ready answers 503.
+        self.profiled: ProfiledModel | None = None
+        if settings.profile_at_start_s > 0 and settings.state_dir is not None:
+            self.profiled = load_profile(settings.state_dir)
+            if self.profiled is not None:
+                log.info("profile at start: reusing %s (%d rows); not profiling again",
+                         settings.state_dir, self.profiled.rows)
+        self._profiling = settings.profile_at_start_s > 0 and self.profiled is None
+        self._profile_task: asyncio.Task[None] | None = None
         self.metrics.budget.set(self.brain.budget_s or 0.0)
         self.metrics.generation.set(self.generation)
 
@@ -158,14 +176,25 @@ class Sidecar:
         self.controller.start()
         # One check before serving, so /ready and the ready line agree from the start.
         self._engine_health(await self.engine.health())
-        self._ready_task = asyncio.get_running_loop().create_task(self._watch_engine())
+        loop = asyncio.get_running_loop()
+        self._ready_task = loop.create_task(self._watch_engine())
         if self.learner is not None:
             self.learner.start()
+        if self._profiling:
+            # Saved shards resume after the profile: nothing else may share its steps.
+            self._profile_task = loop.create_task(self._profile_at_start())
+        else:
+            self._restore_shards()
+
+    def _restore_shards(self) -> None:
         for doc in (self.state_dir.load("shards") or {}).values():
             spec = ShardSpec(**doc)
             self.assign(spec, persist=False)
 
     async def stop(self) -> None:
+        if self._profile_task is not None:
+            self._profile_task.cancel()  # kills the profiling subprocess
+            await asyncio.gather(self._profile_task, return_exceptions=True)
         for runner in list(self.shards.values()):
             await runner.revoke()
         if self._ready_task is not None:
@@ -179,17 +208,64 @@ class Sidecar:
 
     async def _watch_engine(self) -> None:
         while True:
-            ok = self.proxy_state.engine_ready
+            ok = self.proxy_state.engine_ready or self._profiling
             await asyncio.sleep(self.settings.ready_poll_s if ok else 0.2)
             self._engine_health(await self.engine.health())
 
     def _engine_health(self, ok: bool) -> None:
+        """Readiness follows the engine's /health, except while the engine is profiled."""
+        ok = ok and not self._profiling
         if ok != self.proxy_state.engine_ready:
             log.info("engine %s", "ready" if ok else "not ready")
         self.proxy_state.engine_ready = ok
         self.watch.set(ok)
         self.metrics.engine_ready.set(1 if ok else 0)
         self._refresh_shard_gauge()
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the engine is being profiled at start (/ready answers 503 meanwhile)."""
+        return self._profiling
+
+    async def _profile_at_start(self) -> None:
+        """Once the engine answers /health, profile it (``profile_at_start_s``), then let
+        readiness follow the engine again, whatever the profile's outcome."""
+        try:
+            while not await self.engine.health():
+                await asyncio.sleep(self.settings.ready_poll_s)
+            model = await self._served_model()
+            if model is not None:
+                directory = self.settings.state_dir or Path(
+                    tempfile.mkdtemp(prefix="slipstream-profile-"))
+                self.profiled = await profile_engine(
+                    self.settings.engine, model, directory, self.settings.profile_at_start_s,
+                    max_streams=self.settings.max_num_seqs,
+                    max_prompt_tokens=self.settings.max_num_batched_tokens,
+                )
+        except Exception:
+            log.exception("profile at start failed; readiness follows the engine")
+        finally:
+            self._profiling = False
+        self._engine_health(await self.engine.health())
+        self._restore_shards()
+
+    async def _served_model(self) -> str | None:
+        """The model to profile: the ``model`` setting, else the engine's first
+        ``/v1/models`` entry (None, logged, when it names none)."""
+        if self.settings.model:
+            return self.settings.model
+        try:
+            status, body, _ = await self.engine.get("/v1/models")
+            data = json.loads(body).get("data") if status == 200 else None
+            first = data[0].get("id") if isinstance(data, list) and data else None
+        except (EngineUnavailableError, ValueError, AttributeError) as exc:
+            log.error("profile at start: cannot read the engine's /v1/models: %s", exc)
+            return None
+        if not isinstance(first, str) or not first:
+            log.error("profile at start: the engine's /v1/models names no model (HTTP %d)",
+                      status)
+            return None
+        return first
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -381,6 +457,7 @@ class Sidecar:
             online_counters=self._online_counters(),
             learned=self.learner.learned if self.learner is not None else None,
             learning=self.learner.snapshot() if self.learner is not None else None,
+            profiled=self.profiled,
         )
 
     def _online_counters(self) -> ClassCounters:

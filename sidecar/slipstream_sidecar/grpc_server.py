@@ -31,6 +31,7 @@ from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot
 from slipstream_sidecar.proto import sidecar_pb2 as pb
 from slipstream_sidecar.proto import sidecar_pb2_grpc as pb_grpc
 from slipstream_sidecar.shards import ShardProgress, ShardSpec
+from slipstream_sidecar.startprofile import ProfiledModel
 from slipstream_sidecar.watch import paced_snapshots
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ def status_pb(s: SidecarStatus) -> pb.StatusResponse:
         msg.online_counters.CopyFrom(counters_pb(s.online_counters))
     if s.learned is not None:
         msg.learned_model.CopyFrom(learned_pb(s.learned))
+    elif s.profiled is not None:
+        msg.learned_model.CopyFrom(profiled_pb(s.profiled))
     elif s.learning is not None and s.learning.seen > 0:
         # Learning, no fit used yet: the steps seen and the last fit's held-out error.
         last = s.learning.last
@@ -93,6 +96,15 @@ def learned_pb(lr: Learned) -> pb.LearnedModel:
         model=latency_spec_pb(lr.model), source="learned", fit_steps=lr.fit_steps,
         seen_steps=lr.seen_steps, heldout_mape=lr.heldout_mape, revision=lr.revision,
         fitted_at=lr.fitted_at,
+    )
+
+
+def profiled_pb(p: ProfiledModel) -> pb.LearnedModel:
+    """The model profiled at start, as a ``LearnedModel`` of source ``profiled`` (its
+    steps are the rows it was fitted on; inf held-out error: unknown)."""
+    return pb.LearnedModel(
+        model=latency_spec_pb(p.model), source="profiled", fit_steps=p.rows,
+        seen_steps=p.rows, heldout_mape=p.heldout_mape, revision=1, fitted_at=p.fitted_at,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -158,7 +158,7 @@ class SidecarSettings(BaseSettings):
         "\"Where the latency model comes from\").",
     )
     learn_max_mape: float = Field(
-        default=0.25, gt=0, lt=1,
+        default=0.5, gt=0, lt=1,
         description="Engine mode: a fit whose error on recent held-out steps (mean absolute "
         "percentage error, a fraction) exceeds this is not used. The operator applies its own, "
         "usually stricter, bar (learned_max_mape) before a learned model prices a budget.",
@@ -166,3 +166,23 @@ class SidecarSettings(BaseSettings):
     offline_max_retries: int = Field(
         default=3, ge=0, description="Engine failures tolerated per offline line before an error."
     )
+    profile_at_start_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="Profile the engine at start for this long (s; 0: off, else at least 10): "
+        "once the engine answers /health, `slipstream profile engine` runs against it as a "
+        "subprocess (hard limit: this plus 60 s) and /ready answers 503 until it ends, "
+        "successfully or not. The fitted model is reported in Status as learned_model with "
+        "source 'profiled' (a model learned from the engine's steps, in engine mode, is "
+        "reported first). It is written to <state_dir>/profiled-latency.json, and a restarted "
+        "sidecar that finds that file reuses it instead of profiling again; without a state "
+        "directory the profile lives in a temporary folder and every start profiles again.",
+    )
+
+    @field_validator("profile_at_start_s")
+    @classmethod
+    def _profile_at_least_10_s(cls, value: float) -> float:
+        if 0 < value < 10:
+            raise ValueError("profile_at_start_s must be 0 (off) or at least 10 seconds")
+        return value

@@ -67,7 +67,7 @@ def test_service_defaults_and_camel_case_wire_form() -> None:
     assert spec.scheduling.ordering == "gittins" and spec.scheduling.co_location
     wire = spec.wire()
     assert wire["scheduling"] == {"ordering": "gittins", "coLocation": True,
-                                  "enforcement": "sidecar"}
+                                  "enforcement": "sidecar", "latencyModel": "auto"}
     assert wire["sidecar"]["grpcPort"] == 9000
     assert "tbt" not in wire["slo"]  # omitted, never null
     assert validate_semantics(spec) == []

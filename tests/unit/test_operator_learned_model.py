@@ -207,6 +207,9 @@ def test_learned_models_of_pods_that_are_not_ready_are_ignored() -> None:
     (learned(steps=120), "learning from the engine: 120/200 steps (pod chat-0)"),
     (learned(mape=0.14), "learning from the engine: held-out error 14 % > 10 %"),
     (learned(None, steps=100), "learning from the engine: 100/200 steps (pod chat-0)"),
+    (learned(steps=277, mape=0.26, revision=1, source="profiled"),
+     "profiled at pod start on 277 rows, held-out error 26 %; the bar is 200 rows and 10 % "
+     "(pod chat-0)"),
     (LearnedLatency(None, source="learned", fit_steps=0, seen_steps=5900, heldout_mape=1.22,
                     revision=0, fitted_at=0.0),
      "5900 steps seen, no fit has passed validation yet (the last one: held-out error 122 % "
