@@ -156,6 +156,7 @@ bench: venv
 	@$(BIN)/slipstream bench prefix --json docs/benchmarks/prefix.json
 	@$(BIN)/slipstream bench sidecar --json docs/benchmarks/sidecar.json
 	@$(BIN)/slipstream bench plugin-overhead --json docs/benchmarks/plugin-overhead.json
+	@$(BIN)/slipstream bench learning --json docs/benchmarks/learning.json --plot docs/benchmarks/learning.png
 
 proto: venv
 	@bash hack/gen-proto.sh

@@ -33,6 +33,10 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+save = _save
+"""Lay out and write a figure a benchmark drew itself."""
+
+
 def _cdf(ax: Any, values: FloatArray, label: str) -> None:
     if values.size == 0:
         return

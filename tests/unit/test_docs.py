@@ -412,3 +412,23 @@ def test_plugin_overhead_page_figures() -> None:
         _shows(r["plugin µs"], row["plugin_median_us"])
         _shows(r["added µs"], row["added_median_us"])
         _shows(r["ratio"], row["ratio"])
+
+
+def test_learning_page_figures() -> None:
+    doc = _load("learning.json")
+    page = (BENCH / "learning.md").read_text()
+    curve = {(src["source"], p["steps"]): (src, p) for src in doc["sources"] for p in src["curve"]}
+    table = _table(page, "## Results")
+    assert len(table) == len(curve)
+    for r in table:
+        src, p = curve[(_plain(r["source"]), int(r["steps seen"]))]
+        assert int(r["rows fitted"]) == p["rows"] and _plain(r["features"]) == p["feature_set"]
+        _shows(r["fit ms"], 1000 * p["fit_s"])
+        _shows(r["learned MAPE"], 100 * p["mape"])
+        _shows(r["shipped x calibration MAPE"], 100 * src["baseline"]["mape"])
+        _shows(r["noise floor"], 100 * src["noise_floor"]["mape"])
+    cost = {c["running"]: c["us_per_step"] for c in doc["recording"]}
+    rec = _table(page, "| scheduled requests")
+    assert len(rec) == len(cost)
+    for r in rec:
+        _shows(r["recording µs per step"], cost[int(r["scheduled requests"])])

@@ -8,8 +8,8 @@ Two sources of steps:
   steps come from a run with another seed.
 * ``vllm``: real ``vllm serve`` on this CPU with the tiny model and Slipstream's plugin,
   driven by concurrent requests of mixed prompt and output lengths; the plugin's own step
-  records (``steps/`` in the channel) are the rows, and the last 20 % of them, in time, are
-  the held-out test steps.
+  records (``steps/`` in the channel, read as they come) are the rows, and every fifth
+  block of 200 consecutive steps is held out as the test steps.
 
 For each source, the learner (``slipstream_scheduler.learning.StepLearner``, the sidecar's)
 is fed the training steps in order; after 100, 1,000 and 10,000 steps (those the source has)
@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slipstream_scheduler.engine.model import EngineConfig
-from slipstream_scheduler.enginecontrol import CONTROL_FILE, STEPS_DIR, EngineControl
+from slipstream_scheduler.enginecontrol import CONTROL_FILE, EngineControl
 from slipstream_scheduler.latency import LinearLatencyModel, fit_matrix
 from slipstream_scheduler.learning import (
     LearnParams,
@@ -57,6 +57,7 @@ from slipstream_scheduler.learning import (
 )
 from slipstream_scheduler.profiler import engine_run_rows
 from slipstream_scheduler.types import BatchItem, Phase
+from slipstream_sidecar.learner import SegmentReader
 
 SCHEMA = "slipstream.bench.learning/v1"
 PROFILES = Path(__file__).resolve().parents[3] / "scheduler/slipstream_scheduler/engine/profiles"
@@ -78,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-in", type=Path,
                         help="read the vLLM step records from this file instead of running vLLM")
     parser.add_argument("--json", type=Path, help="write the JSON report here")
+    parser.add_argument("--plot", type=Path, help="write the learning curves (PNG) here")
 
 
 def record_of(batch: list[BatchItem], t: float) -> StepRecord:
@@ -172,12 +174,23 @@ def vllm_source(requests: int, steps_out: Path | None = None,
     recs, errors = read_records(lines)
     if errors:
         raise RuntimeError(f"bad step records: {errors[:3]}")
-    cut = int(len(recs) * 0.8)
-    train, test = recs[:cut], recs[cut:]
+    train, test = split_blocks(recs)
     return {"source": "vllm serve (CPU, tiny model)", "train_steps": len(train),
             "test_steps": len(test), "curve": learning_curve(train, test),
             "baseline": calibrated_baseline(train, test),
             "noise_floor": noise_floor(train, test)}
+
+
+def split_blocks(recs: list[StepRecord], block: int = 200,
+                 every: int = 5) -> tuple[list[StepRecord], list[StepRecord]]:
+    """Every ``every``-th block of ``block`` consecutive steps is held out (the test steps),
+    the rest, in order, is training: the test spans the whole run, as the traffic's phases
+    do, and no test step sits right beside the training step it nearly repeats."""
+    train: list[StepRecord] = []
+    test: list[StepRecord] = []
+    for i in range(0, len(recs), block):
+        (test if (i // block) % every == every - 1 else train).extend(recs[i:i + block])
+    return train, test
 
 
 def vllm_steps(requests: int) -> list[str]:
@@ -202,13 +215,22 @@ def vllm_steps(requests: int) -> list[str]:
                 bodies.append({"model": DEFAULT_SERVED_NAME, "prompt": prompt,
                                "max_tokens": rng.choice((4, 16, 48, 120)),
                                "temperature": 0, "ignore_eos": True})
+            # The plugin keeps only its newest segments: read them as they come, as the
+            # sidecar does.
+            reader = SegmentReader(channel)
+            records: list[StepRecord] = []
             with ThreadPoolExecutor(16) as pool:
-                list(pool.map(lambda b: _post(srv.url + "/v1/completions", b), bodies))
+                pending = [pool.submit(_post, srv.url + "/v1/completions", b) for b in bodies]
+                while not all(f.done() for f in pending):
+                    records.extend(reader.read_new())
+                    time.sleep(0.5)
+                for f in pending:
+                    f.result()
             time.sleep(1.0)  # the channel thread's last flush
+            records.extend(reader.read_new())
         finally:
             srv.stop()
-        return [line for p in sorted((channel / STEPS_DIR).glob("*.jsonl"))
-                for line in p.read_text().splitlines()]
+        return [r.to_json() for r in records]
 
 
 @dataclass
@@ -245,7 +267,32 @@ def run(args: argparse.Namespace) -> int:
     _print(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot_curves(args.plot, sources)
     return 0
+
+
+def plot_curves(path: Path, sources: list[dict[str, Any]]) -> None:
+    """Held-out MAPE against steps seen, per source, with the calibrated shipped profile and
+    the noise floor as horizontal lines."""
+    import matplotlib.pyplot as plt
+
+    from slipstream_cli.plots import save
+
+    fig, axes = plt.subplots(1, len(sources), figsize=(4.2 * len(sources), 3.4), squeeze=False)
+    for ax, src in zip(axes[0], sources, strict=True):
+        steps = [p["steps"] for p in src["curve"]]
+        ax.plot(steps, [100 * p["mape"] for p in src["curve"]], "o-", label="learned")
+        ax.axhline(100 * src["baseline"]["mape"], color="tab:red", ls="--",
+                   label="shipped x calibration")
+        ax.axhline(100 * src["noise_floor"]["mape"], color="gray", ls=":", label="noise floor")
+        ax.set_xscale("log")
+        ax.set_xlabel("steps seen")
+        ax.set_ylabel("held-out MAPE (%)")
+        ax.set_title(src["source"], fontsize=9)
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=8)
+    save(fig, path)
 
 
 def _print(report: dict[str, Any]) -> None:
