@@ -49,7 +49,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -278,24 +278,20 @@ def simulated_engine(
     ``params.kv_tokens`` sizes its KV cache and ``timing_cv``, the model's held-out
     error, or ``params.timing_cv`` where None or not finite, its step-time spread)."""
     profile = engine_model_name(model_name, gpu)
+    shape: dict[str, Any] = {
+        "gpu": gpu.lower(),
+        "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "block_size": limits.block_size,
+    }
     if profile is not None:
-        engine = EngineConfig(
-            model=profile,
-            gpu=gpu.lower(),
-            max_num_seqs=limits.max_num_seqs,
-            max_num_batched_tokens=limits.max_num_batched_tokens,
-            block_size=limits.block_size,
-        )
-        return engine, False
+        return EngineConfig(model=profile, **shape), False
     cv = timing_cv if timing_cv is not None and math.isfinite(timing_cv) else params.timing_cv
     engine = EngineConfig(
         model=model_name,
-        gpu=gpu.lower(),
-        max_num_seqs=limits.max_num_seqs,
-        max_num_batched_tokens=limits.max_num_batched_tokens,
-        block_size=limits.block_size,
         num_gpu_blocks=kv_blocks or max(1, params.kv_tokens // limits.block_size),
         noise_cv=min(max(cv, 0.0), 0.5),
+        **shape,
     )
     return engine, True
 
