@@ -47,7 +47,8 @@ def test_profile_engine_writes_a_model_the_operator_finds(
     def decodes(n: int) -> list[BatchItem]:
         return [BatchItem(Phase.DECODE, 1, 128)] * n
 
-    assert model.predict(decodes(8)) > model.predict(decodes(1)) > 0
+    # Non-negative coefficients: never cheaper for more work; and the step has a price.
+    assert model.predict(decodes(8)) >= model.predict(decodes(1)) > 0
 
     found = re.search(r"held-out MAPE (\S+)%, p95 APE (\S+)%", printed.out)
     assert found is not None, printed.out

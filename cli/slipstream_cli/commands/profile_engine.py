@@ -177,6 +177,10 @@ def api_overhead(probes: Sequence[StreamTrace]) -> float:
     return max(0.0, min(ttfts) - statistics.median(gaps)) if gaps and ttfts else 0.0
 
 
+REGIME_ORDER = {"prefill": 0, "decode": 1, "mixed": 2}
+"""The order of the first round's sets (see :meth:`Collector.collect`)."""
+
+
 class PromptMaker:
     """Token-id prompts: three leading ids count requests from a random start (no shared
     first block, ever); the rest are drawn from the seeded ``rng``."""
@@ -396,7 +400,8 @@ class Collector:
         """Probes, then rounds of sets until ``rounds`` or the deadline (a set that took
         longer than the time left before is skipped; one cut by the deadline is lost). A round
         is, shuffled: each decode size with short and with long prompts, the prefill grid,
-        each mixed size."""
+        each mixed size. The first round runs the prefill grid first, then decode, then mixed
+        sets, so that a short budget on a slow engine still yields every regime."""
         plan, longest = self.plan, dict[SetSpec, float]()
         connector = aiohttp.TCPConnector(limit=0, force_close=True)  # no stale keep-alive
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
@@ -409,8 +414,12 @@ class Collector:
             while ran and (rounds is None or done < rounds):
                 ran, done = False, done + 1
                 sets = [("decode", n, long) for n in plan.streams for long in (False, True)]
-                sets += [("prefill", 1, False)] + [("mixed", n, False) for n in plan.mixed_streams]
+                sets += [("mixed", n, False) for n in plan.mixed_streams]
                 self.rng.shuffle(sets)
+                if done == 1:  # every regime gets rows before a short budget runs out
+                    sets.sort(key=lambda spec: REGIME_ORDER[spec[0]])
+                sets.insert(0 if done == 1 else self.rng.randint(0, len(sets)),
+                            ("prefill", 1, False))
                 for spec in sets:
                     left = deadline - time.monotonic()
                     if longest.get(spec, 0.0) * 1.2 > left:
