@@ -48,7 +48,7 @@ import json
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ from slipstream_scheduler.latency import (
     LinearLatencyModel,
     fit_matrix,
 )
+from slipstream_scheduler.types import BatchItem, Phase
 
 RECORD_VERSION = 1
 """Version of the step-record schema :meth:`StepRecord.to_json` writes."""
@@ -118,18 +119,17 @@ class StepRecord:
     def row(self) -> tuple[float, ...]:
         """The feature row :func:`slipstream_scheduler.latency.feature_matrix` builds for
         this step's batch (hinge column at knee 0: the step's tokens)."""
-        s_p = float(self.sum_prefill_tokens)
-        return (
-            1.0,
-            s_p,
-            s_p * s_p,
-            float(self.num_prefill_requests),
-            float(self.num_decode_requests),
-            float(self.sum_decode_tokens),
-            float(self.sum_decode_kv_tokens),
-            float(self.sum_prefill_chunk_kv),
-            float(self.tokens),
-        )
+        return self.features().row()
+
+    @classmethod
+    def of(cls, batch: Sequence[BatchItem], wall_time: float, at: float = 0.0) -> StepRecord:
+        """The record of a step that ran ``batch`` in ``wall_time`` seconds."""
+        f = BatchFeatures.of(batch)
+        ctx = sum(i.context for i in batch if i.phase is Phase.PREFILL)
+        return cls(wall_time=wall_time, num_prefill_requests=f.n_p, sum_prefill_tokens=f.s_p,
+                   sum_prefill_kv_tokens=ctx, sum_prefill_chunk_kv=f.p_c,
+                   num_decode_requests=f.n_d, sum_decode_tokens=f.s_d_tok,
+                   sum_decode_kv_tokens=f.s_d_ctx, at=at)
 
     def features(self) -> BatchFeatures:
         """The step as the accumulator the planner predicts from."""
@@ -355,6 +355,11 @@ class StepLearner:
     @property
     def reservoir(self) -> RegimeReservoir:
         return self._reservoir
+
+    @property
+    def held_out(self) -> list[StepRecord]:
+        """The recent steps no fit has seen (the validation window)."""
+        return list(self._recent)
 
     def add(self, rec: StepRecord) -> None:
         if len(self._recent) == self._recent.maxlen:

@@ -23,24 +23,13 @@ from slipstream_scheduler.learning import (
     without_stragglers,
 )
 from slipstream_scheduler.profiler import engine_run_rows
-from slipstream_scheduler.types import BatchItem, Phase
+from slipstream_scheduler.types import BatchItem
 
 PARAMS = LearnParams(min_steps=100, refit_every=200, holdout=100)
 
 
 def record(batch: list[BatchItem], t: float) -> StepRecord:
-    pre = [i for i in batch if i.phase is Phase.PREFILL]
-    dec = [i for i in batch if i.phase is Phase.DECODE]
-    return StepRecord(
-        wall_time=t,
-        num_prefill_requests=len(pre),
-        sum_prefill_tokens=sum(i.tokens for i in pre),
-        sum_prefill_kv_tokens=sum(i.context for i in pre),
-        sum_prefill_chunk_kv=sum(i.tokens * i.context for i in pre),
-        num_decode_requests=len(dec),
-        sum_decode_tokens=sum(i.tokens for i in dec),
-        sum_decode_kv_tokens=sum(i.context for i in dec),
-    )
+    return StepRecord.of(batch, t)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from slipstream_scheduler.engine.model import EngineConfig
 from slipstream_scheduler.enginecontrol import STEP_SEGMENTS_KEPT, STEPS_DIR
 from slipstream_scheduler.learning import LearnParams, StepRecord
 from slipstream_scheduler.profiler import engine_run_rows
-from slipstream_scheduler.types import Phase
 from slipstream_sidecar.grpc_server import learned_pb
 from slipstream_sidecar.learner import EngineLearner, LearnerCollector, SegmentReader
 from slipstream_vllm.steps import StepRecorder
@@ -47,11 +46,10 @@ def test_compose_tells_decodes_from_prefill_chunks() -> None:
 def _flush_engine_steps(channel: Path, n: int) -> None:
     rec = StepRecorder()
     for batch, t in engine_run_rows(EngineConfig(), 5, n, 4096):
-        pre = [i for i in batch if i.phase is Phase.PREFILL]
-        dec = [i for i in batch if i.phase is Phase.DECODE]
-        rec.record(t, (len(pre), sum(i.tokens for i in pre), sum(i.context for i in pre),
-                       sum(i.tokens * i.context for i in pre), len(dec), len(dec),
-                       sum(i.context for i in dec)))
+        r = StepRecord.of(batch, t)
+        rec.record(t, (r.num_prefill_requests, r.sum_prefill_tokens, r.sum_prefill_kv_tokens,
+                       r.sum_prefill_chunk_kv, r.num_decode_requests, r.sum_decode_tokens,
+                       r.sum_decode_kv_tokens))
         if rec.pending() >= 700:
             rec.flush(channel)
     rec.flush(channel)

@@ -56,7 +56,6 @@ from slipstream_scheduler.learning import (
     without_stragglers,
 )
 from slipstream_scheduler.profiler import engine_run_rows
-from slipstream_scheduler.types import BatchItem, Phase
 from slipstream_sidecar.learner import SegmentReader
 
 SCHEMA = "slipstream.bench.learning/v1"
@@ -80,17 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read the vLLM step records from this file instead of running vLLM")
     parser.add_argument("--json", type=Path, help="write the JSON report here")
     parser.add_argument("--plot", type=Path, help="write the learning curves (PNG) here")
-
-
-def record_of(batch: list[BatchItem], t: float) -> StepRecord:
-    pre = [i for i in batch if i.phase is Phase.PREFILL]
-    dec = [i for i in batch if i.phase is Phase.DECODE]
-    return StepRecord(
-        wall_time=t, num_prefill_requests=len(pre), sum_prefill_tokens=sum(i.tokens for i in pre),
-        sum_prefill_kv_tokens=sum(i.context for i in pre),
-        sum_prefill_chunk_kv=sum(i.tokens * i.context for i in pre),
-        num_decode_requests=len(dec), sum_decode_tokens=sum(i.tokens for i in dec),
-        sum_decode_kv_tokens=sum(i.context for i in dec))
 
 
 def calibrated_baseline(train: list[StepRecord], test: list[StepRecord],
@@ -120,7 +108,7 @@ def learning_curve(train: list[StepRecord], test: list[StepRecord]) -> list[dict
             continue
         # Everything seen so far (the reservoir and the held-out window) is what a fit at
         # this point can use; the test steps are separate.
-        rows = without_stragglers([*learner.reservoir, *learner._recent])
+        rows = without_stragglers([*learner.reservoir, *learner.held_out])
         t0 = time.perf_counter()
         model = fit_matrix(*matrix(rows)).model
         fit_s = time.perf_counter() - t0
@@ -150,8 +138,8 @@ def _composition(r: StepRecord) -> tuple[int, ...]:
 
 def engine_model_source(gpu: str) -> dict[str, Any]:
     cfg = EngineConfig(gpu=gpu)
-    train = [record_of(list(b), t) for b, t in engine_run_rows(cfg, 11, 10000, 4096)]
-    test = [record_of(list(b), t) for b, t in engine_run_rows(cfg, 12, 2000, 4096)]
+    train = [StepRecord.of(b, t) for b, t in engine_run_rows(cfg, 11, 10000, 4096)]
+    test = [StepRecord.of(b, t) for b, t in engine_run_rows(cfg, 12, 2000, 4096)]
     return {"source": f"engine-model llama-2-7b/{gpu}", "train_steps": len(train),
             "test_steps": len(test), "curve": learning_curve(train, test),
             "baseline": calibrated_baseline(train, test, gpu),
