@@ -39,6 +39,7 @@ vLLM's waiting queue) which a sidecar cannot see. Errors::
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -55,6 +56,7 @@ from slipstream_scheduler.ordering import KeyedQueue, Ordering, RequestView
 from slipstream_scheduler.planner import InFlight, PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.protocols import LengthPredictor, Planner
 from slipstream_scheduler.psm import PsmQueue
+from slipstream_scheduler.tailguard import GUARD_MAX_DISPLACEMENTS
 from slipstream_scheduler.types import (
     EngineLimits,
     QueuedRequest,
@@ -362,6 +364,11 @@ class OrderingQueue:
         self._fallback: npt.NDArray[np.float64] = np.empty(0, dtype=np.float64)
         self._observed = 0  # finished requests reported by observed()
         self._fb_at = -1  # _observed when the fallback was last read (-1: never)
+        # The tail guard's view of the keyed queue: (arrival, seq, id), lazily deleted (an
+        # entry is live while its id is queued with that seq). Kept only under a guard.
+        self._by_arrival: list[tuple[float, int, str]] = []
+        self._arrival_seq: dict[str, int] = {}
+        self._arrival_count = itertools.count()
 
     @property
     def fallback(self) -> npt.NDArray[np.float64]:
@@ -408,7 +415,7 @@ class OrderingQueue:
         if lone is not None:
             self._lone = None
             rid = lone.request_id
-            self._q.push(rid, self.ordering.key(self._view(lone, self._generated.get(rid, 0))))
+            self._enqueue(rid, self.ordering.key(self._view(lone, self._generated.get(rid, 0))))
 
     def _view_unviewed(self) -> None:
         """Build the running views of the requests taken while lone (preemptive orderings)."""
@@ -440,11 +447,46 @@ class OrderingQueue:
             return
         self._key_lone()
         view = self._view(request, self._generated.get(rid, 0))
-        self._q.push(rid, self.ordering.key(view))
+        self._enqueue(rid, self.ordering.key(view))
+
+    def _enqueue(self, rid: str, key: float) -> None:
+        """Into the keyed queue, and, under a tail guard, into its arrival order."""
+        self._q.push(rid, key)
+        if self.ordering.guard is not None and rid not in self._arrival_seq:
+            seq = next(self._arrival_count)
+            self._arrival_seq[rid] = seq
+            heapq.heappush(self._by_arrival, (self._held[rid].arrival_s, seq, rid))
+
+    def _overdue(self, n: int, now_s: float) -> list[str]:
+        """Up to ``n`` queued requests past the guard's deadline, earliest first."""
+        guard = self.ordering.guard
+        heap = self._by_arrival
+        if guard is None or not heap:
+            return []
+        out: list[tuple[float, int, str]] = []
+        while heap and len(out) < n:
+            entry = heapq.heappop(heap)
+            arrival, seq, rid = entry
+            if self._arrival_seq.get(rid) != seq or rid not in self._q:
+                if self._arrival_seq.get(rid) == seq:
+                    del self._arrival_seq[rid]
+                continue  # stale: taken or gone
+            if not guard.overdue(arrival, now_s):
+                heapq.heappush(heap, entry)
+                break
+            out.append(entry)
+        for entry in out:
+            heapq.heappush(heap, entry)
+        return [rid for _, _, rid in out]
 
     def head(self, n: int, now_s: float) -> list[str]:
         if self._lone is not None:
             return [self._lone.request_id] if n > 0 else []
+        overdue = self._overdue(n, now_s)
+        if overdue:
+            first = set(overdue)
+            rest = [rid for rid, _ in self._q.smallest(n) if rid not in first]
+            return (overdue + rest)[:n]
         if n == 1 and len(self._q):
             return [self._q.peek()[0]]
         return [rid for rid, _ in self._q.smallest(n)]
@@ -457,6 +499,7 @@ class OrderingQueue:
                 self._unviewed[request_id] = self._generated.get(request_id, 0)
             return
         self._q.remove(request_id)
+        self._arrival_seq.pop(request_id, None)
         if self.ordering.preemptive:
             req = self._held[request_id]
             g = self._generated.get(request_id, 0)
@@ -473,6 +516,7 @@ class OrderingQueue:
             self._lone = None
         elif request_id in self._q:
             self._q.remove(request_id)
+        self._arrival_seq.pop(request_id, None)
         self._held.pop(request_id, None)
         self._generated.pop(request_id, None)
         self._preemptions.pop(request_id, None)
@@ -512,9 +556,10 @@ class OrderingQueue:
         keyed with the ordering in force when first needed.
         """
         self.ordering = ordering
+        self._by_arrival, self._arrival_seq = [], {}
         for rid, req in self._held.items():
             if rid in self._q:
-                self._q.push(rid, ordering.key(self._view(req, self._generated.get(rid, 0))))
+                self._enqueue(rid, ordering.key(self._view(req, self._generated.get(rid, 0))))
         if not ordering.preemptive:
             self._running.clear()
             self._unviewed.clear()
@@ -522,14 +567,31 @@ class OrderingQueue:
         for rid, (view, _) in list(self._running.items()):
             self._running[rid] = (view, ordering.key(view))
 
-    def reorder_victim(self) -> str | None:
-        """An in-flight request the best waiting one may displace, if the ordering allows."""
+    def reorder_victim(self, now_s: float | None = None) -> str | None:
+        """An in-flight request the best waiting one may displace, if the ordering allows.
+
+        Under a tail guard (``now_s`` given, ``tailguard.py``) a request past its deadline is
+        never displaced, and one at the head displaces the worst-ranked request that is not,
+        if that one was displaced fewer than ``GUARD_MAX_DISPLACEMENTS`` times."""
         if not self.ordering.preemptive or not (self._running or self._unviewed) or not len(self):
             return None
         self.settle()
+        guard = self.ordering.guard
+        overdue_head = guard is not None and now_s is not None and bool(self._overdue(1, now_s))
         _, best = self._q.peek()
-        rid, (view, key) = max(self._running.items(), key=lambda kv: kv[1][1])
-        if self.ordering.may_preempt(best, view, key):
+        candidates = [
+            kv
+            for kv in self._running.items()
+            if guard is None or now_s is None or not guard.overdue(kv[1][0].arrival_s, now_s)
+        ]
+        if not candidates:
+            return None
+        rid, (view, key) = max(candidates, key=lambda kv: kv[1][1])
+        if overdue_head:
+            allowed = self._preemptions.get(rid, 0) < GUARD_MAX_DISPLACEMENTS
+        else:
+            allowed = self.ordering.may_preempt(best, view, key)
+        if allowed:
             self._preemptions[rid] = self._preemptions.get(rid, 0) + 1
             return rid
         return None
@@ -766,7 +828,7 @@ class Dispatcher:
                 return Decisions(tuple(passed))
         reorder_abort: Abort | None = None
         if self._reorder is not None and n_on > 0 and on_room <= 0:
-            victim = self._reorder.reorder_victim()
+            victim = self._reorder.reorder_victim(now_s)
             if victim is not None:
                 vrec = self._inflight.get(victim)
                 if vrec is not None and not vrec.aborting:

@@ -64,6 +64,7 @@ from slipstream_scheduler.gittins import (
     remaining_cost_sample,
     request_cost,
 )
+from slipstream_scheduler.tailguard import TailGuard
 
 __all__ = [
     "ORDERINGS",
@@ -162,17 +163,23 @@ class Ordering(Protocol):
     is true, and records ``keyed_at_tokens``. ``may_preempt`` is asked only
     when ``preemptive`` is true: whether a waiting request with key
     ``waiting_key`` may displace ``running`` (whose current key is
-    ``running_key``).
+    ``running_key``). ``guard`` (``tailguard.py``): the deadline past which a waiting
+    request is served in deadline order; ``None``: none. The queue applies it, not ``key``.
     """
 
     name: str
     preemptive: bool
+    guard: TailGuard | None
 
     def key(self, view: RequestView) -> float: ...
 
     def refresh_needed(self, view: RequestView) -> bool: ...
 
     def may_preempt(self, waiting_key: float, running: RequestView, running_key: float) -> bool: ...
+
+
+def _guard(max_wait_s: float | None) -> TailGuard | None:
+    return TailGuard(max_wait_s) if max_wait_s is not None else None
 
 
 def _bucket_crossed(view: RequestView, every: int) -> bool:
@@ -193,6 +200,7 @@ class FcfsParams(BaseModel):
 class FcfsOrdering:
     name = "fcfs"
     preemptive = False
+    guard: TailGuard | None = None  # arrival order is deadline order already
 
     def __init__(self, params: FcfsParams | None = None) -> None:
         self.params = params if params is not None else FcfsParams()
@@ -219,6 +227,12 @@ class SjfParams(BaseModel):
         default="mean_cost",
         description="'mean_cost' = E[O²/2 + I·O]; 'cost_of_mean' = C(E[O]). Default 'mean_cost'.",
     )
+    max_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Tail guard: a request that has waited this long (seconds) is served in "
+        "deadline order ahead of the ranked ones (tailguard.py). None: no guard.",
+    )
     cost: CostKind = Field(
         default="memory",
         description="'memory' = O²/2 + I·O (SageSched: KV memory bounds the batch); 'output' = "
@@ -232,6 +246,7 @@ class SjfOrdering:
 
     def __init__(self, params: SjfParams | None = None) -> None:
         self.params = params if params is not None else SjfParams()
+        self.guard = _guard(self.params.max_wait_s)
 
     def key(self, view: RequestView) -> float:
         cost = self.params.cost
@@ -281,6 +296,12 @@ class TrailParams(BaseModel):
     max_preemptions: int = Field(
         default=1, ge=0, description="Per-request preemption cap. Default 1."
     )
+    max_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Tail guard: a request that has waited this long (seconds) is served in "
+        "deadline order ahead of the ranked ones (tailguard.py). None: no guard.",
+    )
     cost: CostKind = Field(
         default="output",
         description="'memory' = O²/2 + I·O (SageSched: KV memory bounds the batch); 'output' = "
@@ -298,6 +319,7 @@ class TrailOrdering:
 
     def __init__(self, params: TrailParams | None = None) -> None:
         self.params = params if params is not None else TrailParams()
+        self.guard = _guard(self.params.max_wait_s)
         # A cap of 0 makes the ordering non-preemptive: keys only, no displacement.
         self.preemptive = self.params.max_preemptions > 0
 
@@ -337,6 +359,12 @@ class GittinsParams(BaseModel):
     max_preemptions: int = Field(
         default=2, ge=0, description="Per-request preemption cap. Default 2."
     )
+    max_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Tail guard: a request that has waited this long (seconds) is served in "
+        "deadline order ahead of the ranked ones (tailguard.py). None: no guard.",
+    )
     cost: CostKind = Field(
         default="output",
         description="'memory' = O²/2 + I·O (SageSched: KV memory bounds the batch); 'output' = "
@@ -355,6 +383,7 @@ class GittinsOrdering:
 
     def __init__(self, params: GittinsParams | None = None) -> None:
         self.params = params if params is not None else GittinsParams()
+        self.guard = _guard(self.params.max_wait_s)
         # A cap of 0 makes the ordering non-preemptive: ranks only, no displacement.
         self.preemptive = self.params.max_preemptions > 0
 

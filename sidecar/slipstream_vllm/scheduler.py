@@ -6,9 +6,11 @@ outputs, stop handling, aborts, stats. Each ``schedule()``:
 
 1. builds a :class:`~slipstream_scheduler.types.Snapshot` of vLLM's state: running requests,
    the online waiting queue in the configured ordering (Gittins over predicted output-length
-   distributions by default in Slipstream's charts), the offline waiting queue in PSM order over
-   token-id blocks, each queued request's prefix-cache hit, the free KV blocks, and the budget
-   in force (the idle budget when no online request is in the engine);
+   distributions by default in Slipstream's charts; past the tail guard's deadline, in
+   deadline order ahead of the ranked ones, ``slipstream_scheduler.tailguard``), the offline
+   waiting queue in PSM order over token-id blocks, each queued request's prefix-cache hit,
+   the free KV blocks, and the budget in force (the idle budget when no online request is in
+   the engine);
 2. asks the planner (``TwoPhasePlanner`` in ``PlannerMode.ITERATION``, the very code the
    simulator's in-engine mode runs) for the iteration: online decodes and chunks first, then
    offline decodes and budget-sized offline chunks while the predicted step fits the budget;
@@ -71,6 +73,7 @@ public). Deliberately left out: speculative decoding, KV connectors and pipeline
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import hmac
@@ -82,8 +85,9 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +126,7 @@ from slipstream_scheduler.lengths import (
 from slipstream_scheduler.ordering import Ordering, RequestView, make_ordering
 from slipstream_scheduler.planner import PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.psm import PsmParams, PsmQueue
+from slipstream_scheduler.tailguard import GUARD_MAX_DISPLACEMENTS, unguarded_rank
 from slipstream_scheduler.types import (
     EngineLimits,
     QueuedRequest,
@@ -135,6 +140,9 @@ from slipstream_vllm.failsafe import FaultGuard
 from slipstream_vllm.steps import Counts, StepRecorder
 
 logger = logging.getLogger(__name__)
+
+CHANNEL_JOIN_S = 5.0
+"""How long shutdown and interpreter exit wait for the channel thread's round to end."""
 
 __all__ = ["OFFLINE_PRIORITY", "SlipstreamScheduler", "SlipstreamSyncScheduler"]
 
@@ -331,6 +339,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
             reserve_full_sequence=bool(self.scheduler_reserve_full_isl),
         )
         self._guard = FaultGuard()
+        self.clock: Callable[[], float] = time.time
+        """The clock of requests' ``arrival_time`` (the tail guard's deadlines); a harness
+        stepping vLLM on a virtual clock sets its own."""
         self._meta: dict[str, _Meta] = {}
         self._embedder = HashingEmbedder()
         self._predictor = SemanticHistoryPredictor(self._embedder.dim)
@@ -385,9 +396,22 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         with self._guard.part("control"):
             self._poll_control()
             self._take_config()
+        self._channel_thread: threading.Thread | None = None
         if self.channel_dir is not None:
-            threading.Thread(target=self._channel_loop, name="slipstream-channel",
-                             daemon=True).start()
+            # The thread holds the scheduler weakly (it ends when the scheduler is collected)
+            # and is stopped and joined at interpreter exit: a daemon thread still running
+            # when Python finalises is ended by pthread_exit wherever it is, and ending it
+            # inside C++ code (numpy's sorts, which release the GIL) aborts the process
+            # ("terminate called without an active exception").
+            thread = threading.Thread(
+                target=_channel_main,
+                args=(weakref.ref(self), self._channel_stop),
+                name="slipstream-channel",
+                daemon=True,
+            )
+            self._channel_thread = thread
+            thread.start()
+            atexit.register(_stop_channel, self._channel_stop, thread)
 
     # ------------------------------------------------------------------ control
     #
@@ -395,22 +419,23 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
     # thread only takes a finished configuration (one attribute read per step) and records
     # counts. Nothing here does I/O or parsing on vLLM's scheduling thread while it serves.
 
-    def _channel_loop(self) -> None:
-        next_report = 0.0
-        while not self._channel_stop.wait(CONTROL_POLL_S):
-            if self.channel_dir is None or not self.channel_dir.is_dir():
-                return  # the channel is gone (the pod's emptyDir, a test's folder)
-            with self._guard.part("control"):
-                self._poll_control()
-            if self.step_records.pending():
-                with self._guard.part("report"):
-                    self.step_records.flush(self.channel_dir)
-            now = time.monotonic()
-            if self._report_now or now >= next_report:
-                self._report_now = False
-                next_report = now + STATUS_EVERY_S
-                with self._guard.part("report"):
-                    self._write_report(self.report())
+    def _channel_tick(self, next_report: float) -> float | None:
+        """One round of the channel thread: poll control, flush step records, report when
+        due. Returns when the next report is due; None when the channel is gone."""
+        if self.channel_dir is None or not self.channel_dir.is_dir():
+            return None  # the channel is gone (the pod's emptyDir, a test's folder)
+        with self._guard.part("control"):
+            self._poll_control()
+        if self.step_records.pending():
+            with self._guard.part("report"):
+                self.step_records.flush(self.channel_dir)
+        now = time.monotonic()
+        if self._report_now or now >= next_report:
+            self._report_now = False
+            next_report = now + STATUS_EVERY_S
+            with self._guard.part("report"):
+                self._write_report(self.report())
+        return next_report
 
     def _take_config(self) -> None:
         cfg = self._pending
@@ -633,18 +658,32 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         meta.keyed_at = generated
         return meta.key
 
+    def _rank(self, req: Request, meta: _Meta, now: float) -> tuple[int, float, float]:
+        """The request's place in the online order: the ordering's key, and past the tail
+        guard's deadline, deadline order ahead of every key (``tailguard.py``)."""
+        key = self._online_key(req, meta)
+        guard = self.ordering.guard
+        if guard is None:
+            return unguarded_rank(key, req.arrival_time)
+        return guard.rank(key, req.arrival_time, now)
+
+    def _overdue(self, req: Request, now: float) -> bool:
+        guard = self.ordering.guard
+        return guard is not None and guard.overdue(req.arrival_time, now)
+
     def _ordered_queues(self, waiting: list[Request]) -> tuple[list[Request], list[Request]]:
-        online: list[tuple[float, float, Request]] = []
+        online: list[tuple[tuple[int, float, float], Request]] = []
         offline: list[Request] = []
+        now = self.clock()
         for req in waiting:
             meta = self._meta.get(req.request_id)
             if meta is None or meta.cls is _ONLINE:
                 if meta is None:
                     meta = self._meta[req.request_id] = _Meta(_ONLINE)
-                online.append((self._online_key(req, meta), req.arrival_time, req))
+                online.append((self._rank(req, meta, now), req))
             else:
                 offline.append(req)
-        online.sort(key=lambda t: (t[0], t[1]))
+        online.sort(key=lambda t: t[0])
         if self.offline_order == "psm" and offline:
             try:
                 offline = self._psm_queue(offline)
@@ -653,7 +692,7 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
                 offline.sort(key=lambda r: (r.priority, r.arrival_time))
         else:
             offline.sort(key=lambda r: (r.priority, r.arrival_time))
-        return [t[2] for t in online], offline
+        return [t[1] for t in online], offline
 
     def _psm_queue(self, offline: list[Request]) -> list[Request]:
         by_id = {r.request_id: r for r in offline}
@@ -787,7 +826,7 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         online_r = sum(1 for q in snap.running if q.cls is _ONLINE)
         self._queue_counts = (len(online_q), len(offline_q), online_r, len(snap.running) - online_r)
         plan = self.planner.plan(snap)
-        if online_q and self.ordering.preemptive:
+        if online_q and (self.ordering.preemptive or self.ordering.guard is not None):
             self._stage = "ordering"
             if self._displace_for(online_q[0], snap, plan):
                 waiting = list(self.waiting)
@@ -876,7 +915,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         if free >= need and not slot_short:
             return False  # held back by the step's tokens or budget: it runs soon anyway
         meta = self._meta.get(rid)
-        if meta is None:
+        now_g = self.clock()
+        overdue = self._overdue(head, now_g)
+        if meta is None or not (overdue or self.ordering.preemptive):
             return False
         head_key = self._online_key(head, meta)
         ranked = sorted(
@@ -884,6 +925,7 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
                 (self._online_key(r, m), r, m)
                 for r in self.running
                 if (m := self._meta.get(r.request_id)) is not None and m.cls is _ONLINE
+                and not self._overdue(r, now_g)
             ),
             key=lambda t: (-t[0], -t[1].arrival_time),
         )
@@ -892,7 +934,10 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         for key, r, m in ranked:
             if free + freed >= need and (victims or not slot_short):
                 break
-            if not self.ordering.may_preempt(head_key, self._online_view(r, m), key):
+            if overdue:  # the guard's displacement: any request not past its own deadline,
+                if int(getattr(r, "num_preemptions", 0)) >= GUARD_MAX_DISPLACEMENTS:
+                    continue  # at most once each
+            elif not self.ordering.may_preempt(head_key, self._online_view(r, m), key):
                 continue
             victims.append(r)
             freed += -(-r.num_computed_tokens // bs)
@@ -924,8 +969,9 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
                 yield
                 return
         try:
+            now = self.clock()
             online = [
-                (int(r.priority), self._online_key(r, m), r.arrival_time, r)
+                (int(r.priority), self._rank(r, m, now), r)
                 for r in self.running
                 if (m := self._meta.get(r.request_id)) is not None and m.cls is _ONLINE
             ]
@@ -935,7 +981,7 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
         if len(online) < 2:
             yield
             return
-        online.sort(key=lambda t: t[:3])
+        online.sort(key=lambda t: t[:2])
         saved = [(r, r.priority) for *_, r in online]
         rank_of = {id(r): i for i, (*_, r) in enumerate(online)}
         for i, (*_, r) in enumerate(online):
@@ -1249,10 +1295,33 @@ class _Slipstream(Scheduler):  # type: ignore[misc]
                 logger.warning("slipstream: cannot write %s: %s", STATUS_FILE, exc)
 
     def shutdown(self) -> None:
-        self._channel_stop.set()
+        thread = self._channel_thread
+        _stop_channel(self._channel_stop, thread)
         with self._guard.part("report"):
             self._write_report(self.report())
         super().shutdown()
+
+
+def _channel_main(ref: weakref.ReferenceType[_Slipstream], stop: threading.Event) -> None:
+    """The channel thread: a tick every ``CONTROL_POLL_S`` until stopped, the channel is
+    gone, or the scheduler is collected."""
+    next_report = 0.0
+    while not stop.wait(CONTROL_POLL_S):
+        sched = ref()
+        if sched is None:
+            return
+        due = sched._channel_tick(next_report)
+        del sched
+        if due is None:
+            return
+        next_report = due
+
+
+def _stop_channel(stop: threading.Event, thread: threading.Thread | None) -> None:
+    """Stop the channel thread and wait for its round to end (not from the thread itself)."""
+    stop.set()
+    if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+        thread.join(timeout=CHANNEL_JOIN_S)
 
 
 class SlipstreamScheduler(_Slipstream, AsyncScheduler):  # type: ignore[misc]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from vllm.v1.request import Request
 
-from slipstream_scheduler.engine.model import EngineConfig
+from slipstream_scheduler.engine.model import EngineConfig, StepResult
 from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, EngineControl
 from slipstream_scheduler.lengths import GlobalDistributionPredictor
 from slipstream_vllm.inprocess import VllmEngine
@@ -60,6 +60,9 @@ class PluginEngine(VllmEngine):
         if not sched.apply(control):
             raise ValueError(f"the plugin refused control generation {control.generation}")
         self.plugin: Any = sched
+        # Requests arrive on the simulator's clock: the tail guard's deadlines follow it.
+        self._now_s = 0.0
+        sched.clock = lambda: self._now_s
         self.oracle_lengths = oracle_lengths
         """An upper bound for the ordering bench, not a deployable setting: every online
         request's predicted output length is its true one."""
@@ -97,6 +100,10 @@ class PluginEngine(VllmEngine):
             arrival_s=arrival_s,
             extra_args=extra_args,
         )
+
+    def step(self, now_s: float = 0.0) -> StepResult:
+        self._now_s = now_s
+        return super().step(now_s)
 
     def in_engine_counters(self) -> dict[str, float | None]:
         """The simulator's in-engine counters (``SimResult.in_engine``), from the plugin."""

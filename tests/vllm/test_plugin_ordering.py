@@ -68,6 +68,42 @@ def test_waiting_online_requests_run_in_the_orderings_order(
     assert eng.stats().generation_tokens == sum(outs)
 
 
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"cost": "output"}, [300, 5, 10, 50, 100, 200]),
+        # r1 (200 tokens) is past its deadline when r0 finishes: it runs first, and the rest
+        # are all past theirs when it finishes: arrival order.
+        ({"cost": "output", "max_wait_s": 2.2}, [300, 200, 50, 10, 100, 5]),
+    ],
+)
+def test_past_the_tail_guards_deadline_a_request_runs_in_deadline_order(
+    params: dict[str, Any], expected: list[int]
+) -> None:
+    # One slot, as above; the virtual clock moves 10 ms a step, so r0 holds the slot for
+    # about 3 s while r1..r5 arrive between 0.5 and 2.5 s.
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, num_gpu_blocks=400,
+                       noise_cv=0.0)
+    eng = _engine(cfg, "sjf", params, oracle=True)
+    outs = [300, 200, 50, 10, 100, 5]
+    eng.add_tokens("r0-300", eng.synth.prompt("p0", 32, ()), 300, arrival_s=0.0)
+    now = 0.0
+    eng.step(now)
+    for i, out in enumerate(outs[1:], start=1):
+        eng.add_tokens(f"r{i}-{out}", eng.synth.prompt(f"p{i}", 32, ()), out,
+                       arrival_s=0.5 * i)
+    order: list[int] = [300]
+    while eng.has_work():
+        now += 0.01
+        eng.step(now)
+        for r in eng.scheduler.running:
+            n = int(r.request_id.split("-")[1])
+            if n not in order:
+                order.append(n)
+    assert order == expected
+    assert eng.stats().generation_tokens == sum(outs)
+
+
 def _fill_then_arrive(ordering: str, params: dict[str, Any]) -> tuple[Any, int]:
     """Three long requests fill the KV cache; then a short one of the same template arrives.
     Returns the engine and the steps until the short one's first token."""

@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slipstream_cli import plots
-from slipstream_cli.argtypes import below_one, whole
+from slipstream_cli.argtypes import below_one, positive, whole
 from slipstream_cli.benches.ordering_vllm import long_prompt_ids, text_token_ids
 from slipstream_cli.commands.sim import (
     RichProgress,
@@ -87,9 +87,14 @@ VARIANTS: dict[str, tuple[str, dict[str, object], dict[str, int]]] = {
     # ranked on the point O = 2·o (kept to measure what the fallback is worth).
     "gittins-nofb": ("gittins", {"refresh_every_tokens": 200}, {"fallback_samples": 0}),
     "trail-nofb": ("trail", {"refresh_every_tokens": 200}, {"fallback_samples": 0}),
+    # With the tail guard (``--max-wait``): past the deadline, deadline order first.
+    "gittins-guard": ("gittins", {"refresh_every_tokens": 200}, {}),
+    "gittins-np-guard": ("gittins", {"max_preemptions": 0}, {}),
+    "sjf-guard": ("sjf", {}, {}),
+    "trail-guard": ("trail", {"refresh_every_tokens": 200}, {}),
 }
 """Bench name -> (core ordering, params, ``OrderingQueue`` options). ``cost`` is added to the
-params of every ordering but FCFS."""
+params of every ordering but FCFS, and ``max_wait_s`` (``--max-wait``) to every ``-guard`` one."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +165,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="poisson",
         help="poisson, or azure: the Azure conversation trace's inter-arrival gaps from a "
         "seeded offset, scaled to the load's rate (bursty)",
+    )
+    parser.add_argument(
+        "--max-wait",
+        type=positive,
+        default=None,
+        help="the tail guard's deadline for the -guard orderings, seconds: a request that has "
+        "waited this long is served in deadline order ahead of the ranked ones",
     )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
@@ -303,10 +315,17 @@ def oracle_requests(reqs: list[SimRequest]) -> list[SimRequest]:
     ]
 
 
-def _spec(name: str, cost: str) -> tuple[str, dict[str, object]]:
-    """A bench ordering's core name and parameters (``cost`` for all but FCFS)."""
+def _spec(name: str, cost: str, max_wait_s: float | None = None) -> tuple[str, dict[str, object]]:
+    """A bench ordering's core name and parameters (``cost`` for all but FCFS, the tail
+    guard's ``max_wait_s`` for the ``-guard`` variants)."""
     base, params, _ = VARIANTS[name]
-    return base, dict(params) if base == "fcfs" else {**params, "cost": cost}
+    if base == "fcfs":
+        return base, dict(params)
+    if name.endswith("-guard"):
+        if max_wait_s is None:
+            raise ValueError(f"{name} needs --max-wait")
+        return base, {**params, "cost": cost, "max_wait_s": max_wait_s}
+    return base, {**params, "cost": cost}
 
 
 def _run(  # noqa: PLR0917
@@ -372,6 +391,7 @@ class _Task:
     prompts: dict[str, list[int]] | None = None
     regime: str = "slot-cap"
     global_lengths: bool = False
+    max_wait_s: float | None = None
 
 
 def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
@@ -380,7 +400,7 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
     label = f"{task.name} ({task.cost}) load {task.load} seed {task.seed}"
     res = _run(
         task.online,
-        _spec(task.name, task.cost),
+        _spec(task.name, task.cost, task.max_wait_s),
         task.engine,
         task.cap,
         task.seed,
@@ -399,6 +419,7 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
         "engine": task.engine_name,
         "regime": task.regime,
         "cost": "-" if task.name == "fcfs" else task.cost,
+        "max_wait_s_guard": task.max_wait_s if task.name.endswith("-guard") else None,
         "seed": task.seed,
         "load": task.load,
         "arrival_rate_per_s": task.rate,
@@ -505,6 +526,11 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=args.model, gpu=args.gpu, num_gpu_blocks=args.kv_blocks)
     engine_factory_from_args(args, "slipstream bench ordering", ["bench", "ordering"])
     seeds = args.seeds
+    guarded = [n for n in args.orderings if n.endswith("-guard")]
+    if guarded and args.max_wait is None:
+        parser = argparse.ArgumentParser(prog="slipstream bench ordering")
+        add_arguments(parser)
+        parser.error(f"{', '.join(guarded)} need --max-wait SECONDS")
     reqs, token_ids = build_workload(
         args.prompts, args.requests, args.seed, long_share=args.long_share
     )
@@ -553,6 +579,7 @@ def run(args: argparse.Namespace) -> int:
                         prompts,
                         regime,
                         args.predictor == "global",
+                        args.max_wait,
                     )
                 )
         if args.jobs <= 1:
