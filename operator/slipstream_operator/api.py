@@ -680,6 +680,18 @@ class SchedulingSpec(ApiModel):
         "keeps the pod unready. Unset or 0s: off.",
     )
 
+    max_wait: Duration | None = Field(
+        default=None,
+        description="Tail guard of the size-based orderings (sjf, trail, gittins): an online "
+        "request that has waited this long is served in arrival (deadline) order ahead of the "
+        "ranked ones, so the ordering cannot starve it (docs/concepts/ordering-and-prefix.md). "
+        "Unset: the TTFT p99 target, else 4x the TTFT mean target, else 30s. 0s: no guard.",
+    )
+
+    def max_wait_s(self) -> float | None:
+        """``max_wait`` in seconds; None when unset (the pod derives it from the SLO)."""
+        return None if self.max_wait is None else parse_duration(self.max_wait)
+
     def profile_at_start_s(self) -> float:
         """``profile_at_start`` in seconds; 0 when off."""
         return 0.0 if self.profile_at_start is None else parse_duration(self.profile_at_start)
@@ -921,6 +933,18 @@ class LatencyModelStatus(ApiModel):
     )
 
 
+class KvCacheStatus(ApiModel):
+    """The engine's KV cache, as the budget search simulates it."""
+
+    blocks: int = Field(description="KV blocks of one pod's engine.", ge=1)
+    block_size: int = Field(description="Tokens per KV block.", ge=1)
+    source: Literal["engine", "args"] = Field(
+        description="Where it came from: engine (the ready pods' sidecars read vLLM's "
+        "num_gpu_blocks and block_size from its /metrics; the smallest KV where they differ) "
+        "or args (--num-gpu-blocks-override and --block-size in spec.engine.args)."
+    )
+
+
 class OfflineStatus(ApiModel):
     """Offline work running on this service's pods."""
 
@@ -954,6 +978,12 @@ class InferenceServiceStatus(ApiModel):
     )
     offline: OfflineStatus | None = Field(
         default=None, description="Offline throughput on these pods."
+    )
+    kv_cache: KvCacheStatus | None = Field(
+        default=None,
+        description="The engine's KV cache the budget search simulates; absent while neither "
+        "the pods nor spec.engine.args say (the search then sizes it from GPU memory, or from "
+        "budget_search.kv_tokens where the latency model times the steps).",
     )
     slo_summary: str = Field(
         default="", description="Observed vs target for the tightest SLO, e.g. ttft-p99 1.2s/2s."

@@ -8,7 +8,8 @@ previous budget memory, it returns
   with the latency model and settings, Deployment, Service), each with an
   ownerReference to the InferenceService so deleting it garbage-collects them;
 * the status to write (conditions Ready / SLOMet / BudgetReady, observed
-  latency, budget, offline throughput, replica counts);
+  latency, budget, offline throughput, replica counts, and the engine's KV cache
+  the budget search simulates);
 * the Configure calls to push (ready pods whose configuration generation is
   behind), and the next budget memory. ``BudgetReady`` is ``Pushing`` while any
   ready pod is behind; the handler writes the status before it pushes, so the
@@ -31,7 +32,10 @@ The budget search is asked for through ``search_for`` with a
 simulator trials) goes into the ``BudgetSearched`` event and the
 ``BudgetReady`` condition's message, and an unattainable SLO (even the
 online-only budget misses it in simulation) makes ``BudgetReady`` say
-``SLOUnattainable`` while the online-only budget is pushed.
+``SLOUnattainable`` while the online-only budget is pushed. The search simulates the
+engine's KV cache as the ready pods read it from their engines (each sidecar reports vLLM's
+``num_gpu_blocks`` and ``block_size`` in Status), else as the engine's
+``--num-gpu-blocks-override`` gives it; ``status.kvCache`` shows which.
 
 Pod shape: vLLM listens on 127.0.0.1:8001 inside the pod (only the sidecar
 reaches it) and runs ``--scheduling-policy priority``; the sidecar serves the
@@ -105,7 +109,7 @@ from slipstream_operator.podspec import (
 from slipstream_operator.rates import TokenMeter
 from slipstream_operator.searchpool import SearchSubject
 from slipstream_operator.sidecar_client import ACTIVE_STATES, ConfigureCall, SidecarStatus
-from slipstream_operator.simsearch import engine_kv_blocks, engine_limits
+from slipstream_operator.simsearch import KvSize, engine_limits, service_kv
 from slipstream_scheduler.latency import FEATURE_NAMES, LinearLatencyModel
 
 SERVICE_LABEL = "slipstream.dev/service"
@@ -356,6 +360,7 @@ def _configure_call(
         latency_token_curve=model.token_curve if model is not None else (),
         latency_curve_step_tokens=model.curve_step_tokens if model is not None else 0,
         idle_budget_s=(idle_budget_s or 0.0) if spec.scheduling.co_location else 0.0,
+        max_wait_s=spec.scheduling.max_wait_s(),
     )
 
 
@@ -369,6 +374,7 @@ def _fingerprint(call: ConfigureCall) -> str:
         "knee": call.latency_knee_tokens,
         "curve": [call.latency_curve_step_tokens, *call.latency_token_curve],
         "idle": None if call.idle_budget_s is None else round(call.idle_budget_s, 6),
+        "max_wait": call.max_wait_s,
     }
     return hashlib.blake2b(json.dumps(doc).encode(), digest_size=8).hexdigest()
 
@@ -434,24 +440,40 @@ def _latency(
                     tuple(events))
 
 
+def _engine_kv(spec: InferenceServiceSpec, pods: tuple[PodView, ...]) -> KvSize | None:
+    """The engine's KV cache: as the ready pods read it from their engines (vLLM's
+    ``vllm:cache_config_info``), else as the engine's args give it (``service_kv``)."""
+    reported = []
+    for pod in pods:
+        kv = pod.sidecar.kv_cache if pod.ready and pod.sidecar is not None else None
+        if kv is not None and kv.from_engine:
+            reported.append((kv.num_blocks, kv.block_size))
+    return service_kv(spec.engine.args, reported)
+
+
 def _budget(
     spec: InferenceServiceSpec, observed: ServiceObserved, memory: ServiceMemory,
-    latency: _Latency, targets: SLOTargets, *, now_s: float, params: BudgetParams,
-    search_for: Callable[[SearchSubject], BudgetSearch], events: list[tuple[str, str, str]],
+    latency: _Latency, targets: SLOTargets, *, kv: KvSize | None, now_s: float,
+    params: BudgetParams, search_for: Callable[[SearchSubject], BudgetSearch],
+    events: list[tuple[str, str, str]],
 ) -> BudgetState | None:
-    """The next budget: searched with the model in force once there are online statistics."""
+    """The next budget: searched with the model in force once there are online statistics,
+    on the engine's KV cache ``kv`` where known."""
     window = observed.window
     in_force = latency.choice.in_force
     if in_force is None or window is None:
         return memory.budget
     slo_obs = window.observed
     engine_mode = spec.scheduling.enforcement == Enforcement.ENGINE
+    limits = engine_limits(spec.engine.args)
+    if kv is not None:
+        limits = replace(limits, block_size=kv.block_size)
     subject = SearchSubject(model_name=spec.model, gpu=spec.engine.gpu_type,
                             profile=in_force.key, model=in_force.model, scale=latency.scale,
-                            limits=engine_limits(spec.engine.args),
+                            limits=limits,
                             mode="in-engine" if engine_mode else "sidecar",
                             timing_cv=in_force.heldout_mape if in_force.from_pod else None,
-                            kv_blocks=engine_kv_blocks(spec.engine.args))
+                            kv_blocks=kv.blocks if kv is not None else None)
     budget = decide(
         memory.budget,
         targets=targets,
@@ -648,8 +670,9 @@ def reconcile_service(
                        calibration or CalibrationParams())
     events = list(latency.events)
     in_force = latency.choice.in_force
-    budget = _budget(spec, observed, memory, latency, targets, now_s=now_s, params=params,
-                     search_for=search_for, events=events)
+    kv = _engine_kv(spec, observed.pods)
+    budget = _budget(spec, observed, memory, latency, targets, kv=kv, now_s=now_s,
+                     params=params, search_for=search_for, events=events)
     budget_s = budget.budget_s if budget is not None else None
     idle_budget_s = budget.searched.idle_budget_s if budget is not None else None
 
@@ -682,6 +705,8 @@ def reconcile_service(
         "latencyModel": (in_force.status(latency.scale) if in_force is not None
                          else {"source": "none"}),
     }
+    if kv is not None:
+        status["kvCache"] = kv.status()
     if budget is not None:
         status["budget"] = {"iteration": format_duration(budget.budget_s),
                             "searched": format_duration(budget.searched.budget_s),

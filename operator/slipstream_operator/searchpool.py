@@ -87,9 +87,11 @@ class SearchSubject:
     limits: EngineLimits = field(default_factory=EngineLimits)
     mode: Literal["sidecar", "in-engine"] = "sidecar"  # SimConfig.mode of the trials
     # Where no GPU profile of (model_name, gpu) ships, the model in force times the simulated
-    # steps: with this spread (its held-out error; None: SimSearchParams.timing_cv) and this
-    # many KV blocks (--num-gpu-blocks-override; None: SimSearchParams.kv_tokens).
+    # steps, with this spread (its held-out error; None: SimSearchParams.timing_cv).
     timing_cv: float | None = None
+    # The engine's KV blocks, of limits.block_size tokens (the pods' engines, else
+    # --num-gpu-blocks-override; None: a GPU profile's memory sizing, else
+    # SimSearchParams.kv_tokens).
     kv_blocks: int | None = None
 
     @property
@@ -163,12 +165,14 @@ class BudgetSearches:
             self.searches_started += 1
             logger.info(
                 "simulated budget search queued for %s on %s at %.3g rps, prompt %.0f, "
-                "output %.0f tokens%s",
+                "output %.0f tokens, KV cache %s blocks of %d tokens%s",
                 subject.model_name,
                 subject.gpu,
                 sample.arrival_rate_rps,
                 sample.mean_prompt_tokens,
                 sample.mean_output_tokens,
+                engine.num_gpu_blocks or "GPU-memory-sized",
+                engine.block_size,
                 ", steps timed by the latency model (no GPU profile)" if timed_by_model else "",
             )
         if running.done():

@@ -117,6 +117,23 @@ class LearnedLatency:
 
 
 @dataclass(frozen=True, slots=True)
+class KvCacheReport:
+    """The engine's KV cache as a pod's sidecar admits with it (``kv_cache`` in Status):
+    ``num_blocks`` blocks of ``block_size`` tokens, each number's source ``engine`` (read
+    from vLLM's ``/metrics``), ``setting`` or ``default``."""
+
+    num_blocks: int
+    block_size: int
+    num_blocks_source: str = "default"
+    block_size_source: str = "default"
+
+    @property
+    def from_engine(self) -> bool:
+        """Whether the blocks are the engine's own count (in ``block_size`` tokens)."""
+        return self.num_blocks_source == "engine"
+
+
+@dataclass(frozen=True, slots=True)
 class SidecarStatus:
     """One Status reply.
 
@@ -144,6 +161,8 @@ class SidecarStatus:
     then scrapes its ``/metrics``)."""
     learned: LearnedLatency | None = None
     """The model the pod learned from its own engine; None from a sidecar that reports none."""
+    kv_cache: KvCacheReport | None = None
+    """The engine's KV cache the pod admits with; None from a sidecar older than the field."""
     by_job: Mapping[str, JobShards] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +190,8 @@ class ConfigureCall:
     # Step limit while the pod has no online work (seconds; inf: unbounded). 0 clears it (the
     # budget applies always); None leaves the sidecar's value as it is.
     idle_budget_s: float | None = None
+    # The ordering's tail guard (seconds; 0: none); None leaves it to the pod (from the SLO).
+    max_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,6 +404,8 @@ class GrpcSidecarControl:
             request.budget_s = call.budget_s
         if call.idle_budget_s is not None:
             request.idle_budget_s = call.idle_budget_s
+        if call.max_wait_s is not None:
+            request.max_wait_s = call.max_wait_s
         reply = await self._call(address, "Configure", request)
         assert isinstance(reply, pb.ConfigureResponse)
         return int(reply.generation)
@@ -450,6 +473,19 @@ def status_from_pb(reply: object) -> SidecarStatus:
                        if reply.HasField("online_counters") else None),
         learned=(learned_from_pb(reply.learned_model)
                  if reply.HasField("learned_model") else None),
+        kv_cache=_kv_cache_from_pb(reply.kv_cache) if reply.HasField("kv_cache") else None,
+    )
+
+
+def _kv_cache_from_pb(msg: object) -> KvCacheReport | None:
+    """A :class:`KvCacheReport` from a ``KvCache`` message; None when it names no blocks."""
+    from slipstream_sidecar.proto import sidecar_pb2 as pb
+
+    assert isinstance(msg, pb.KvCache)
+    if msg.num_blocks <= 0 or msg.block_size <= 0:
+        return None
+    return KvCacheReport(
+        int(msg.num_blocks), int(msg.block_size), msg.num_blocks_source, msg.block_size_source
     )
 
 

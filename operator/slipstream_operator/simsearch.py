@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -264,6 +264,35 @@ def engine_kv_blocks(args: Sequence[str]) -> int | None:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class KvSize:
+    """The KV cache a budget search simulates: ``blocks`` KV blocks of ``block_size`` tokens,
+    as the pods' engines publish it (``engine``) or as ``--num-gpu-blocks-override`` in the
+    engine's args gives it (``args``)."""
+
+    blocks: int
+    block_size: int
+    source: Literal["engine", "args"]
+
+    def status(self) -> dict[str, Any]:
+        """``status.kvCache`` of the InferenceService."""
+        return {"blocks": self.blocks, "blockSize": self.block_size, "source": self.source}
+
+
+def service_kv(args: Sequence[str], reported: Iterable[tuple[int, int]]) -> KvSize | None:
+    """The KV cache of a service's engine: what its ready pods read from their engines
+    (``reported``: (blocks, block size) per pod), the smallest in tokens where they differ;
+    else the engine's ``--num-gpu-blocks-override`` in blocks of its ``--block-size``; None
+    where neither says (the search then sizes it itself: ``simulated_engine``)."""
+    pods = sorted(reported, key=lambda kv: (kv[0] * kv[1], kv[1]))
+    if pods:
+        return KvSize(pods[0][0], pods[0][1], "engine")
+    blocks = engine_kv_blocks(args)
+    if blocks is None:
+        return None
+    return KvSize(blocks, engine_limits(args).block_size, "args")
+
+
 def simulated_engine(
     model_name: str,
     gpu: str,
@@ -274,9 +303,14 @@ def simulated_engine(
     timing_cv: float | None = None,
 ) -> tuple[EngineConfig, bool]:
     """The engine a simulated search replays on, and whether the model in force times its
-    steps (True: no GPU profile of (``model_name``, ``gpu``) ships; ``kv_blocks`` or
-    ``params.kv_tokens`` sizes its KV cache and ``timing_cv``, the model's held-out
-    error, or ``params.timing_cv`` where None or not finite, its step-time spread)."""
+    steps (True: no GPU profile of (``model_name``, ``gpu``) ships; ``timing_cv``, the
+    model's held-out error, or ``params.timing_cv`` where None or not finite, is then its
+    step-time spread).
+
+    ``kv_blocks`` (blocks of ``limits.block_size`` tokens: the engine's own, from its pods
+    or its args, ``service_kv``) sizes its KV cache; where None, a GPU profile sizes it from
+    GPU memory as vLLM does, and a model-timed engine gets ``params.kv_tokens``.
+    """
     profile = engine_model_name(model_name, gpu)
     shape: dict[str, Any] = {
         "gpu": gpu.lower(),
@@ -285,7 +319,7 @@ def simulated_engine(
         "block_size": limits.block_size,
     }
     if profile is not None:
-        return EngineConfig(model=profile, **shape), False
+        return EngineConfig(model=profile, num_gpu_blocks=kv_blocks, **shape), False
     cv = timing_cv if timing_cv is not None and math.isfinite(timing_cv) else params.timing_cv
     engine = EngineConfig(
         model=model_name,

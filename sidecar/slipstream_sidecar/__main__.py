@@ -39,11 +39,22 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model", str, "served model name (default: the engine's first)"),
     "--max-num-seqs": ("max_num_seqs", int, "the engine's --max-num-seqs"),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "the engine's token cap"),
-    "--block-size": ("block_size", int, "the engine's --block-size"),
+    "--block-size": (
+        "block_size",
+        int,
+        "the engine's KV block size (default: the engine's /metrics, else 16)",
+    ),
     "--long-prefill-token-threshold": (
         "long_prefill_token_threshold", int, "the engine's per-request prefill chunk cap"),
-    "--kv-blocks": ("kv_blocks", int, "KV blocks the engine has"),
+    "--kv-blocks": (
+        "kv_blocks",
+        int,
+        "KV blocks the engine has (default: the engine's /metrics, else 8192)",
+    ),
     "--ordering": ("ordering", str, "initial online ordering: {choices} (default gittins)"),
+    "--max-wait": (
+        "max_wait_s", float, "initial tail guard of the ordering: a request that has waited "
+        "this many seconds is served in deadline order (default 30; 0: none)"),
     "--budget-s": ("budget_s", float, "initial per-iteration latency budget, seconds"),
     "--latency-model": ("latency_model_file", Path, "latency model JSON (slipstream profile)"),
     "--offline-priority": ("offline_priority", int, "vLLM priority of offline requests"),

@@ -3,7 +3,9 @@
 :class:`Sidecar` owns every long-lived object and the operations the control
 API exposes (``configure``, ``assign``, ``revoke``, ``status``, ``drain``);
 ``grpc_server.py`` only translates them to and from protobuf. ``run`` starts
-everything, waits for a stop signal and shuts down in order.
+everything, waits for a stop signal and shuts down in order. Whenever the engine
+answers ``/health`` after not answering (at start too), the sidecar reads the engine's
+KV cache from its ``/metrics`` before it turns ready (``kvcache.py``).
 
 Deliberately left out: argument parsing (``__main__.py``), protobuf types.
 """
@@ -21,11 +23,19 @@ from typing import Any
 from slipstream_scheduler.enginecontrol import CumulativeHistogram
 from slipstream_scheduler.latency import LinearLatencyModel
 from slipstream_scheduler.learning import Learned, LearnParams
+from slipstream_scheduler.tailguard import max_wait_for
 from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
 from slipstream_sidecar.controller import Controller
 from slipstream_sidecar.engine import EngineClient
 from slipstream_sidecar.enginechannel import EngineChannel, EngineReportCollector, control_document
 from slipstream_sidecar.errors import EngineUnavailableError
+from slipstream_sidecar.kvcache import (
+    CACHE_CONFIG_INFO,
+    EngineKv,
+    KvCache,
+    parse_cache_config,
+    resolve,
+)
 from slipstream_sidecar.learner import EngineLearner, LearnerCollector, LearnerSnapshot
 from slipstream_sidecar.metrics import ClassCounters, HistogramSnapshot, SidecarMetrics
 from slipstream_sidecar.predictor import PromptLengths, make_embedder
@@ -38,6 +48,9 @@ from slipstream_sidecar.startprofile import profile as profile_engine
 from slipstream_sidecar.state import StateDir
 
 log = logging.getLogger(__name__)
+
+_KV_READ_S = 2.0
+"""How long the engine's ``/metrics`` may take to answer when its KV cache is read (s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +78,8 @@ class ConfigUpdate:
     # None: keep the idle budget in force; 0: none (the budget applies always);
     # seconds otherwise (inf: unbounded).
     idle_budget_s: float | None = None
+    # The ordering's tail guard, seconds; 0: none; None: from the SLO (tailguard.max_wait_for).
+    max_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +109,7 @@ class SidecarStatus:
     learned: Learned | None = None  # the model learned from the engine's steps (engine mode)
     learning: LearnerSnapshot | None = None  # how learning goes (engine mode)
     profiled: ProfiledModel | None = None  # the model profiled at start (profile_at_start_s)
+    kv_cache: KvCache | None = None  # the engine's KV cache admission counts on
 
 
 class Sidecar:
@@ -115,7 +131,11 @@ class Sidecar:
         self.slo = Slo()
         self._configured_idle: float | None = None  # last idle budget a Configure set
         self.brain = BrainConfig(
-            settings.budget_s, settings.ordering, model, idle_budget_s=settings.idle_budget_s
+            settings.budget_s,
+            settings.ordering,
+            model,
+            idle_budget_s=settings.idle_budget_s,
+            max_wait_s=settings.max_wait_s or None,
         )
         self._restore_config()
         self.channel: EngineChannel | None = None
@@ -134,7 +154,14 @@ class Sidecar:
             embed_chars=settings.length_embed_chars,
             metrics=self.metrics,
         )
-        self.dispatcher = build_dispatcher(settings, self._dispatched(self.brain), self.lengths)
+        # The engine's KV cache: the settings' (else the defaults) until the engine's
+        # /metrics says otherwise (_read_engine_kv, whenever the engine comes up).
+        self.kv = resolve(settings.kv_blocks, settings.block_size, None)
+        self._kv_read = False  # read, or tried, since the engine last came up
+        self._kv_unpublished_logged = False
+        self.dispatcher = build_dispatcher(
+            settings, self._dispatched(self.brain), self.lengths, kv=self.kv
+        )
         self.controller = Controller(
             self.dispatcher,
             self.metrics,
@@ -149,7 +176,6 @@ class Sidecar:
             self.metrics,
             self.proxy_state,
             tokenize=settings.online_prompt_tokens == "tokenize",
-            block_size=settings.block_size,
             lengths=self.lengths,
         )
         self.watch = EngineWatch()
@@ -175,7 +201,10 @@ class Sidecar:
         await self.engine.start()
         self.controller.start()
         # One check before serving, so /ready and the ready line agree from the start.
-        self._engine_health(await self.engine.health())
+        up = await self.engine.health()
+        if up:
+            await self._read_engine_kv()
+        self._engine_health(up)
         loop = asyncio.get_running_loop()
         self._ready_task = loop.create_task(self._watch_engine())
         if self.learner is not None:
@@ -210,10 +239,15 @@ class Sidecar:
         while True:
             ok = self.proxy_state.engine_ready or self._profiling
             await asyncio.sleep(self.settings.ready_poll_s if ok else 0.2)
-            self._engine_health(await self.engine.health())
+            up = await self.engine.health()
+            if up and not self._kv_read:
+                await self._read_engine_kv()  # before readiness: a restarted engine may differ
+            self._engine_health(up)
 
     def _engine_health(self, ok: bool) -> None:
         """Readiness follows the engine's /health, except while the engine is profiled."""
+        if not ok:
+            self._kv_read = False  # the engine that comes back is read again
         ok = ok and not self._profiling
         if ok != self.proxy_state.engine_ready:
             log.info("engine %s", "ready" if ok else "not ready")
@@ -221,6 +255,87 @@ class Sidecar:
         self.watch.set(ok)
         self.metrics.engine_ready.set(1 if ok else 0)
         self._refresh_shard_gauge()
+
+    async def _read_engine_kv(self) -> None:
+        """Read the engine's KV cache from its ``/metrics`` (``vllm:cache_config_info``) and
+        admit with it where no setting is given. Once per engine life; at most
+        ``_KV_READ_S`` of waiting, and the text is parsed off the event loop. An engine that
+        does not answer in time keeps the KV cache in force; one that does not publish the
+        family gets the settings' or the defaults (logged once)."""
+        self._kv_read = True
+        if self.settings.kv_blocks is not None and self.settings.block_size is not None:
+            return  # both given: the engine's cannot change them
+        try:
+            status, body, _ = await asyncio.wait_for(self.engine.get("/metrics"), _KV_READ_S)
+        except (EngineUnavailableError, TimeoutError) as exc:
+            log.warning(
+                "cannot read the engine's KV cache from its /metrics (%s); keeping %d "
+                "blocks of %d tokens",
+                str(exc) or "timed out",
+                self.kv.kv_blocks,
+                self.kv.block_size,
+            )
+            return
+        engine: EngineKv | None = None
+        if status == 200:
+            text = body.decode("utf-8", "replace")
+            try:
+                engine = await asyncio.to_thread(parse_cache_config, text)
+            except Exception:  # whatever the parser raises must not stop the readiness loop
+                log.exception("cannot parse the engine's /metrics")
+        self.use_engine_kv(engine)
+
+    def use_engine_kv(self, engine: EngineKv | None) -> None:
+        """Admit with the engine's KV cache (None: it publishes none) where no setting is
+        given (``kvcache.resolve``).
+
+        The block size changes only while the sidecar holds no request (held or in flight):
+        the dispatcher is rebuilt for it. Otherwise the block size in force stays (the
+        blocks of the requests held were counted in it) and the engine's blocks are
+        converted to it, until the engine is next read with nothing held.
+        """
+        s = self.settings
+        kv = resolve(s.kv_blocks, s.block_size, engine)
+        if engine is None and not self._kv_unpublished_logged:
+            self._kv_unpublished_logged = True
+            log.warning(
+                "the engine's /metrics has no %s (an older vLLM, or not vLLM): admitting with "
+                "%d KV blocks of %d tokens; set --kv-blocks and --block-size to the engine's",
+                CACHE_CONFIG_INFO,
+                kv.kv_blocks,
+                kv.block_size,
+            )
+        if kv.block_size != self.kv.block_size:
+            c = self.controller
+            if any(c.held.values()) or any(c.in_flight.values()):
+                log.warning(
+                    "the engine's KV blocks are of %d tokens, the sidecar's of %d: "
+                    "requests are held, so its KV is counted in blocks of %d until "
+                    "the engine is read again with none",
+                    kv.block_size,
+                    self.kv.block_size,
+                    self.kv.block_size,
+                )
+                kv = replace(
+                    resolve(s.kv_blocks, self.kv.block_size, engine),
+                    block_size_source=self.kv.block_size_source,
+                )
+            else:
+                self.dispatcher = build_dispatcher(
+                    s, self._dispatched(self.brain), self.lengths, kv=kv
+                )
+                c.dispatcher = self.dispatcher
+        self.dispatcher.kv_blocks = kv.kv_blocks
+        if kv != self.kv:
+            log.info(
+                "KV cache: %d blocks (%s) of %d tokens (%s)",
+                kv.kv_blocks,
+                kv.kv_blocks_source,
+                kv.block_size,
+                kv.block_size_source,
+            )
+        self.kv = kv
+        self.controller.changed()  # the front's allowance counts KV blocks
 
     @property
     def profiling(self) -> bool:
@@ -285,6 +400,7 @@ class Sidecar:
                 latency_token_curve=tuple(float(v) for v in doc.get("latency_token_curve", ())),
                 latency_curve_step_tokens=int(doc.get("latency_curve_step_tokens", 0)),
                 idle_budget_s=doc.get("idle_budget_s"),
+                max_wait_s=doc.get("max_wait_s"),
             ), live=False)
             self._configured_idle = doc.get("idle_budget_s")
         except (KeyError, TypeError, ValueError) as exc:
@@ -312,7 +428,7 @@ class Sidecar:
         limits; the configuration itself goes to the plugin."""
         if self.channel is None:
             return cfg
-        return BrainConfig(None, cfg.ordering, None)
+        return BrainConfig(None, cfg.ordering, None, max_wait_s=cfg.max_wait_s)
 
     def _write_engine_control(self, *, restart: bool = False) -> None:
         """Engine mode: hand the configuration in force to vLLM's scheduler plugin.
@@ -327,6 +443,7 @@ class Sidecar:
             budget_s=self.brain.budget_s,
             idle_budget_s=self.brain.idle_budget_s,
             ordering=self.brain.ordering,
+            max_wait_s=self.brain.max_wait_s,
             latency_model=(
                 self.brain.latency_model.to_dict() if self.brain.latency_model else None
             ),
@@ -359,7 +476,15 @@ class Sidecar:
         if update.idle_budget_s is not None:
             idle = update.idle_budget_s or None
         new = BrainConfig(
-            update.budget_s, update.ordering or self.brain.ordering, model, idle_budget_s=idle
+            update.budget_s,
+            update.ordering or self.brain.ordering,
+            model,
+            idle_budget_s=idle,
+            max_wait_s=max_wait_for(
+                max_wait_s=update.max_wait_s,
+                ttft_p99_s=update.slo.ttft_p99_s,
+                ttft_mean_s=update.slo.ttft_mean_s,
+            ),
         )
         if live:
             apply(self.dispatcher, self._dispatched(self.brain), self._dispatched(new))
@@ -371,8 +496,9 @@ class Sidecar:
         self.metrics.budget.set(new.budget_s or 0.0)
         self.metrics.generation.set(self.generation)
         log.info(
-            "configuration generation %d: budget=%s idle_budget=%s ordering=%s latency_model=%s",
-            self.generation, new.budget_s, new.idle_budget_s, new.ordering,
+            "configuration generation %d: budget=%s idle_budget=%s ordering=%s max_wait=%s "
+            "latency_model=%s",
+            self.generation, new.budget_s, new.idle_budget_s, new.ordering, new.max_wait_s,
             model.feature_set.value if model else "none",
         )
 
@@ -394,7 +520,6 @@ class Sidecar:
             watch=self.watch,
             window=self.settings.shard_window,
             max_retries=self.settings.offline_max_retries,
-            block_size=self.settings.block_size,
             staging_dir=self.settings.state_dir,
             storage_roots=self.settings.storage_roots,
             engine_xargs=self.channel.offline_xargs() if self.channel else None,
@@ -434,8 +559,7 @@ class Sidecar:
         limit = self.settings.max_num_seqs
         busy = c.in_flight["online"] + c.in_flight["offline"]
         spare = max(0.0, 1.0 - busy / limit)
-        if self.settings.kv_blocks:
-            spare = min(spare, stats.est_free_kv_blocks / self.settings.kv_blocks)
+        spare = min(spare, stats.est_free_kv_blocks / self.dispatcher.kv_blocks)
         predicted = c.predicted_step_s()
         return SidecarStatus(
             generation=self.generation,
@@ -458,6 +582,7 @@ class Sidecar:
             learned=self.learner.learned if self.learner is not None else None,
             learning=self.learner.snapshot() if self.learner is not None else None,
             profiled=self.profiled,
+            kv_cache=self.kv,
         )
 
     def _online_counters(self) -> ClassCounters:

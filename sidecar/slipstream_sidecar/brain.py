@@ -3,7 +3,8 @@
 Everything here is construction: the admission policy (``budget`` when a
 latency model is known, else ``naive``) in ADMISSION mode, the online queue of
 the configured ordering, the offline queue, the engine limits. The decisions
-themselves are the dispatcher's.
+themselves are the dispatcher's. The engine's KV cache (blocks and block size) comes from
+``kvcache.py``.
 
 Orderings come from the core's registry (``slipstream_scheduler.ordering``);
 the online length predictor is the sidecar's prompt-text history
@@ -43,6 +44,7 @@ from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.protocols import LengthPredictor
 from slipstream_scheduler.psm import PsmParams, PsmQueue
 from slipstream_scheduler.types import EngineLimits
+from slipstream_sidecar.kvcache import KvCache, resolve
 from slipstream_sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class BrainConfig:
     ordering: str
     latency_model: LinearLatencyModel | None
     idle_budget_s: float | None = None  # seconds (inf: unbounded); None: budget_s always
+    max_wait_s: float | None = None  # the ordering's tail guard (tailguard.py); None: none
 
 
 def latency_model_from_spec(
@@ -97,8 +100,9 @@ def latency_model_from_spec(
 _SPEC_FIELDS = ("kind", "coefficients", "knee_tokens", "token_curve", "curve_step_tokens")
 
 
-def sidecar_ordering(name: str) -> Ordering:
-    """The named ordering as the sidecar runs it: keys only, never displacement.
+def sidecar_ordering(name: str, max_wait_s: float | None = None) -> Ordering:
+    """The named ordering as the sidecar runs it: keys only, never displacement, with the
+    tail guard ``max_wait_s`` where the ordering takes one (``tailguard.py``).
 
     NOTE: policy is bent here on purpose. TRAIL-like and Gittins may displace an
     in-flight online request (abort and resume); the proxy cannot stitch a
@@ -114,15 +118,19 @@ def sidecar_ordering(name: str) -> Ordering:
     params: dict[str, object] = (
         {"max_preemptions": 0} if "max_preemptions" in params_model.model_fields else {}
     )
+    if max_wait_s is not None and "max_wait_s" in params_model.model_fields:
+        params["max_wait_s"] = max_wait_s
     try:
         return make_ordering(name, params)
     except UnknownOrderingError:
         raise ValueError(f"unknown ordering {name!r}; known: {', '.join(ORDERINGS)}") from None
 
 
-def build_online_queue(name: str, predictor: LengthPredictor) -> OrderingQueue:
+def build_online_queue(
+    name: str, predictor: LengthPredictor, max_wait_s: float | None = None
+) -> OrderingQueue:
     """The core's online queue (the simulator's too) in the sidecar's ordering."""
-    return OrderingQueue(sidecar_ordering(name), predictor)
+    return OrderingQueue(sidecar_ordering(name, max_wait_s), predictor)
 
 
 def build_offline_queue() -> PsmOfflineQueue:
@@ -131,16 +139,24 @@ def build_offline_queue() -> PsmOfflineQueue:
 
 
 def build_dispatcher(
-    settings: SidecarSettings, cfg: BrainConfig, predictor: LengthPredictor | None = None
+    settings: SidecarSettings,
+    cfg: BrainConfig,
+    predictor: LengthPredictor | None = None,
+    *,
+    kv: KvCache | None = None,
 ) -> Dispatcher:
     """The dispatcher of ``cfg``; the online length predictor defaults to the input-length
-    history (the sidecar passes its :class:`~slipstream_sidecar.predictor.PromptLengths`)."""
+    history (the sidecar passes its :class:`~slipstream_sidecar.predictor.PromptLengths`).
+    ``kv`` is the engine's KV cache (the sidecar's, as read from the engine); None: the
+    settings', else the defaults (``kvcache.resolve`` without the engine)."""
     if predictor is None:
         predictor = InputLengthHistoryPredictor()
+    if kv is None:
+        kv = resolve(settings.kv_blocks, settings.block_size, None)
     limits = EngineLimits(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        block_size=settings.block_size,
+        block_size=kv.block_size,
         long_prefill_token_threshold=settings.long_prefill_token_threshold,
     )
     return Dispatcher(
@@ -152,11 +168,11 @@ def build_dispatcher(
             latency_model=cfg.latency_model,
             mode=PlannerMode.ADMISSION,
         ),
-        online_queue=build_online_queue(cfg.ordering, predictor),
+        online_queue=build_online_queue(cfg.ordering, predictor, cfg.max_wait_s),
         offline_queue=build_offline_queue(),
         length_predictor=predictor,
         limits=limits,
-        kv_blocks=settings.kv_blocks,
+        kv_blocks=kv.kv_blocks,
         budget_s=cfg.budget_s,
     )
 
@@ -174,12 +190,12 @@ def apply(dispatcher: Dispatcher, old: BrainConfig, new: BrainConfig) -> None:
             latency_model=new.latency_model,
             mode=PlannerMode.ADMISSION,
         )
-    if new.ordering != old.ordering:
+    if new.ordering != old.ordering or new.max_wait_s != old.max_wait_s:
         queue = dispatcher.online_queue
         if not isinstance(queue, OrderingQueue):
             raise ValueError("the online queue cannot change its ordering")
         try:
-            queue.set_ordering(sidecar_ordering(new.ordering))
+            queue.set_ordering(sidecar_ordering(new.ordering, new.max_wait_s))
         except UnknownOrderingError:
             raise ValueError(f"unknown ordering {new.ordering!r}") from None
     dispatcher.set_budget(new.budget_s)

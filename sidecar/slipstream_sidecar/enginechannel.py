@@ -165,6 +165,7 @@ def control_document(
     ordering: str,
     latency_model: dict[str, Any] | None,
     slo: dict[str, float],
+    max_wait_s: float | None = None,
 ) -> EngineControl:
     """The control document of one sidecar configuration.
 
@@ -180,21 +181,25 @@ def control_document(
         idle_budget_s=idle_budget_s,
         latency_model=latency_model,
         ordering=ordering,
-        ordering_params=engine_ordering_params(ordering),
+        ordering_params=engine_ordering_params(ordering, max_wait_s),
         slo=slo,
     )
 
 
-def engine_ordering_params(ordering: str) -> dict[str, Any]:
+def engine_ordering_params(ordering: str, max_wait_s: float | None = None) -> dict[str, Any]:
     """The ordering's parameters inside vLLM: SageSched's memory cost ``O²/2 + I·O`` for every
     size-based ordering. Inside the engine KV blocks bound the batch, and there the memory
     cost gave 31-40 % lower mean TTLT than the output cost at load 0.9 for SJF, TRAIL-like and
     Gittins alike (``docs/benchmarks/ordering.md``, "Inside vLLM"); the core's default for
-    the preemptive orderings, ``output``, was chosen behind the sidecar's slot cap."""
+    the preemptive orderings, ``output``, was chosen behind the sidecar's slot cap. With the
+    tail guard ``max_wait_s`` (``tailguard.py``) where the ordering takes one."""
     model = ORDERINGS.get(ordering)
     if model is None or "cost" not in model[0].model_fields:
         return {}
-    return {"cost": "memory"}
+    params: dict[str, Any] = {"cost": "memory"}
+    if max_wait_s is not None and "max_wait_s" in model[0].model_fields:
+        params["max_wait_s"] = max_wait_s
+    return params
 
 
 class EngineReportCollector(Collector):

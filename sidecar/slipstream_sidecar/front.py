@@ -140,7 +140,8 @@ class FrontLink(asyncio.Protocol):
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent_seen = 0  # requests the front sent on arrival, as registered here
         self._sent_batch: list[tuple[int, _Request]] = []  # read, not yet registered
-        self._allowance: tuple[int, int, int, float] | None = None  # the last one sent
+        # The last one sent: (sent_seen, requests, KV blocks, block size, tokens per byte).
+        self._allowance: tuple[int, int, int, int, float] | None = None
         self._refresh_scheduled = False
         self._refresher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
@@ -341,9 +342,11 @@ class FrontLink(asyncio.Protocol):
         else:
             count, blocks = self.controller.online_allowance()
         ratio = self.proxy.ratio.ratio if self.proxy.tokenizes else _ESTIMATE_TOKENS_PER_BYTE
-        allowance = (self.sent_seen, count, blocks, ratio)
+        # The block size follows the engine's once it is read (kvcache.py): sent when it changes.
+        block_size = self.controller.dispatcher.limits.block_size
+        allowance = (self.sent_seen, count, blocks, block_size, ratio)
         last = self._allowance
-        if last is not None and last[:3] == allowance[:3] and abs(last[3] - ratio) < 0.01 * ratio:
+        if last is not None and last[:4] == allowance[:4] and abs(last[4] - ratio) < 0.01 * ratio:
             return
         self._allowance = allowance
         payload = _ALLOWANCE.pack(
@@ -351,7 +354,7 @@ class FrontLink(asyncio.Protocol):
             count,
             blocks,
             ratio,
-            self.controller.dispatcher.limits.block_size,
+            block_size,
             self.controller.dispatcher.config.online_priority,
         )
         self._send(b"C", 0, payload)

@@ -72,6 +72,15 @@ def status_pb(s: SidecarStatus) -> pb.StatusResponse:
         ordering=s.ordering,
         latency_model=latency_spec_pb(s.latency_model),
     )
+    if s.kv_cache is not None:
+        msg.kv_cache.CopyFrom(
+            pb.KvCache(
+                num_blocks=s.kv_cache.kv_blocks,
+                block_size=s.kv_cache.block_size,
+                num_blocks_source=s.kv_cache.kv_blocks_source,
+                block_size_source=s.kv_cache.block_size_source,
+            )
+        )
     if s.budget_s is not None:
         msg.budget_s = s.budget_s
     if s.idle_budget_s is not None:
@@ -155,6 +164,10 @@ def configure_problem(request: pb.ConfigureRequest) -> str | None:
         request.idle_budget_s >= 0 and not math.isnan(request.idle_budget_s)
     ):
         return f"idle_budget_s must be 0, positive or +inf, got {request.idle_budget_s!r}"
+    if request.HasField("max_wait_s") and not (
+        math.isfinite(request.max_wait_s) and request.max_wait_s >= 0
+    ):
+        return f"max_wait_s must be 0 (no guard) or finite and positive, got {request.max_wait_s!r}"
     for name in ("ttft_p99_s", "ttft_mean_s", "tbt_p99_s", "tbt_mean_s"):
         value = _opt(request.slo, name)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -254,6 +267,7 @@ class SidecarServicer(pb_grpc.SidecarServicer):
             latency_token_curve=tuple(request.latency_model.token_curve),
             latency_curve_step_tokens=request.latency_model.curve_step_tokens,
             idle_budget_s=request.idle_budget_s if request.HasField("idle_budget_s") else None,
+            max_wait_s=request.max_wait_s if request.HasField("max_wait_s") else None,
         )
         try:
             generation, applied = self.sidecar.configure(update)

@@ -133,7 +133,6 @@ class Proxy:
         state: ProxyState,
         *,
         tokenize: bool = True,
-        block_size: int = 16,
         lengths: PromptLengths | None = None,
     ) -> None:
         self.engine = engine
@@ -141,7 +140,6 @@ class Proxy:
         self.metrics = metrics
         self.state = state
         self._tokenize = tokenize
-        self._bs = block_size
         self.lengths = lengths
         self._e2e = metrics.e2e.labels("online")
         self.ratio = TokenRatio()
@@ -406,7 +404,10 @@ class Proxy:
         chars = prompt_chars(body)
         if chars is not None:
             self.ratio.observe(chars, tok.count)
-        return max(tok.count, 1), block_hashes(tok.tokens, self._bs)
+        # In the dispatcher's block size, which follows the engine's (kvcache.py).
+        return max(tok.count, 1), block_hashes(
+            tok.tokens, self.controller.dispatcher.limits.block_size
+        )
 
 
 def sequences(body: dict[str, Any]) -> int:

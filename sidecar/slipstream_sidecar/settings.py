@@ -2,8 +2,9 @@
 
 Environment variables use the prefix ``SLIPSTREAM_SIDECAR_`` (for example
 ``SLIPSTREAM_SIDECAR_ENGINE_URL``); command-line flags override them. The
-engine limits must match the flags vLLM was started with: the sidecar cannot
-read them from vLLM's HTTP API.
+engine's batching limits must match the flags vLLM was started with: the
+sidecar cannot read them from vLLM's HTTP API. Its KV cache (blocks and block
+size) is read from vLLM's ``/metrics`` unless set here (``kvcache.py``).
 
 Deliberately left out: scheduling policy parameters that the operator sets at
 run time (budget, SLOs, ordering, latency-model coefficients arrive through the
@@ -17,6 +18,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from slipstream_scheduler.tailguard import DEFAULT_MAX_WAIT_S
 
 
 class SidecarSettings(BaseSettings):
@@ -47,17 +50,35 @@ class SidecarSettings(BaseSettings):
     max_num_batched_tokens: int = Field(
         default=2048, ge=1, description="vLLM --max-num-batched-tokens (tokens per iteration)."
     )
-    block_size: int = Field(default=16, ge=1, description="vLLM KV block size (tokens).")
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="vLLM KV block size (tokens). None: read from the engine's /metrics "
+        "(vllm:cache_config_info) when it answers /health, at start and after every loss of "
+        "the engine; 16 where the engine does not publish it. A value given wins.",
+    )
     long_prefill_token_threshold: int = Field(
         default=0,
         ge=0,
         description="vLLM --long-prefill-token-threshold (tokens of one request's prefill per "
         "iteration); 0: no per-request cap, as vLLM's default with one partial prefill.",
     )
-    kv_blocks: int = Field(
-        default=8192, ge=1, description="KV blocks the engine has (vLLM logs '# GPU blocks')."
+    kv_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV blocks of block_size tokens the engine has (blocks). None: read from "
+        "the engine's /metrics (vllm:cache_config_info num_gpu_blocks, in the engine's block "
+        "size) like block_size; 8192 where the engine does not publish it. A value given wins.",
     )
     ordering: str = Field(default="gittins", description="Initial online ordering policy name.")
+    max_wait_s: float = Field(
+        default=DEFAULT_MAX_WAIT_S,
+        ge=0,
+        allow_inf_nan=False,
+        description="Initial tail guard of the ordering (seconds): a request that has waited "
+        "this long is served in deadline order ahead of the ranked ones; 0: none. The "
+        "operator's Configure sets it from the service (spec.scheduling.maxWait, else the SLO).",
+    )
     idle_budget_s: float | None = Field(
         default=None,
         gt=0,

@@ -172,7 +172,6 @@ class ShardRunner:
         watch: EngineWatch,
         window: int,
         max_retries: int,
-        block_size: int,
         staging_dir: Path | None,
         storage_roots: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,
@@ -187,7 +186,6 @@ class ShardRunner:
         self.watch = watch
         self._window = window
         self._max_retries = max_retries
-        self._bs = block_size
         self._staging = staging_dir
         self._roots = tuple(storage_roots)
         self._clock = clock
@@ -415,7 +413,6 @@ class ShardRunner:
                 max_tokens = max_model_len - n_prompt
         elif max_tokens is None:
             max_tokens = 1024
-        hashes = block_hashes(tokens, self._bs)
         rid = f"off-{self.spec.shard_id}-{req.line_no}"
         asm = Assembly(chat=req.is_chat, prompt_ids=tokens)
         arrival = self.controller.now()
@@ -423,6 +420,8 @@ class ShardRunner:
         p = self.progress
         while True:  # one registration per engine life; a re-registration is a continuation
             base = asm.tokens
+            # In the dispatcher's block size, which follows the engine's (kvcache.py).
+            hashes = block_hashes(tokens, self.controller.dispatcher.limits.block_size)
             ticket = self.controller.register(
                 Incoming(rid, RequestClass.OFFLINE, n_prompt + base, max_tokens - base, arrival,
                          block_hashes=hashes)

@@ -135,17 +135,19 @@ def sidecar_proc(
     http_port: int | None = None,
     grpc_port: int | None = None,
     max_num_seqs: int = 64,
-    kv_blocks: int = 4096,
+    kv_blocks: int | None = 4096,
     extra: Sequence[str] = (),
     name: str = "sidecar",
 ) -> Proc:
-    """A sidecar in front of ``engine_url`` (not started yet); ``extra_ports['grpc']``."""
+    """A sidecar in front of ``engine_url`` (not started yet); ``extra_ports['grpc']``.
+    ``kv_blocks`` None: no ``--kv-blocks`` (the sidecar reads the engine's)."""
     http_port = http_port or free_port()
     grpc_port = grpc_port or free_port()
     args = [
         *SLIPSTREAM, "sidecar", "--engine", engine_url, "--host", "127.0.0.1",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-        "--max-num-seqs", str(max_num_seqs), "--kv-blocks", str(kv_blocks),
+        "--max-num-seqs", str(max_num_seqs),
+        *(["--kv-blocks", str(kv_blocks)] if kv_blocks is not None else []),
         *(["--auth-token-file", str(token_file)] if token_file else []),
         *(["--state-dir", str(state_dir)] if state_dir else []),
         *extra,

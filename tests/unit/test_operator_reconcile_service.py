@@ -419,3 +419,22 @@ def test_the_searched_idle_budget_is_pushed_and_a_change_of_it_is_a_new_generati
     off = tick(spec(scheduling={"ordering": "fcfs", "coLocation": False}), ServiceMemory(),
                TwoKnobs())
     assert off.pushes[0][1].budget_s == 0.0 and off.pushes[0][1].idle_budget_s == 0.0
+
+
+def test_the_services_max_wait_is_pushed_and_a_change_of_it_is_a_new_generation() -> None:
+    def tick(s: InferenceServiceSpec, memory: ServiceMemory, status: dict[str, Any],
+             acked: int) -> Any:
+        return reconcile_service(REF, s, observed((pod("a", acked),), window()), memory,
+                                 previous_status=status, now=T0, now_s=0.0, params=PARAMS,
+                                 search_for=lambda subject: TwoKnobs())
+
+    unset = tick(spec(), ServiceMemory(), {}, 0)
+    assert unset.pushes[0][1].max_wait_s is None  # the pod derives it from the SLO
+    same = tick(spec(), unset.memory, unset.status, 1)
+    assert same.pushes == ()
+    guarded = spec(scheduling={"ordering": "gittins", "maxWait": "1m30s"})
+    changed = tick(guarded, unset.memory, unset.status, 1)
+    assert [c.generation for _, c in changed.pushes] == [2]
+    assert changed.pushes[0][1].max_wait_s == pytest.approx(90.0)
+    off = tick(spec(scheduling={"ordering": "gittins", "maxWait": "0s"}), ServiceMemory(), {}, 0)
+    assert off.pushes[0][1].max_wait_s == 0.0

@@ -198,7 +198,7 @@ async def test_the_allowance_follows_the_requests_sent_on_arrival(front: Front) 
     settings = front.sidecar.settings
     free = front.sidecar.dispatcher.est_free_kv_blocks
     assert (seen, count, blocks) == (0, settings.max_num_seqs, free)
-    assert (ratio, block_size, priority) == (0.25, settings.block_size, 0)
+    assert (ratio, block_size, priority) == (0.25, front.sidecar.kv.block_size, 0)
     body = {"model": "m", "prompt": "hello " * 40, "max_tokens": 32, "stream": True}
     await front.send(b"S", 3, _arrival(body))
     seen, count, blocks, *_ = await front.next_allowance()

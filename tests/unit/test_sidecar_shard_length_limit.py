@@ -140,7 +140,7 @@ async def run_one_line(
     )
     shard = ShardRunner(
         spec, controller=controller, engine=client, metrics=metrics, watch=watch, window=1,
-        max_retries=2, block_size=16, staging_dir=None, storage_roots=(),
+        max_retries=2, staging_dir=None, storage_roots=(),
     )
     try:
         shard.start()

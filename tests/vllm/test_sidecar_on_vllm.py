@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from integration.helpers_procs import Proc, bearer, control_stub, sidecar_proc
 from slipstream_sidecar.proto import sidecar_pb2 as pb
@@ -59,12 +61,36 @@ class Stack:
             return stub.Status(pb.StatusRequest(), metadata=bearer(TOKEN))
 
 
-def start_sidecar(vllm: VllmServer, tmp: Path, *, seqs: int) -> Stack:
+def start_sidecar(vllm: VllmServer, tmp: Path, *, seqs: int, kv_blocks: int | None = 4096) -> Stack:
+    """A sidecar in front of ``vllm``; ``kv_blocks`` None: it reads the engine's KV cache."""
     token = tmp / "token"
     token.write_text(TOKEN)
     sc = sidecar_proc(tmp, vllm.url, token_file=token, state_dir=tmp / "state",
-                      max_num_seqs=seqs, extra=("--model", MODEL)).start(timeout_s=120)
+                      max_num_seqs=seqs, kv_blocks=kv_blocks,
+                      extra=("--model", MODEL)).start(timeout_s=120)
     return Stack(vllm, sc, tmp)
+
+
+def vllm_kv_cache(vllm: VllmServer) -> tuple[int, int]:
+    """(num_gpu_blocks, block_size) as vLLM serves them (``vllm:cache_config_info``), checked
+    against the KV size in tokens its log states at start."""
+    with urllib.request.urlopen(vllm.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    (labels,) = [
+        dict(s.labels)
+        for f in text_string_to_metric_families(text)
+        if f.name == "vllm:cache_config_info"
+        for s in f.samples
+    ]
+    blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+    logged = re.findall(r"KV cache size: ([\d,]+) tokens", vllm.log_path.read_text())
+    assert logged and int(logged[-1].replace(",", "")) == blocks * size, logged
+    return blocks, size
+
+
+def kv_cache(stack: Stack) -> tuple[int, int, str, str]:
+    kv = stack.status().kv_cache
+    return kv.num_blocks, kv.block_size, kv.num_blocks_source, kv.block_size_source
 
 
 @pytest.fixture
@@ -608,8 +634,12 @@ def test_kill_9_of_vllm_mid_shard_then_restart(vllm: VllmServer, tmp_path: Path)
     # 12 lines of 48 the whole shard once finished before the kill landed.
     n, max_tokens = 24, 160
     write_shard(tmp_path / "in.jsonl", [offline_body(i, max_tokens) for i in range(n)])
-    s = start_sidecar(vllm, tmp_path, seqs=4)
+    s = start_sidecar(vllm, tmp_path, seqs=4, kv_blocks=None)
     try:
+        # Without --kv-blocks or --block-size the sidecar admits with vLLM's own KV cache
+        # (on CPU: blocks of 128 tokens, where the sidecar's default is 16).
+        blocks, size = vllm_kv_cache(vllm)
+        assert kv_cache(s) == (blocks, size, "engine", "engine")
         assign(s, "crash", n)
         wait_until(lambda: len(records(tmp_path / "out.jsonl")) >= 3, "3 lines done")
         vllm.kill()
@@ -618,6 +648,8 @@ def test_kill_9_of_vllm_mid_shard_then_restart(vllm: VllmServer, tmp_path: Path)
         vllm.start()
         progress = wait_shard(s, "crash")
         assert progress.state == pb.SHARD_STATE_SUCCEEDED and progress.completed == n
+        # Read again from the restarted engine (same flags: the same cache).
+        assert kv_cache(s) == (*vllm_kv_cache(vllm), "engine", "engine")
     finally:
         s.sidecar.stop()
     ids = [r["custom_id"] for r in records(tmp_path / "out.jsonl")]

@@ -181,6 +181,7 @@ class ConfigureRequest(_message.Message):
     ORDERING_FIELD_NUMBER: _builtins.int
     LATENCY_MODEL_FIELD_NUMBER: _builtins.int
     IDLE_BUDGET_S_FIELD_NUMBER: _builtins.int
+    MAX_WAIT_S_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Monotonically increasing; older or equal generations are ignored."""
     budget_s: _builtins.float
@@ -192,6 +193,12 @@ class ConfigureRequest(_message.Message):
     flight (offline work may run larger steps then; see docs/sidecar.md).
     Absent: keep the value in force; 0: none (budget_s applies always);
     +inf: unbounded; otherwise finite and positive.
+    """
+    max_wait_s: _builtins.float
+    """The online ordering's tail guard: a request that has waited this long
+    (seconds) is served in deadline order ahead of the ranked queue
+    (docs/concepts/ordering-and-prefix.md). Absent: from the SLO (the TTFT p99
+    target, else 4x the TTFT mean target, else 30 s); 0: no guard.
     """
     @_builtins.property
     def slo(self) -> Global___Slo: ...
@@ -206,19 +213,24 @@ class ConfigureRequest(_message.Message):
         ordering: _builtins.str = ...,
         latency_model: Global___LatencyModelSpec | None = ...,
         idle_budget_s: _builtins.float | None = ...,
+        max_wait_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "slo", b"slo"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "_max_wait_s", b"_max_wait_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "max_wait_s", b"max_wait_s", "slo", b"slo"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "ordering", b"ordering", "slo", b"slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "_max_wait_s", b"_max_wait_s", "budget_s", b"budget_s", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "max_wait_s", b"max_wait_s", "ordering", b"ordering", "slo", b"slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__budget_s: _TypeAlias = _typing.Literal["budget_s"]  # noqa: Y015
     _WhichOneofArgType__budget_s: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s"]  # noqa: Y015
     _WhichOneofReturnType__idle_budget_s: _TypeAlias = _typing.Literal["idle_budget_s"]  # noqa: Y015
     _WhichOneofArgType__idle_budget_s: _TypeAlias = _typing.Literal["_idle_budget_s", b"_idle_budget_s"]  # noqa: Y015
+    _WhichOneofReturnType__max_wait_s: _TypeAlias = _typing.Literal["max_wait_s"]  # noqa: Y015
+    _WhichOneofArgType__max_wait_s: _TypeAlias = _typing.Literal["_max_wait_s", b"_max_wait_s"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__budget_s) -> _WhichOneofReturnType__budget_s | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__idle_budget_s) -> _WhichOneofReturnType__idle_budget_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_wait_s) -> _WhichOneofReturnType__max_wait_s | None: ...
 
 Global___ConfigureRequest: _TypeAlias = ConfigureRequest  # noqa: Y015
 
@@ -603,6 +615,7 @@ class StatusResponse(_message.Message):
     LATENCY_MODEL_FIELD_NUMBER: _builtins.int
     ONLINE_COUNTERS_FIELD_NUMBER: _builtins.int
     LEARNED_MODEL_FIELD_NUMBER: _builtins.int
+    KV_CACHE_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     budget_s: _builtins.float
     spare_capacity: _builtins.float
@@ -641,6 +654,12 @@ class StatusResponse(_message.Message):
         until a fit has passed validation on held-out steps.
         """
 
+    @_builtins.property
+    def kv_cache(self) -> Global___KvCache:
+        """The engine's KV cache as admission counts it (absent from sidecars older
+        than this field).
+        """
+
     def __init__(
         self,
         *,
@@ -659,10 +678,11 @@ class StatusResponse(_message.Message):
         latency_model: Global___LatencyModelSpec | None = ...,
         online_counters: Global___ClassCounters | None = ...,
         learned_model: Global___LearnedModel | None = ...,
+        kv_cache: Global___KvCache | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "learned_model", b"learned_model", "offline", b"offline", "online", b"online", "online_counters", b"online_counters"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "idle_budget_s", b"idle_budget_s", "kv_cache", b"kv_cache", "latency_model", b"latency_model", "learned_model", b"learned_model", "offline", b"offline", "online", b"online", "online_counters", b"online_counters"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "latency_model", b"latency_model", "learned_model", b"learned_model", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "online_counters", b"online_counters", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s", "_idle_budget_s", b"_idle_budget_s", "budget_s", b"budget_s", "draining", b"draining", "engine_ready", b"engine_ready", "generation", b"generation", "idle_budget_s", b"idle_budget_s", "kv_cache", b"kv_cache", "latency_model", b"latency_model", "learned_model", b"learned_model", "observed_step_s", b"observed_step_s", "offline", b"offline", "online", b"online", "online_counters", b"online_counters", "ordering", b"ordering", "predicted_step_s", b"predicted_step_s", "shards", b"shards", "spare_capacity", b"spare_capacity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__budget_s: _TypeAlias = _typing.Literal["budget_s"]  # noqa: Y015
     _WhichOneofArgType__budget_s: _TypeAlias = _typing.Literal["_budget_s", b"_budget_s"]  # noqa: Y015
@@ -674,6 +694,44 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__idle_budget_s) -> _WhichOneofReturnType__idle_budget_s | None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class KvCache(_message.Message):
+    """KV blocks and their size, and where each came from: "engine" (vLLM's
+    vllm:cache_config_info on its /metrics), "setting" (--kv-blocks,
+    --block-size or their environment variables) or "default" (8192 blocks,
+    16 tokens: neither says).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_SOURCE_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_SOURCE_FIELD_NUMBER: _builtins.int
+    num_blocks: _builtins.int
+    """KV blocks of block_size tokens. The engine's num_gpu_blocks, converted
+    when block_size is not the engine's (its KV in tokens, divided down).
+    """
+    block_size: _builtins.int
+    """Tokens per KV block."""
+    num_blocks_source: _builtins.str
+    block_size_source: _builtins.str
+    def __init__(
+        self,
+        *,
+        num_blocks: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+        num_blocks_source: _builtins.str = ...,
+        block_size_source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "block_size_source", b"block_size_source", "num_blocks", b"num_blocks", "num_blocks_source", b"num_blocks_source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCache: _TypeAlias = KvCache  # noqa: Y015
 
 @_typing.final
 class LearnedModel(_message.Message):
