@@ -289,13 +289,15 @@ def _ordering_summary(name: str) -> dict[tuple[float, str, str], dict[str, Any]]
 
 def test_ordering_page_figures() -> None:
     text = (BENCH / "ordering.md").read_text()
-    for after, name in (
-        ("### Results, Poisson arrivals", "ordering-vllm.json"),
-        ("### Bursty arrivals", "ordering-vllm-azure.json"),
-        ("### Results (`ordering.json`", "ordering.json"),
+    sidecar = (BENCH / "ordering-sidecar.md").read_text()
+    for page, after, name in (
+        (text, "### Results, Poisson arrivals", "ordering-vllm.json"),
+        (text, "### Bursty arrivals", "ordering-vllm-azure.json"),
+        (text, "### Results (`ordering-vllm-guard.json`", "ordering-vllm-guard.json"),
+        (sidecar, "## Results (`ordering.json`", "ordering.json"),
     ):
         summary = _ordering_summary(name)
-        table = _table(text, after)
+        table = _table(page, after)
         assert len(table) == len(summary), after
         for r in table:
             key = (float(_plain(r["load"])), _plain(r["ordering"]), _plain(r["cost"]))
