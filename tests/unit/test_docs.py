@@ -351,6 +351,52 @@ def test_sidecar_page_figures() -> None:
         _shows(high, max(repeats))
 
 
+_FRONT_LOAD_FIGURES = {
+    "TTFT mean": "mean_ttft_ms",
+    "TTFT p99": "p99_ttft_ms",
+    "TPOT mean": "mean_tpot_ms",
+    "TPOT p99": "p99_tpot_ms",
+    "output tok/s": "output_throughput",
+}
+_FRONT_LOAD_PATHS = ("direct", "front", "control", "front_estimate")
+
+
+def test_front_load_page_figures() -> None:
+    report = _load("front-load.json")
+    text = (BENCH / "front-load.md").read_text()
+    rows = report["concurrency"]
+    assert f"{report['setup']['wall_s']:.0f} s" in text
+    for r in _table(text, "**Failures and greedy answers**"):
+        row = rows[_plain(r["concurrent"])]
+        paths = row["paths"]
+        _shows(r["prompts per round"], row["num_prompts"])
+        _shows(r["requests per path"], paths["direct"]["completed"] + paths["direct"]["failed"])
+        failed = r["failed (direct / front / control / front_estimate)"].split("/")
+        assert [int(x) for x in failed] == [paths[p]["failed"] for p in _FRONT_LOAD_PATHS]
+        differing = row["outputs"]["differing_per_repeat"]
+        cell = r["greedy answers unlike direct's (front / front_estimate)"]
+        assert [int(x) for x in cell.split("/")] == [
+            sum(differing["front"]), sum(differing["front_estimate"])]
+    for r in _table(text, "**Direct** (ms, output tokens/s)"):
+        row, path = rows[_plain(r["concurrent"])], _plain(r["path"])
+        values = {
+            "direct": row["paths"]["direct"]["median"],
+            "direct spread": row["direct_spread"],
+        }.get(path) or row[f"ratio_{path}"]
+        for column, key in _FRONT_LOAD_FIGURES.items():
+            _shows(r[column], values[key])
+    # "No latency or throughput ratio is resolved": none lies outside direct's spread.
+    assert not any(ok for row in rows.values() for name in ("front", "control", "front_estimate")
+                   for ok in row[f"resolved_{name}"].values())
+    own = {"front": "sidecar", "front_estimate": "sidecar_estimate"}
+    for r in _table(text, "**CPU per request**, ms"):
+        path = _plain(r["path"])
+        cpu = rows[_plain(r["concurrent"])]["paths"][path]["cpu_ms_per_request"]
+        for column, group in (("vLLM", "vllm"), ("sidecar", own.get(path, "sidecar")),
+                              ("client", "client"), ("burner", "burner")):
+            _shows(r[column], cpu[group])
+
+
 def test_core_page_figures() -> None:
     report = _load("core.json")
     for r in _table((BENCH / "core.md").read_text(), "| key | what |"):

@@ -25,6 +25,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ordering": ("slipstream_cli.benches.ordering", "mean TTLT of online orderings"),
     "prefix": ("slipstream_cli.benches.prefix", "PSM prefix ordering vs FCFS for offline"),
     "sidecar": ("slipstream_cli.benches.sidecar", "the sidecar's proxy overhead and admission"),
+    "front-load": ("slipstream_cli.benches.front_load",
+                   "vllm bench serve through the sidecar's front against direct, on vllm serve"),
     "fleet": ("slipstream_cli.benches.fleet", "shard placement across a fleet of pods"),
     "lengths": ("slipstream_cli.benches.lengths", "output-length predictor accuracy"),
     "fidelity": ("slipstream_cli.benches.fidelity", "the engine model vs vLLM's own scheduler"),

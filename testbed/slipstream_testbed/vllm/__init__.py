@@ -1,6 +1,8 @@
 """Real vLLM in the testbed: a tiny model built from a seed, and ``vllm serve`` on CPU.
 
-See :mod:`.tiny_model` (``ensure()`` builds or reuses the model) and :mod:`.server`.
+See :mod:`.tiny_model` (``ensure()`` builds or reuses the model) and :mod:`.server`;
+:mod:`.bench_serve` runs vLLM's own load generator, ``vllm bench serve``, round after round
+(imported by name only: it is also the child process's ``__main__``).
 Nothing here imports vllm; the server runs in the real-vLLM environment
 (``make vllm-env``) as a separate process.
 """
