@@ -305,6 +305,16 @@ def test_ordering_page_figures() -> None:
             _shows(r["mean TTLT"], s["mean_ttlt_s"])
             _shows(r["p99 TTLT"], s["p99_ttlt_s"])
             _shows(r["p99 TTFT"], s["ttft_p99_s"])
+    sweep = {s["ordering"]: s for s in _load("ordering-vllm-guard-sweep.json")["summary"]}
+    table = _table(text, "### The deadline swept at load 0.9")
+    assert len(table) == len(sweep)
+    for r in table:
+        s = sweep[_plain(r["ordering"])]
+        _shows(r["mean TTLT"], s["mean_ttlt_s"])
+        _shows(r["p99 TTFT"], s["ttft_p99_s"])
+        _shows(r["max wait"], s["max_wait_s"])
+        if _plain(r["ordering"]) != "fcfs":
+            _shows(r["vs FCFS"], s["mean_ttlt_s"] / sweep["fcfs"]["mean_ttlt_s"] - 1, 100)
     summary = _ordering_summary("ordering-vllm.json")
     for r in _table(text, "Against FCFS, with the memory cost:"):
         load = float(_plain(r["load"]))

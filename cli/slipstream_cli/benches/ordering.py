@@ -169,9 +169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-wait",
         type=positive,
+        nargs="+",
         default=None,
         help="the tail guard's deadline for the -guard orderings, seconds: a request that has "
-        "waited this long is served in deadline order ahead of the ranked ones",
+        "waited this long is served in deadline order ahead of the ranked ones; several "
+        "values sweep it (each -guard ordering is then labelled NAME@SECONDS)",
     )
     parser.add_argument("--model", default="llama-2-7b")
     parser.add_argument("--gpu", default="a100")
@@ -392,6 +394,7 @@ class _Task:
     regime: str = "slot-cap"
     global_lengths: bool = False
     max_wait_s: float | None = None
+    label_wait: bool = False  # a sweep of deadlines: the row's ordering is NAME@SECONDS
 
 
 def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
@@ -415,7 +418,7 @@ def _run_task(task: _Task, bar: RichProgress | None = None) -> dict[str, Any]:
     on = res.metrics.online
     st = res.engine
     return {
-        "ordering": task.name,
+        "ordering": f"{task.name}@{task.max_wait_s:g}" if task.label_wait else task.name,
         "engine": task.engine_name,
         "regime": task.regime,
         "cost": "-" if task.name == "fcfs" else task.cost,
@@ -564,24 +567,27 @@ def run(args: argparse.Namespace) -> int:
                 if name == "fcfs" and cost != args.costs[0]:
                     continue  # FCFS ignores the cost: one run per load and seed
                 rate = load * capacity
-                tasks.append(
-                    _Task(
-                        online,
-                        name,
-                        cost,
-                        seed,
-                        load,
-                        rate,
-                        engine,
-                        args.inflight,
-                        args.oracle,
-                        args.engine,
-                        prompts,
-                        regime,
-                        args.predictor == "global",
-                        args.max_wait,
+                waits = args.max_wait if name.endswith("-guard") else [None]
+                for wait in waits:
+                    tasks.append(
+                        _Task(
+                            online,
+                            name,
+                            cost,
+                            seed,
+                            load,
+                            rate,
+                            engine,
+                            args.inflight,
+                            args.oracle,
+                            args.engine,
+                            prompts,
+                            regime,
+                            args.predictor == "global",
+                            wait,
+                            len(waits) > 1,
+                        )
                     )
-                )
         if args.jobs <= 1:
             rows = [_run_task(t, bar) for t in tasks]
         else:
