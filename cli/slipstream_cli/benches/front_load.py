@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slipstream_cli.argtypes import whole
+
 SCHEMA = "slipstream.bench.front-load/v1"
 PATHS = ("direct", "front", "control", "front_estimate")
 FRONTS = ("front", "front_estimate")
@@ -71,23 +73,23 @@ EXPLAIN_FLOOR = 0.05
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
+    parser.add_argument("--concurrency", type=whole(1), nargs="+", default=list(CONCURRENCY),
                         help="requests in flight per round (default 64 128 256 512)")
-    parser.add_argument("--max-num-seqs", type=int, default=256,
+    parser.add_argument("--max-num-seqs", type=whole(1), default=256,
                         help="vLLM's --max-num-seqs, told to the sidecar too (default 256)")
     parser.add_argument("--dtype", default="float32",
                         help="vLLM's --dtype (default float32, so greedy answers do not depend "
                         "on the batch and can be compared between paths)")
-    parser.add_argument("--input-len", type=int, default=64,
+    parser.add_argument("--input-len", type=whole(1), default=64,
                         help="prompt tokens of every request (default 64)")
-    parser.add_argument("--output-len", type=int, default=32,
+    parser.add_argument("--output-len", type=whole(1), default=32,
                         help="output tokens of every request, --ignore-eos (default 32)")
-    parser.add_argument("--prompts-per-stream", type=int, default=2,
+    parser.add_argument("--prompts-per-stream", type=whole(1), default=2,
                         help="a round sends this many prompts per concurrent stream, at least "
                         "--min-prompts (default 2)")
-    parser.add_argument("--min-prompts", type=int, default=256,
+    parser.add_argument("--min-prompts", type=whole(1), default=256,
                         help="the fewest prompts in a round (default 256)")
-    parser.add_argument("--repeats", type=int, default=6,
+    parser.add_argument("--repeats", type=whole(1), default=6,
                         help="rounds per path and concurrency (default 6)")
     parser.add_argument("--seed", type=int, default=0, help="the dataset's seed (default 0)")
     parser.add_argument("--no-control", dest="control", action="store_false",

