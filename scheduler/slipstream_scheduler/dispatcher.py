@@ -456,6 +456,11 @@ class OrderingQueue:
             seq = next(self._arrival_count)
             self._arrival_seq[rid] = seq
             heapq.heappush(self._by_arrival, (self._held[rid].arrival_s, seq, rid))
+            if len(self._by_arrival) > 2 * len(self._arrival_seq) + 64:  # mostly stale
+                self._by_arrival = [
+                    e for e in self._by_arrival if self._arrival_seq.get(e[2]) == e[1]
+                ]
+                heapq.heapify(self._by_arrival)
 
     def _overdue(self, n: int, now_s: float) -> list[str]:
         """Up to ``n`` queued requests past the guard's deadline, earliest first."""

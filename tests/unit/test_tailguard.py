@@ -190,3 +190,15 @@ def test_an_overdue_request_is_never_passed_over_by_a_later_arrival(
         q.take(rid, now)
         del waiting[rid]
     assert served_overdue == sorted(served_overdue)
+
+
+def test_the_guards_arrival_view_stays_small_and_right_under_churn() -> None:
+    q = OrderingQueue(make_ordering("sjf", {"max_wait_s": 5.0}), _pred())
+    q.push(_inc("oldest", 900, 0.0))  # waits throughout, at the arrival heap's top
+    for i in range(500):
+        q.push(_inc(f"r{i}", 60, 1.0 + i))
+        q.take(f"r{i}", 1.0 + i)  # taken at once: its arrival entry turns stale
+    assert len(q._by_arrival) <= 2 * len(q) + 64 + 1
+    q.push(_inc("late", 60, 600.0))
+    assert q.head(2, 602.0) == ["oldest", "late"]  # overdue first; late is not overdue yet
+    assert q.head(2, 606.0) == ["oldest", "late"]  # both overdue: arrival order
