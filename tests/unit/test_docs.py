@@ -1,6 +1,7 @@
 """The docs hold together: every relative link resolves, the index reaches every page, and
-the headline figures of the README, the docs index and the benchmark pages are the figures
-of the committed results files they name.
+the headline figures of the README, the docs index, the fleet-scale page and the benchmark
+pages, in their tables and their prose, are the figures of the committed results files they
+name.
 
 A figure is checked at the rounding the page shows: "67.6 %" agrees with a share of
 0.67596 and "1,583 ms" with 1.5827 s. A rerun of a benchmark that changes a headline figure
@@ -100,6 +101,16 @@ def _shows(cell: str, value: float, scale: float = 1.0) -> None:
 
 def _load(name: str) -> Any:
     return json.loads((BENCH / name).read_text())
+
+
+def _after(text: str, phrase: str, count: int = 1) -> list[str]:
+    """The first ``count`` numbers after ``phrase`` in ``text``'s prose: fenced blocks
+    dropped, markup removed and lines joined, so a figure may sit on the next line."""
+    flat = " ".join(_plain(_FENCE.sub("", text)).split())
+    assert phrase in flat, f"the page no longer says {phrase!r}"
+    numbers = _NUMBER.findall(flat[flat.index(phrase) + len(phrase):])
+    assert len(numbers) >= count, f"fewer than {count} figures after {phrase!r}"
+    return numbers[:count]
 
 
 # --- links and reach --------------------------------------------------------------------
@@ -460,6 +471,143 @@ def test_fleet_page_results_block_is_the_benchs() -> None:
     assert splice(page, markdown(_load("fleet.json"))) == page
 
 
+def _fleet_run() -> dict[str, Any]:
+    return next(s for s in _load("fleet.json")["scales"] if s["nodes"] == 1000)
+
+
+def test_fleet_page_figures() -> None:
+    """The headline table and the prose around it, above the generated results block."""
+    run, sim = _fleet_run(), _load("fleet.json")["sim"]
+    text = (BENCH / "fleet.md").read_text()
+
+    rows = {_plain(r[""]): r for r in _table(text, "| | measured | goal | against the goal |")}
+    for label, value in (
+        ("status lag p99", run["status_lag_p99_s"]),
+        ("operator CPU, steady (budget-search worker included)", run["steady"]["cpu_cores"]),
+    ):
+        _shows(rows[label]["measured"], value)
+        goal = float(_NUMBER.findall(rows[label]["goal"])[0])
+        _shows(rows[label]["against the goal"], value / goal)
+    _shows(rows["operator CPU, ramp"]["measured"], run["ramp"]["cpu_cores"])
+    rss, peak = _NUMBER.findall(rows["operator RSS (peak)"]["measured"])
+    _shows(rss, run["operator_rss_mb"])
+    _shows(peak, run["operator_peak_rss_mb"])
+    _shows(rows["operator API requests/s, steady"]["measured"], run["steady"]["api_rps"])
+    ready, running = _NUMBER.findall(rows["apply to ready (all pods Running)"]["measured"])
+    _shows(ready, run["ready_s"])
+    _shows(running, run["pods_running_s"])
+
+    bumps = run["status_lag_bumps"]
+    figures = _after(text, "Per bump, lag p50 / p99 / max in s:", 3 * len(bumps))
+    for i, bump in enumerate(bumps):
+        for shown, key in zip(figures[3 * i : 3 * i + 3], ("p50_s", "p99_s", "max_s"), strict=True):
+            _shows(shown, bump[key])
+    assert run["status_lag_timeouts"] == 0
+    _shows(_after(text, "no service timed out (")[0], run["status_lag_samples"])
+    _shows(_after(text, "wrote them (lag p99 as read")[0], bumps[0]["p99_arrival_s"])
+
+    _shows(_after(text, "event-loop lag p99 was")[0], run["operator_loop_lag"]["p99_s"])
+    gc = run["operator_gc"]
+    total, young, middle = _after(text, "its garbage collector took", 3)
+    _shows(total, sum(g["cores"] for g in gc.values()))
+    _shows(young, gc["0"]["cores"])
+    _shows(middle, gc["1"]["cores"])
+    assert gc["2"]["cores"] == 0 and "no full collection" in text
+    services, jobs, calls = _after(text, "Status writes are only the changes:", 3)
+    _shows(services, run["status_writes_rps"]["InferenceService"])
+    _shows(jobs, run["status_writes_rps"]["OfflineJob"])
+    _shows(calls, run["sidecar_status_rps"]["calls"])
+
+    cpu, top = run["control_plane_cpu_cores"], run["apiserver_top_rps"]
+    _shows(_after(text, "The API server took")[0], cpu["kube-apiserver"])
+    p50, p99 = _after(text, "status PATCH latency was", 2)
+    _shows(p50, run["apiserver_latency"]["PATCH inferenceservices/status"]["p50_s"])
+    _shows(p99, run["apiserver_latency"]["PATCH inferenceservices/status"]["p99_s"])
+    assert max(top, key=top.get) == "PUT leases"
+    _shows(_after(text, "PUT leases")[0], top["PUT leases"])
+    _shows(_after(text, "then PATCH inferenceservices/status")[0],
+           top["PATCH inferenceservices/status"])
+    pods, standin, etcd, manager, kwok = _after(text, "The stand-in for", 5)
+    _shows(pods, run["pods"])
+    _shows(standin, run["standin_cpu_cores"])
+    _shows(etcd, cpu["etcd"])
+    _shows(manager, cpu["kube-controller-manager"])
+    _shows(kwok, cpu["kwok"])
+
+    rate, total, engines, horizon, fewest, most = _after(text, "is rate-scaled to", 6)
+    _shows(rate, sim["online_rate_per_engine"])
+    _shows(total, sim["online_rate_per_engine"] * sim["engines"])
+    _shows(engines, sim["engines"])
+    _shows(horizon, sim["horizon_s"])
+    decisions = sim["decisions"]
+    _shows(fewest, decisions[0]["engines"])
+    _shows(most, decisions[-1]["engines"])
+    _shows(_after(text, "5-shot prompts (")[0], sim["offline_requests"])
+    _shows(_after(text, "cut into")[0], sim["shards"])
+    per_request = [d["decision_us_per_request"] for d in decisions]
+    low, high = _after(text, "The fleet decisions cost", 2)
+    _shows(low, min(per_request))
+    _shows(high, max(per_request))
+    small, large, first, last = _after(text, "grow linearly with the engine count (", 4)
+    _shows(small, decisions[0]["engines"])
+    _shows(large, decisions[-1]["engines"])
+    _shows(first, per_request[0])
+    _shows(last, per_request[-1])
+    variants = {(v["router"], v["placement"]): v for v in sim["variants"]}
+    smart, base = variants["least-work", "spare"], variants["round-robin", "even"]
+    shown_smart, shown_base, ratio = _after(text, "gave an online TTFT p99 of", 3)
+    _shows(shown_smart, smart["ttft_p99_s"])
+    _shows(shown_base, base["ttft_p99_s"])
+    _shows(ratio, smart["ttft_p99_s"] / base["ttft_p99_s"])
+    assert smart["offline_finished"] == base["offline_finished"] == sim["offline_requests"]
+
+
+def test_scale_page_figures() -> None:
+    """docs/scale.md repeats the 1,000-node run of benchmarks/fleet.md."""
+    run, sim = _fleet_run(), _load("fleet.json")["sim"]
+    text = (DOCS / "scale.md").read_text()
+
+    lag, share, cores, ready = _after(text, "the operator meets both: status lag p99", 4)
+    _shows(lag, run["status_lag_p99_s"])
+    _shows(share, run["status_lag_p99_s"] / 10)
+    _shows(cores, run["steady"]["cpu_cores"])
+    _shows(ready, run["ready_s"])
+
+    cpu = run["control_plane_cpu_cores"]
+    for r in _table(text, "| process | CPU cores |"):
+        process = _plain(r["process"])
+        value = {
+            "operator (with its budget-search worker)": run["steady"]["cpu_cores"],
+            "stand-in for 2,000 sidecars": run["standin_cpu_cores"],
+        }.get(process)
+        _shows(r["CPU cores"], cpu[process] if value is None else value)
+
+    _shows(_after(text, "event-loop lag p99 was")[0], run["operator_loop_lag"]["p99_s"])
+    _shows(_after(text, "its garbage collector took")[0],
+           sum(g["cores"] for g in run["operator_gc"].values()))
+    api, services, jobs = _after(text, "It made", 3)
+    _shows(api, run["steady"]["api_rps"])
+    _shows(services, run["status_writes_rps"]["InferenceService"])
+    _shows(jobs, run["status_writes_rps"]["OfflineJob"])
+    _shows(_after(text, "applies) and")[0], run["sidecar_status_rps"]["calls"])
+    latency = run["apiserver_latency"]["PATCH inferenceservices/status"]
+    p50, p99 = _after(text, "status PATCH latency was", 2)
+    _shows(p50, latency["p50_s"])
+    _shows(p99, latency["p99_s"])
+    _shows(_after(text, "PUT leases")[0], run["apiserver_top_rps"]["PUT leases"])
+    _shows(_after(text, "Memory grows with pods:")[0], run["operator_rss_mb"])
+    _shows(_after(text, "1,000 nodes (peak")[0], run["operator_peak_rss_mb"])
+    figures = _after(text, "is the slowest bump (p99", 3)
+    for shown, bump in zip(figures, run["status_lag_bumps"], strict=True):
+        _shows(shown, bump["p99_s"])
+    decisions = sim["decisions"]
+    first, small, last, large = _after(text, "number of engines (", 4)
+    _shows(first, decisions[0]["decision_us_per_request"])
+    _shows(small, decisions[0]["engines"])
+    _shows(last, decisions[-1]["decision_us_per_request"])
+    _shows(large, decisions[-1]["engines"])
+
+
 def test_plugin_overhead_page_figures() -> None:
     rows = {(r["running"], r["config"]): r for r in _load("plugin-overhead.json")["rows"]}
     table = _table((BENCH / "plugin-overhead.md").read_text(), "## Results")
@@ -490,3 +638,186 @@ def test_learning_page_figures() -> None:
     assert len(rec) == len(cost)
     for r in rec:
         _shows(r["recording µs per step"], cost[int(r["scheduled requests"])])
+
+
+_LENGTH_SCORES = {
+    "global": ("global", "-"),
+    "input length": ("input_length", "-"),
+    "semantic, MiniLM, nearest": ("semantic (nearest top-up)", "minilm"),
+    "semantic, hashing, nearest": ("semantic (nearest top-up)", "hashing"),
+}
+_LENGTH_FAMILIES = {
+    "global": "global",
+    "input length": "input_length",
+    "prefix, prior top-up": "semantic (prior top-up)",
+    "prefix, nearest top-up": "semantic (nearest top-up)",
+}
+_LENGTH_TIMINGS = {
+    "predict, compact (nearest top-up)": "predict (nearest top-up)",
+    "predict, full scan (nearest top-up)": "predict (nearest top-up, full scan)",
+    "embed one prompt": "embed (1 prompt)",
+}
+_VLLM_ORDERINGS = {
+    "sjf, memory": ("sjf", "memory"),
+    "gittins (no displacement), memory": ("gittins-np", "memory"),
+    "gittins (r200), memory": ("gittins-r200", "memory"),
+    "gittins (no displacement), output": ("gittins-np", "output"),
+    "gittins (r200), output": ("gittins-r200", "output"),
+}
+
+
+def test_length_predictor_page_figures() -> None:
+    report = _load("length_predictor.json")
+    text = (BENCH / "length-predictor.md").read_text()
+
+    scores = {(s["scope"], s["predictor"], s["embedder"]): s for s in report["scores"]}
+    families = {(f["trace"], f["regime"], f["predictor"]): f for f in report["families"]}
+    seen: set[tuple[str, str, str]] = set()
+    for r in _table(text, "### Per regime"):
+        regime, predictor = _plain(r["regime"]), _plain(r["predictor"])
+        if regime.startswith("AlpacaEval"):
+            scope = regime.rsplit(", ", 1)[1]
+            s = scores[(scope, *_LENGTH_SCORES[predictor])]
+            base = scores[scope, "global", "-"]
+            assert all(r[c] == "–" for c in ("mean TTLT / global", "oracle / global", "recovered"))
+        else:
+            trace, kind = regime.removeprefix("Mooncake ").split(", ")
+            key = (f"mooncake-{trace}", kind, _LENGTH_FAMILIES[predictor])
+            s, base = families[key], families[(*key[:2], "global")]
+            seen.add(key)
+            ratio, oracle = s["mean_ttlt_ratio_vs_global"], s["oracle_ttlt_ratio_vs_global"]
+            _shows(r["mean TTLT / global"], ratio)
+            _shows(r["oracle / global"], oracle)
+            _shows(r["recovered"], (1 - ratio) / (1 - oracle), 100)
+        assert int(r["queries"]) == s["queries"]
+        _shows(r["P(true bucket)"], s["p_bucket"])
+        _shows(r["vs global"], s["p_bucket"] / base["p_bucket"])
+    # The page names what it leaves out: the "all" rows and the prior top-up on unique.
+    assert seen == {
+        k for k in families if k[1] != "all" and k[1:] != ("unique", "semantic (prior top-up)")
+    }
+
+    def family(trace: str, regime: str, predictor: str = "semantic (nearest top-up)") -> Any:
+        return families[f"mooncake-{trace}", regime, predictor]
+
+    def gain(row: Any) -> float:
+        trace = row["trace"].removeprefix("mooncake-")
+        return float(row["p_bucket"] / family(trace, row["regime"], "global")["p_bucket"])
+
+    conversation, synthetic = family("conversation", "recurring"), family("synthetic", "recurring")
+    _shows(_after(text, "requests that continue a known prefix get")[0], gain(conversation))
+    cut, recovered, oracle = _after(text, "Gittins on those samples cuts mean TTLT by", 3)
+    _shows(cut, 1 - conversation["mean_ttlt_ratio_vs_global"], 100)
+    _shows(recovered, (1 - conversation["mean_ttlt_ratio_vs_global"])
+           / (1 - conversation["oracle_ttlt_ratio_vs_global"]), 100)
+    _shows(oracle, conversation["oracle_ttlt_ratio_vs_global"] - 1, 100)
+    cut, recovered = _after(text, "On the synthetic multi-turn trace the cut is", 2)
+    _shows(cut, 1 - synthetic["mean_ttlt_ratio_vs_global"], 100)
+    _shows(recovered, (1 - synthetic["mean_ttlt_ratio_vs_global"])
+           / (1 - synthetic["oracle_ttlt_ratio_vs_global"]), 100)
+    prior = "semantic (prior top-up)"
+    for shown, row in zip(
+        _after(text, "It orders best in both recurring regimes:", 4),
+        (conversation, family("conversation", "recurring", prior),
+         synthetic, family("synthetic", "recurring", prior)),
+        strict=True,
+    ):
+        _shows(shown, row["mean_ttlt_ratio_vs_global"])
+    mass, nearest = _after(text, "on the true bucket on the synthetic trace (", 2)
+    _shows(mass, family("synthetic", "recurring", prior)["p_bucket"])
+    _shows(nearest, synthetic["p_bucket"])
+    alpaca = scores["per-model", "global", "-"]["p_bucket"]
+    for shown, embedder in zip(_after(text, "AlpacaEval held-out:", 2), ("minilm", "hashing"),
+                               strict=True):
+        _shows(shown, scores["per-model", "semantic (nearest top-up)", embedder]["p_bucket"]
+               / alpaca)
+    for trace in ("conversation", "synthetic"):
+        row = family(trace, "unique")
+        shown_gain, shown_ttlt = _after(text, f"Mooncake {trace} unique:", 2)
+        _shows(shown_gain, gain(row))
+        _shows(shown_ttlt, row["mean_ttlt_ratio_vs_global"] - 1, 100)
+    recurring, unique = _after(text, "Input length is a strong signal only on the synthetic", 2)
+    _shows(recurring, gain(family("synthetic", "recurring", "input_length")))
+    _shows(unique, gain(family("synthetic", "unique", "input_length")))
+    real = family("conversation", "recurring", "input_length")
+    _shows(_after(text, "On the real trace it is no better than global (")[0], gain(real))
+
+    table = _table(text, "### Compact search against the full scan")
+    assert len(table) == 4
+    for r in table:
+        scope, embedder = _plain(r["scope"]), _plain(r["embedder"]).lower()
+        compact = scores[scope, "semantic (nearest top-up)", embedder]
+        full = scores[scope, "semantic (nearest top-up, full scan)", embedder]
+        _shows(r["P(true bucket), compact"], compact["p_bucket"])
+        _shows(r["P(true bucket), full scan"], full["p_bucket"])
+        _shows(r["median-bucket hit, compact"], compact["median_hit"])
+        _shows(r["median-bucket hit, full scan"], full["median_hit"])
+
+    def compact_vs_full(scope: str, embedder: str, key: str = "p_bucket") -> float:
+        compact = scores[scope, "semantic (nearest top-up)", embedder][key]
+        return float(compact / scores[scope, "semantic (nearest top-up, full scan)", embedder][key])
+
+    within, hashing, minilm, within_hit = _after(text, "the compact search is within", 4)
+    _shows(hashing, compact_vs_full("per-model", "hashing") - 1, 100)
+    _shows(minilm, compact_vs_full("per-model", "minilm") - 1, 100)
+    for bound, key in ((within, "p_bucket"), (within_hit, "median_hit")):
+        worst = max(abs(compact_vs_full("per-model", e, key) - 1) for e in ("hashing", "minilm"))
+        assert 100 * worst <= float(bound), f"per-model {key}: compact within {bound} %"
+    _shows(_after(text, "In pooled scope with MiniLM it loses")[0],
+           1 - compact_vs_full("pooled", "minilm"), 100)
+
+    timings = {(t["what"], t["embedder"]): t for t in report["timings"]}
+    for r in _table(text, "| what | embedder |"):
+        t = timings[_LENGTH_TIMINGS[_plain(r["what"])], _plain(r["embedder"]).split()[0].lower()]
+        _shows(r["median wall µs"], t["median_us"])
+        _shows(r["mean CPU µs"], t["cpu_mean_us"])
+    full_scan = [
+        timings["predict (nearest top-up, full scan)", e]["median_us"]
+        / timings["predict (nearest top-up)", e]["median_us"]
+        for e in ("hashing", "minilm")
+    ]
+    low, high = _after(text, "On the threshold path the full scan costs", 2)
+    _shows(low, min(full_scan))
+    _shows(high, max(full_scan))
+    embed = timings["embed (1 prompt)", "minilm"]
+    cpu, wall = _after(text, "the real cost on CPU-only sidecars:", 2)
+    _shows(cpu, embed["cpu_mean_us"], 1e-6)
+    _shows(wall, embed["median_us"], 1e-6)
+    _shows(_after(text, "The hashing embedder costs about")[0],
+           timings["embed (1 prompt)", "hashing"]["median_us"], 1e-3)
+
+    semantic = _ordering_summary("ordering-vllm.json")
+    global_ = _ordering_summary("ordering-vllm-global.json")
+    for r in _table(text, "### Inside vLLM, KV-bound"):
+        load = float(_plain(r["load"]))
+        for column, (ordering, cost) in _VLLM_ORDERINGS.items():
+            key = (load, ordering, cost)
+            _shows(r[column], semantic[key]["mean_ttlt_s"] / global_[key]["mean_ttlt_s"])
+    memory, output = (
+        [s["mean_ttlt_s"] / global_[k]["mean_ttlt_s"] - 1
+         for k, s in semantic.items() if k in global_ and k[2] == cost]
+        for cost in ("memory", "output")
+    )
+    low, high, most = _after(text, "summarisations: mean TTLT", 3)
+    _shows(low, min(memory), 100)
+    _shows(high, max(memory), 100)
+    _shows(most, max(output), 100)
+    oracle = _ordering_summary("ordering-vllm-oracle.json")
+
+    def recovered(summary: dict[tuple[float, str, str], dict[str, Any]]) -> list[float]:
+        out = []
+        for load in {k[0] for k in global_}:
+            fcfs = summary[load, "fcfs", "-"]["mean_ttlt_s"]
+            best = oracle[load, "sjf", "memory"]["mean_ttlt_s"]
+            for ordering in ("gittins-r200", "gittins-np"):
+                out.append((fcfs - summary[load, ordering, "memory"]["mean_ttlt_s"])
+                           / (fcfs - best))
+        return out
+
+    for phrase, summary in (
+        ("the semantic predictor's Gittins (memory cost) recovers", semantic),
+        ("and the global one", global_),
+    ):
+        low, high = _after(text, phrase, 2)
+        _shows(low, min(recovered(summary)), 100)
+        _shows(high, max(recovered(summary)), 100)
