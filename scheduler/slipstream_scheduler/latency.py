@@ -395,6 +395,16 @@ def _default_meta() -> LatencyModelMeta:
     return LatencyModelMeta()
 
 
+def _heldout(value: object) -> float | None:
+    """A fit block's ``heldout_mape``: a finite non-negative fraction, or None."""
+    if value is None:
+        return None
+    mape = float(value)  # type: ignore[arg-type]  # a bad type raises, as the block's others
+    if not (math.isfinite(mape) and mape >= 0):
+        raise ValueError(f"heldout_mape must be finite and >= 0, got {value!r}")
+    return mape
+
+
 @dataclass(frozen=True, slots=True)
 class FitStats:
     """How well a model fitted: k-fold MAPE of every candidate and of the chosen set."""
@@ -405,6 +415,8 @@ class FitStats:
     train_mape: float  # of the final model on all rows, fraction
     candidates: tuple[tuple[str, float], ...]  # (feature-set value, k-fold MAPE at its best knee)
     knee_grid: tuple[tuple[int, float], ...] = ()  # (knee, k-fold MAPE) of the best hinge set
+    # MAPE on rows held out of the fit altogether (fraction); None when none were held out.
+    heldout_mape: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -716,6 +728,8 @@ class LinearLatencyModel:
                 "candidates": [list(c) for c in self.stats.candidates],
                 "knee_grid": [list(k) for k in self.stats.knee_grid],
             }
+            if self.stats.heldout_mape is not None:
+                doc["fit"]["heldout_mape"] = self.stats.heldout_mape
         return doc
 
     def to_json(self) -> str:
@@ -794,6 +808,7 @@ class LinearLatencyModel:
                     train_mape=float(fit_doc["train_mape"]),
                     candidates=tuple((str(k), float(v)) for k, v in fit_doc["candidates"]),
                     knee_grid=tuple((int(k), float(v)) for k, v in fit_doc.get("knee_grid", ())),
+                    heldout_mape=_heldout(fit_doc.get("heldout_mape")),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ModelFormatError(f"invalid fit block: {exc}", field_name="fit") from exc

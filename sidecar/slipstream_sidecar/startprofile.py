@@ -3,10 +3,10 @@
 The sidecar runs ``slipstream profile engine`` (``slipstream_cli.commands.profile_engine``)
 against its engine as a subprocess, so its event loop never waits on the profile or the fit,
 under a hard limit of the budget plus :data:`GRACE_S`. The command writes the model to a
-temporary name; the sidecar then records the held-out error the command printed
-(:data:`REPORT_FILE`) and renames the model to :data:`PROFILE_FILE`, so that file exists
-only for a profile that finished. A sidecar that finds it at start reuses it
-(:func:`load`) instead of profiling again.
+temporary name, with its held-out error in the document's fit block; the sidecar keeps the
+summary the command printed (:data:`REPORT_FILE`) and renames the model to
+:data:`PROFILE_FILE`, so that file exists only for a profile that finished. A sidecar that
+finds it at start reuses it (:func:`load`) instead of profiling again.
 
 Deliberately left out: putting the model in force (the operator does that through
 ``Configure``, as with a learned model) and refitting (one profile per state directory:
@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ log = logging.getLogger(__name__)
 PROFILE_FILE = "profiled-latency.json"
 """The fitted model in the state directory (``LinearLatencyModel`` JSON)."""
 REPORT_FILE = "profiled-latency.report.json"
-"""Beside it: the held-out error and the summary the command printed."""
+"""Beside it: the summary the command printed (for people; the error is in the model)."""
 GRACE_S = 60.0
 """The subprocess is killed this long after its budget (start-up, the fit, the write)."""
 MAX_STREAMS = 32
@@ -43,9 +42,6 @@ MAX_PROMPT_TOKENS = 2048
 passes them capped by the engine's ``max_num_seqs`` and ``max_num_batched_tokens``."""
 MIN_BUDGET_S = 10
 """The command's smallest ``--budget-s``."""
-
-_HELDOUT = re.compile(r"held-out MAPE (\S+)%")
-
 
 @dataclass(frozen=True, slots=True)
 class ProfiledModel:
@@ -59,19 +55,6 @@ class ProfiledModel:
     def rows(self) -> int:
         """Rows the model was fitted on (0 when the file does not say)."""
         return self.model.stats.rows if self.model.stats is not None else 0
-
-
-def heldout_from_output(text: str) -> float:
-    """The overall held-out MAPE (a fraction) in the command's summary; inf when it printed
-    none or ``nan`` (no held-out rows)."""
-    found = _HELDOUT.findall(text)
-    if not found:
-        return math.inf
-    try:
-        value = float(found[-1]) / 100.0
-    except ValueError:
-        return math.inf
-    return value if math.isfinite(value) and value >= 0 else math.inf
 
 
 def load(directory: Path) -> ProfiledModel | None:
@@ -91,12 +74,9 @@ def load(directory: Path) -> ProfiledModel | None:
     except (LatencyModelError, ValueError) as exc:
         log.warning("ignoring the unreadable profile %s: %s", path, exc)
         return None
-    heldout = math.inf
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        value = json.loads((directory / REPORT_FILE).read_text())["heldout_mape"]
-        if value is not None and math.isfinite(float(value)) and float(value) >= 0:
-            heldout = float(value)
-    return ProfiledModel(model, heldout, mtime)
+    stats = model.stats
+    heldout = stats.heldout_mape if stats is not None else None
+    return ProfiledModel(model, math.inf if heldout is None else heldout, mtime)
 
 
 def command(
@@ -144,8 +124,8 @@ async def run_command(argv: list[str], timeout_s: float) -> tuple[int | None, li
     return proc.returncode, lines
 
 
-def _write_report(directory: Path, heldout: float, lines: list[str]) -> None:
-    doc = {"heldout_mape": heldout if math.isfinite(heldout) else None, "summary": lines}
+def _write_report(directory: Path, lines: list[str]) -> None:
+    doc = {"summary": lines}
     tmp = directory / (REPORT_FILE + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, directory / REPORT_FILE)
@@ -173,8 +153,7 @@ async def profile(
         log.error("profile at start %s; no profiled model, readiness follows the engine: %s",
                   why, " | ".join(lines[-3:]) or "no output")
         return None
-    heldout = heldout_from_output("\n".join(lines))
-    _write_report(directory, heldout, lines)
+    _write_report(directory, lines)
     os.replace(partial, directory / PROFILE_FILE)
     found = load(directory)
     if found is not None:

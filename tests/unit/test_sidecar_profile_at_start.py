@@ -21,14 +21,18 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
-from slipstream_cli.commands.profile_engine import FitReport
 from slipstream_cli.main import build_parser
 from slipstream_operator import crdgen
 from slipstream_operator.api import InferenceServiceSpec, validate_semantics
 from slipstream_operator.modelchoice import LearnedParams, choose_model
 from slipstream_operator.reconcile_service import ObjectRef, children
 from slipstream_operator.sidecar_client import learned_from_pb
-from slipstream_scheduler.latency import LatencyModelMeta, LinearLatencyModel, fit
+from slipstream_scheduler.latency import (
+    LatencyModelError,
+    LatencyModelMeta,
+    LinearLatencyModel,
+    fit,
+)
 from slipstream_scheduler.learning import Learned
 from slipstream_scheduler.types import BatchItem, Phase
 from slipstream_sidecar import __main__ as sidecar_cli
@@ -41,7 +45,7 @@ from slipstream_sidecar.startprofile import PROFILE_FILE, REPORT_FILE, ProfiledM
 pytestmark = pytest.mark.unit
 
 
-def fitted_model(rows: int = 80) -> LinearLatencyModel:
+def fitted_model(heldout: float | None = 0.042, rows: int = 80) -> LinearLatencyModel:
     """A model fitted on synthetic decode and prefill steps (5 ms + 0.4 ms per decode +
     20 us per prefill token, 2 % noise)."""
     rng = random.Random(7)
@@ -57,15 +61,17 @@ def fitted_model(rows: int = 80) -> LinearLatencyModel:
             seconds = 0.005 + 0.00002 * p
         data.append((batch, seconds * rng.uniform(0.98, 1.02)))
     meta = LatencyModelMeta(model="tiny", source="slipstream profile engine http://x")
-    return fit(data, seed=0, meta=meta).model
+    model = fit(data, seed=0, meta=meta).model
+    assert model.stats is not None
+    return replace(model, stats=replace(model.stats, heldout_mape=heldout))
 
 
 def write_profile(directory: Path, heldout: float | None = 0.042) -> LinearLatencyModel:
-    model = fitted_model()
+    """A profile as ``slipstream profile engine`` writes it: the held-out error in the fit
+    block (none when the command held no rows out)."""
+    model = fitted_model(heldout)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / PROFILE_FILE).write_text(model.to_json())
-    if heldout is not None:
-        (directory / REPORT_FILE).write_text(json.dumps({"heldout_mape": heldout}))
     return model
 
 
@@ -109,16 +115,16 @@ def test_the_command_line_is_one_the_cli_accepts(tmp_path: Path) -> None:
     assert small[small.index("--max-prompt-tokens") + 1] == "384"
 
 
-def test_the_heldout_error_is_read_from_the_summary_the_cli_prints() -> None:
-    report = FitReport(rows={"decode": (40, 10), "prefill": (12, 3), "mixed": (0, 0)},
-                       regime_mape={"decode": 0.03, "prefill": 0.05}, feature_set="base",
-                       knee_tokens=0, kfold_mape=0.031, heldout_mape=0.0345,
-                       heldout_p95_ape=0.09)
-    text = "\n".join(report.lines())
-    assert startprofile.heldout_from_output(text) == pytest.approx(0.0345, abs=1e-4)
-    nan = replace(report, heldout_mape=math.nan, regime_mape={})
-    assert startprofile.heldout_from_output("\n".join(nan.lines())) == math.inf
-    assert startprofile.heldout_from_output("error: too few rows") == math.inf
+def test_the_heldout_error_travels_in_the_models_fit_block() -> None:
+    model = fitted_model(0.0345)
+    again = LinearLatencyModel.from_json(model.to_json())
+    assert again.stats is not None and again.stats.heldout_mape == pytest.approx(0.0345)
+    none = LinearLatencyModel.from_json(fitted_model(None).to_json())
+    assert none.stats is not None and none.stats.heldout_mape is None
+    doc = json.loads(model.to_json())
+    doc["fit"]["heldout_mape"] = -1.0
+    with pytest.raises(LatencyModelError, match="heldout_mape"):
+        LinearLatencyModel.from_json(json.dumps(doc))
 
 
 # ---------------------------------------------------------------------------- the file
@@ -131,7 +137,7 @@ def test_a_kept_profile_is_loaded_with_its_heldout_error(tmp_path: Path) -> None
     assert got.model.to_json() == model.to_json()
     assert got.heldout_mape == pytest.approx(0.042)
     assert got.rows == 80 and got.fitted_at == (tmp_path / PROFILE_FILE).stat().st_mtime
-    (tmp_path / REPORT_FILE).unlink()
+    write_profile(tmp_path, heldout=None)
     unknown = startprofile.load(tmp_path)
     assert unknown is not None and unknown.heldout_mape == math.inf
 
@@ -231,7 +237,6 @@ async def test_a_profile_that_succeeds_is_kept_with_its_report(
     assert got is not None and got.heldout_mape == pytest.approx(0.042)
     assert (state / PROFILE_FILE).is_file() and not (state / (PROFILE_FILE + ".partial")).exists()
     report = json.loads((state / REPORT_FILE).read_text())
-    assert report["heldout_mape"] == pytest.approx(0.042)
     assert "held-out MAPE" in report["summary"][0]
     assert fake.calls[0]["out"] == state / (PROFILE_FILE + ".partial")
 

@@ -53,6 +53,8 @@ def test_profile_engine_writes_a_model_the_operator_finds(
     found = re.search(r"held-out MAPE (\S+)%, p95 APE (\S+)%", printed.out)
     assert found is not None, printed.out
     assert math.isfinite(float(found.group(1))) and math.isfinite(float(found.group(2)))
+    # The held-out error travels in the model's fit block, as printed.
+    assert model.stats.heldout_mape == pytest.approx(float(found.group(1)) / 100, abs=1e-4)
     for regime in ("decode", "prefill"):
         rows = re.search(rf"{regime}\s+rows: (\d+) train", printed.out)
         assert rows is not None and int(rows.group(1)) > 0, printed.out

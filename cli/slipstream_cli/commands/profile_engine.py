@@ -28,7 +28,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -497,6 +497,10 @@ def run(args: argparse.Namespace) -> int:
     except FitError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
+    if model.stats is not None and math.isfinite(report.heldout_mape):
+        # The held-out error travels with the model: the sidecar's profile at start, the
+        # operator and any other reader find it in the document's fit block.
+        model = replace(model, stats=replace(model.stats, heldout_mape=report.heldout_mape))
     out.write_text(model.to_json())
     kept = Counter(r.regime for r in col.rows)
     print(f"{PROG} {args.url} ({args.model}): {len(col.rows)} rows, {col.sets} sets, "
