@@ -16,6 +16,8 @@ import pytest
 from slipstream_cli.commands.profile_engine import (
     FIRST_ID,
     REGIMES,
+    Collector,
+    Endpoint,
     EngineError,
     PromptMaker,
     StreamTrace,
@@ -161,6 +163,33 @@ def test_prefill_rows_subtract_the_overhead_and_drop_what_it_swallows() -> None:
     rows = prefill_rows([(16, 0.010), (512, 0.050), (32, 0.002)], overhead_s=0.004)
     assert rows == [((BatchItem(Phase.PREFILL, 16, 0),), pytest.approx(0.006)),
                     ((BatchItem(Phase.PREFILL, 512, 0),), pytest.approx(0.046))]
+
+
+def test_prefill_rows_are_timed_with_the_overhead_of_every_probe() -> None:
+    """Probes slowed by a burst of load at the start would swallow every prefill; later,
+    quiet probes lower the overhead, and the prefills are timed once collection ends."""
+    col = Collector(Endpoint("http://127.0.0.1:1", "m"), None,  # type: ignore[arg-type]
+                    PromptMaker(random.Random(0), 100), random.Random(0))
+
+    def probe(ttft: float) -> StreamTrace:
+        tr = StreamTrace(16, sent=10.0)
+        for t in _ends([ttft] + [0.010] * 4, t0=10.0):
+            tr.add(t, 1)
+        return tr
+
+    col.probes = [probe(0.200) for _ in range(5)]  # a burst: 190 ms of overhead
+    col.prefill_ttfts = [(1, 64, 0.030), (2, 512, 0.080)]
+    col.settle_prefills()
+    assert col.overhead_s == pytest.approx(0.190)
+    assert [r for r in col.rows if r.regime == "prefill"] == []
+    col.probes += [probe(0.014) for _ in range(5)]  # the next round's probes: quiet
+    col.settle_prefills()
+    assert col.overhead_s == pytest.approx(0.004)
+    rows = [r for r in col.rows if r.regime == "prefill"]
+    assert [(r.group, r.batch, r.seconds) for r in rows] == [
+        (1, (BatchItem(Phase.PREFILL, 64, 0),), pytest.approx(0.026)),
+        (2, (BatchItem(Phase.PREFILL, 512, 0),), pytest.approx(0.076)),
+    ]
 
 
 def test_api_overhead_is_the_smallest_ttft_minus_a_decode_step() -> None:

@@ -5,7 +5,9 @@ The engine (vLLM, or a server with its ``/v1/completions`` extensions: token-id 
 a time (``docs/concepts/latency-and-planner.md``, "Profile a live engine"). **decode**: while N
 streams all decode, each step gives each a token; a row is ``DECODE_WINDOW`` steps, timed by
 the median span over streams. **prefill**: ``max_tokens`` 1, timed by the smallest TTFT of
-three requests minus the API overhead (the smallest TTFT of 16-token probes minus a step).
+three requests minus the API overhead: the smallest TTFT of 16-token probes, sent at the start
+of every round, minus a step. The overhead is settled once collection ends, so a burst of
+load during the first probes cannot make it swallow every prefill.
 **mixed**: a prefill sent while N streams decode; the streams' gap ending with its first token
 is one step of N decodes and the prompt. A token followed at once by the next arrived late
 (the server or this client fell behind): no span or gap ends on one. Prompts are seeded random
@@ -365,6 +367,8 @@ class Collector:
     rng: random.Random
     overhead_s: float = 0.0
     rows: list[TaggedRow] = field(default_factory=list)
+    probes: list[StreamTrace] = field(default_factory=list)  # past the warm-up
+    prefill_ttfts: list[tuple[int, int, float]] = field(default_factory=list)  # group, p, TTFT
     sets: int = 0
     group: int = 0
     tried: Counter[str] = field(default_factory=Counter)  # decode windows, injected prefills
@@ -386,7 +390,9 @@ class Collector:
             for p in rng.sample(plan.prefill_prompts, len(plan.prefill_prompts)):
                 trs = [await stream(session, self.ep, make(p), 1) for _ in range(PREFILL_TRIES)]
                 ttft = min((tr.times[0] - tr.sent for tr in trs if tr.times), default=math.nan)
-                self._add("prefill", prefill_rows([(p, ttft)], self.overhead_s))
+                self.group += 1
+                if math.isfinite(ttft):
+                    self.prefill_ttfts.append((self.group, p, ttft))
         else:
             prompts = [make(rng.randint(16, plan.mixed_prompt_max)) for _ in range(n)]
             inject = [make(p) for p in rng.sample(
@@ -397,40 +403,68 @@ class Collector:
         self.sets += 1
 
     async def collect(self, deadline: float, rounds: int | None) -> None:
-        """Probes, then rounds of sets until ``rounds`` or the deadline (a set that took
-        longer than the time left before is skipped; one cut by the deadline is lost). A round
-        is, shuffled: each decode size with short and with long prompts, the prefill grid,
-        each mixed size. The first round runs the prefill grid first, then decode, then mixed
-        sets, so that a short budget on a slow engine still yields every regime."""
-        plan, longest = self.plan, dict[SetSpec, float]()
+        """Rounds of sets until ``rounds`` or the deadline (a set that took longer than the
+        time left before is skipped; one cut by the deadline is lost), each round after the
+        API-overhead probes. A round is, shuffled: each decode size with short and with long
+        prompts, the prefill grid, each mixed size. The first round runs the prefill grid
+        first, then decode, then mixed sets, so that a short budget on a slow engine still
+        yields every regime. The prefill rows are timed once collection ends
+        (:meth:`settle_prefills`)."""
         connector = aiohttp.TCPConnector(limit=0, force_close=True)  # no stale keep-alive
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            probes = [await asyncio.wait_for(stream(session, self.ep, self.make_prompt(
-                PROBE_PROMPT), PROBE_TOKENS), max(1.0, deadline - time.monotonic()))
-                for _ in range(PROBES + 2)]
-            self.overhead_s = api_overhead(probes[2:])  # the first two warm the engine up
-            done, ran = 0, True
-            while ran and (rounds is None or done < rounds):
-                ran, done = False, done + 1
-                sets = [("decode", n, long) for n in plan.streams for long in (False, True)]
-                sets += [("mixed", n, False) for n in plan.mixed_streams]
-                self.rng.shuffle(sets)
-                if done == 1:  # every regime gets rows before a short budget runs out
-                    sets.sort(key=lambda spec: REGIME_ORDER[spec[0]])
-                sets.insert(0 if done == 1 else self.rng.randint(0, len(sets)),
-                            ("prefill", 1, False))
-                for spec in sets:
-                    left = deadline - time.monotonic()
-                    if longest.get(spec, 0.0) * 1.2 > left:
-                        continue
-                    began = time.monotonic()
-                    try:
-                        await asyncio.wait_for(self.run_set(session, spec), left)
-                    except TimeoutError:
-                        return
-                    longest[spec] = max(longest.get(spec, 0.0), time.monotonic() - began)
-                    ran = True
+            try:
+                # The first two requests warm the engine up; their times are left out.
+                await self._probe(session, 2, deadline, keep=False)
+                await self._rounds(session, deadline, rounds)
+            except TimeoutError:
+                pass  # the deadline: what was collected stays
+            finally:
+                self.settle_prefills()
+
+    async def _probe(
+        self, session: aiohttp.ClientSession, n: int, deadline: float, *, keep: bool = True
+    ) -> None:
+        for _ in range(n):
+            trace = await asyncio.wait_for(
+                stream(session, self.ep, self.make_prompt(PROBE_PROMPT), PROBE_TOKENS),
+                max(1.0, deadline - time.monotonic()))
+            if keep:
+                self.probes.append(trace)
+
+    def settle_prefills(self) -> None:
+        """The API overhead from every probe (the smallest TTFT over all of them, so a slow
+        moment during some probes does not count), and the prefill rows timed with it (a
+        prefill no slower than the overhead gives no row)."""
+        self.overhead_s = api_overhead(self.probes)
+        self.rows = [r for r in self.rows if r.regime != "prefill"]
+        for group, p, ttft in self.prefill_ttfts:
+            self.rows.extend(TaggedRow("prefill", group, b, s)
+                             for b, s in prefill_rows([(p, ttft)], self.overhead_s))
+
+    async def _rounds(
+        self, session: aiohttp.ClientSession, deadline: float, rounds: int | None
+    ) -> None:
+        plan, longest = self.plan, dict[SetSpec, float]()
+        done, ran = 0, True
+        while ran and (rounds is None or done < rounds):
+            await self._probe(session, PROBES, deadline)
+            ran, done = False, done + 1
+            sets = [("decode", n, long) for n in plan.streams for long in (False, True)]
+            sets += [("mixed", n, False) for n in plan.mixed_streams]
+            self.rng.shuffle(sets)
+            if done == 1:  # every regime gets rows before a short budget runs out
+                sets.sort(key=lambda spec: REGIME_ORDER[spec[0]])
+            sets.insert(0 if done == 1 else self.rng.randint(0, len(sets)),
+                        ("prefill", 1, False))
+            for spec in sets:
+                left = deadline - time.monotonic()
+                if longest.get(spec, 0.0) * 1.2 > left:
+                    continue
+                began = time.monotonic()
+                await asyncio.wait_for(self.run_set(session, spec), left)
+                longest[spec] = max(longest.get(spec, 0.0), time.monotonic() - began)
+                ran = True
 
 
 def _url(text: str) -> str:
@@ -495,7 +529,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, report = fit_profile(col.rows, holdout=args.holdout, seed=args.seed, meta=meta)
     except FitError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        fastest = min((t for _, _, t in col.prefill_ttfts), default=math.nan)
+        print(f"{PROG}: error: {exc}; API overhead {col.overhead_s * 1e3:.2f} ms from "
+              f"{len(col.probes)} probes, {len(col.prefill_ttfts)} prefill TTFTs (fastest "
+              f"{fastest * 1e3:.2f} ms)", file=sys.stderr)
         return 1
     if model.stats is not None and math.isfinite(report.heldout_mape):
         # The held-out error travels with the model: the sidecar's profile at start, the
