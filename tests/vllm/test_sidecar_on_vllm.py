@@ -457,12 +457,6 @@ def long_stack4(shared_vllm: Any, tmp_path: Path) -> Iterator[Stack]:
     s.sidecar.stop()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="quarantined, cause not found (#46 item 4): fails about half the runs on a 2-core "
-    "host, either waiting for the offline lines to queue in vLLM or with an offline line "
-    "served before the online request after the blockers are released",
-)
 def test_vllm_serves_in_the_priority_the_sidecar_assigns(long_stack4: Stack) -> None:
     """vLLM runs one request at a time. While blockers sent to it directly hold its slot, two
     offline lines and then one online request, all through the sidecar, wait in vLLM; then
