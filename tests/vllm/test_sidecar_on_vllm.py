@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,14 +341,15 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
-def wait_until(cond: Any, what: str, timeout_s: float = 60) -> None:
+def wait_until(cond: Any, what: str, timeout_s: float = 60,
+               detail: Callable[[], str] = lambda: "", poll_s: float = 0.1) -> None:
+    """Poll ``cond`` every ``poll_s`` until it holds; past ``timeout_s`` raise, with
+    ``detail()`` (what was last seen) in the message."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        # Each probe is often a /metrics request to vLLM: rendering it runs on vLLM's API
-        # server loop, so probing faster slows the server the test is watching.
-        time.sleep(0.1)
+            raise TimeoutError(f"{what} {detail()}".strip())
+        time.sleep(poll_s)
 
 
 def offline_body(i: int, max_tokens: int) -> dict[str, Any]:
@@ -359,25 +360,45 @@ def offline_body(i: int, max_tokens: int) -> dict[str, Any]:
 LONG = 2000  # tokens: seconds of decoding for the tiny model on this CPU
 
 
+@dataclass
+class Blocker:
+    """One blocker, for the failure message."""
+
+    n: int
+    sent_s: float = 0.0
+    ended_s: float = 0.0
+    tokens: int = 0  # completion tokens vLLM reported
+    finish: str = ""  # the finish_reason vLLM gave, if any
+    end: str = "open"  # open | done (vLLM answered) | released | error: ...
+
+
 class Blockers:
-    """Streamed requests sent straight to vLLM at a priority above both classes (-5), each
-    seconds of decoding, kept topped up to ``outstanding`` from a thread. vLLM runs one
-    sequence at a time, so while they are held its slot is never free, however slow or fast
-    the host: whatever the sidecar sends meanwhile waits in vLLM's queue, for as long as the
-    test needs. :meth:`release` stops the top-ups and closes every blocker's stream; vLLM
-    aborts what a closed stream asked for, and the slot goes to what waits behind them, in
-    vLLM's own order."""
+    """Requests sent straight to vLLM at a priority above both classes (-5), each seconds of
+    decoding, kept topped up to ``outstanding`` from a thread. vLLM runs one sequence at a
+    time, so while they are held its slot is never free, however slow or fast the host:
+    whatever the sidecar sends meanwhile waits in vLLM's queue, for as long as the test needs.
+    :meth:`release` stops the top-ups and closes every blocker's connection; vLLM aborts a
+    request whose client has gone, and the slot goes to what waits behind them, in vLLM's own
+    order.
+
+    The blockers are not streamed: a stream is an event per token for vLLM's API server to
+    write, and on a loaded host that work delays every request the API server has yet to hand
+    to the engine, the sidecar's among them.
+
+    ``changes`` counts every blocker sent and every blocker ended, under ``lock``: a reading
+    of vLLM's gauges is comparable with :meth:`alive` only while it stays the same (a
+    blocker that has just ended is still in a gauge rendered a moment before)."""
 
     def __init__(self, url: str, outstanding: int = 3) -> None:
         host, port = url.removeprefix("http://").split(":")
         self.host, self.port, self.outstanding = host, int(port), outstanding
         self.lock = threading.Lock()
         self.released = False
+        self.changes = 0
         self.conns: set[http.client.HTTPConnection] = set()
         self.threads: list[threading.Thread] = []
-        self.tokens: list[tuple[int, float]] = []  # (blocker, time of a chunk with tokens)
+        self.blockers: list[Blocker] = []
         self.errors: list[str] = []  # what went wrong in a blocker's thread
-        self.holding = threading.Event()  # a blocker has produced a token: it holds the slot
         self.filler = threading.Thread(target=self._fill, daemon=True)
 
     def _fill(self) -> None:
@@ -386,35 +407,46 @@ class Blockers:
                 if self.released:
                     return
                 for _ in range(self.outstanding - self.alive()):
-                    t = threading.Thread(target=self._one, args=(len(self.threads),), daemon=True)
+                    b = Blocker(len(self.blockers))
+                    self.blockers.append(b)
+                    t = threading.Thread(target=self._one, args=(b,), daemon=True)
+                    self.changes += 1
                     t.start()
                     self.threads.append(t)
             time.sleep(0.05)
 
-    def _one(self, n: int) -> None:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=300)
-        with self.lock:
-            if self.released:
-                return
-            self.conns.add(conn)
-        body = {**COMPLETION, "max_tokens": LONG, "priority": -5, "stream": True}
+    def _one(self, b: Blocker) -> None:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        body = {**COMPLETION, "max_tokens": LONG, "priority": -5}
         try:
+            conn.connect()
+            with self.lock:  # release() shuts down every connection registered before it
+                if self.released:
+                    b.end = "released"
+                    return
+                self.conns.add(conn)
+            b.sent_s = time.monotonic()
             conn.request("POST", "/v1/completions", json.dumps(body),
                          {"Content-Type": "application/json"})
             resp = conn.getresponse()
+            raw = resp.read()
             if resp.status != 200:
-                self.errors.append(f"blocker {n}: {resp.status} {resp.read()!r}")
+                b.end = f"error: {resp.status}"
+                self.errors.append(f"blocker {b.n}: {resp.status} {raw!r}")
                 return
-            while piece := resp.read1(65536):
-                if b'"text"' in piece:
-                    self.tokens.append((n, time.monotonic()))
-                    self.holding.set()
-        except (OSError, http.client.HTTPException) as exc:
-            if not self.released:  # a released stream ends with a read error: expected
-                self.errors.append(f"blocker {n}: {exc!r}")
+            doc = json.loads(raw)
+            b.finish = doc["choices"][0]["finish_reason"] or ""
+            b.tokens = int(doc["usage"]["completion_tokens"])
+            b.end = "done"
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            b.end = "released" if self.released else f"error: {exc!r}"
+            if not self.released:  # a released request ends with a read error: expected
+                self.errors.append(f"blocker {b.n}: {exc!r}")
         finally:
+            b.ended_s = time.monotonic()
             with self.lock:
                 self.conns.discard(conn)
+                self.changes += 1
             conn.close()
 
     def alive(self) -> int:
@@ -436,15 +468,14 @@ class Blockers:
             t.join(60)
 
     def timeline(self) -> str:
-        """When each blocker streamed, for a failure message: vLLM serves one sequence at a
-        time, so a long pause between one blocker's last token and the next one's first means
-        something else held the slot."""
-        spans: dict[int, list[float]] = {}
-        for n, t in self.tokens:
-            spans.setdefault(n, []).append(t)
-        t0 = min((ts[0] for ts in spans.values()), default=0.0)
-        return ", ".join(f"#{n} {ts[0] - t0:.1f}-{ts[-1] - t0:.1f}s"
-                         for n, ts in sorted(spans.items(), key=lambda kv: kv[1][0]))
+        """Each blocker, for a failure message: when it was sent and ended, the tokens vLLM
+        reported and how it ended. vLLM serves one sequence at a time, so a gap between one
+        blocker's end and the next one's means something else held the slot."""
+        t0 = min((b.sent_s for b in self.blockers if b.sent_s), default=0.0)
+        return "; ".join(
+            f"#{b.n} {b.sent_s - t0:.1f}-{(b.ended_s - t0) if b.ended_s else float('nan'):.1f}s "
+            f"{b.tokens} tokens {b.finish or '-'} {b.end}"
+            for b in self.blockers)
 
 
 @pytest.fixture
@@ -475,15 +506,27 @@ def test_vllm_serves_in_the_priority_the_sidecar_assigns(long_stack4: Stack) -> 
     write_shard(tmp / "in.jsonl", [offline_body(i, LONG) for i in range(2)])
     out = tmp / "out.jsonl"
     # The shared server must first be idle (an earlier test's requests may still be draining).
-    wait_until(lambda: gauges(vllm) == (0, 0), "vLLM idle", 300)
+    # Each probe of vLLM's gauges is a /metrics request: rendering it runs on vLLM's API server
+    # loop, so probing fast slows the server the test is watching.
+    wait_until(lambda: gauges(vllm) == (0, 0), "vLLM idle", 300, poll_s=0.5)
     blockers = Blockers(vllm.url).start()
 
+    seen: list[str] = []  # each reading, for a failure message
+
     def beyond_blockers() -> float:
-        """Requests in vLLM besides the blockers. The live blockers are counted first, under
-        the filler's lock: one that ends meanwhile only lowers the result."""
+        """Requests in vLLM besides the blockers, or -1 while the reading cannot be trusted.
+        vLLM's gauges are rendered from its last step, so a blocker that has just ended may
+        still be in them: the reading counts only if no blocker was sent or ended from a
+        second before it to its end. A blocker sent but not yet in vLLM lowers the result."""
         with blockers.lock:
-            alive = blockers.alive()
-            return sum(gauges(vllm)) - alive
+            before = blockers.changes
+        time.sleep(1.0)
+        with blockers.lock:
+            running, waiting = gauges(vllm)
+            alive, steady = blockers.alive(), blockers.changes == before
+        seen.append(f"running {running:.0f} waiting {waiting:.0f} blockers {alive}"
+                    f"{'' if steady else ' (a blocker came or went)'}")
+        return running + waiting - alive if steady else -1.0
 
     def sent(cls: str) -> int:
         return int(getattr(stack.status(), cls).in_flight)
@@ -495,24 +538,34 @@ def test_vllm_serves_in_the_priority_the_sidecar_assigns(long_stack4: Stack) -> 
         late.append(len(records(out)))
 
     u = threading.Thread(target=online)
+
+    def shown() -> str:
+        status = stack.status()
+        return (f"(sidecar: engine ready {status.engine_ready}, offline queued "
+                f"{status.offline.queued} in flight {status.offline.in_flight}, online in flight "
+                f"{status.online.in_flight}; read: {seen[-5:]}; blockers: {blockers.timeline()})")
+
     try:
-        # One blocker running and the rest queued behind it: the slot is never free.
-        wait_until(lambda: blockers.holding.is_set() and gauges(vllm)[1] >= 2,
-                   "blockers holding vLLM", 300)
+        # One blocker running and the rest queued behind it: the slot is never free (vLLM
+        # was idle before them, so whatever runs or waits is a blocker).
+        wait_until(lambda: gauges(vllm)[0] >= 1 and gauges(vllm)[1] >= 2,
+                   "blockers holding vLLM", 300, shown, poll_s=0.5)
         assign(stack, "prio", 2)
         wait_until(lambda: sent("offline") == 2 and beyond_blockers() >= 2,
-                   "offline lines waiting in vLLM", 300)
+                   "offline lines waiting in vLLM", 300, shown, poll_s=0.5)
         u.start()
         wait_until(lambda: sent("online") == 1 and beyond_blockers() >= 3,
-                   "online request waiting in vLLM", 300)
-        assert not records(out), f"an offline line ran past the blockers: {blockers.timeline()}"
+                   "online request waiting in vLLM", 300, shown, poll_s=0.5)
+        assert not records(out), (
+            f"an offline line ran past the blockers: {blockers.timeline()}; read: {seen[-5:]}")
     finally:
         blockers.release()
     u.join(300)
     assert not blockers.errors, blockers.errors
     assert late, "the online request got no answer"
-    assert late == [0], (
-        f"an offline line was served before the online request; blockers: {blockers.timeline()}")
+    assert late == [0], (f"an offline line was served before the online request; blockers: "
+                         f"{blockers.timeline()}; read: {seen[-5:]}")
+    print(f"\nblockers: {blockers.timeline()}; read: {seen[-3:]}")
     progress = wait_shard(stack, "prio")
     assert progress.completed == 2 and progress.preemptions == 0
 
