@@ -22,6 +22,8 @@ INPROCESS_TESTS := tests/vllm/test_inprocess_scheduler.py tests/vllm/test_plugin
   tests/vllm/test_sim_vllm.py tests/vllm/test_fidelity.py tests/vllm/test_plugin_ordering.py \
   tests/vllm/test_plugin_failsafe.py tests/vllm/test_plugin_compat.py tests/vllm/test_plugin_async.py
 PYTEST_ARGS ?=
+# Each tier's slowest tests in its log: where `make test`'s minutes go (docs/development.md).
+DURATIONS := --durations=15 --durations-min=5
 
 .DEFAULT_GOAL := help
 .PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench lock clean
@@ -111,11 +113,11 @@ test:
 	@$(MAKE) --no-print-directory -j4 --output-sync=target venv vllm-env vllm-official-env system-deps cluster-build
 	@$(MAKE) --no-print-directory lint
 	@echo "==> pytest: every tier but vllm"
-	@$(BIN)/pytest -m "not vllm" --ignore=tests/vllm $(PYTEST_ARGS) tests
+	@$(BIN)/pytest -m "not vllm" --ignore=tests/vllm $(DURATIONS) $(PYTEST_ARGS) tests
 	@echo "==> pytest: the vllm tier (real vLLM on CPU, in $(VLLM_VENV))"
-	@$(VLLM_BIN)/pytest -m vllm $(PYTEST_ARGS) tests/vllm
+	@$(VLLM_BIN)/pytest -m vllm $(DURATIONS) $(PYTEST_ARGS) tests/vllm
 	@echo "==> pytest: the in-process tier against the official vLLM wheel (in $(VLLM_OFFICIAL_VENV))"
-	@$(VLLM_OFFICIAL_BIN)/pytest -m vllm $(PYTEST_ARGS) $(INPROCESS_TESTS)
+	@$(VLLM_OFFICIAL_BIN)/pytest -m vllm $(DURATIONS) $(PYTEST_ARGS) $(INPROCESS_TESTS)
 
 test-fast: venv
 	@$(BIN)/pytest -m "not integration and not cluster and not e2e and not vllm" --ignore=tests/vllm $(PYTEST_ARGS) tests
