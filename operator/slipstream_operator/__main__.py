@@ -127,8 +127,11 @@ async def _main(args: argparse.Namespace) -> int:
         server = metrics.serve(operator_metrics, address, port) if port >= 0 else None
         namespaces = settings.namespaces
         logger.info("slipstream operator starting (namespaces: %s, loopback-only: %s, "
-                    "storage roots: %s)", namespaces or "all", settings.loopback_only,
-                    settings.storage_roots or "none (no namespace scoping)")
+                    "storage roots: %s, job storage claim: %s, s3 credentials: %s)",
+                    namespaces or "all", settings.loopback_only,
+                    settings.storage_roots or "none (no namespace scoping)",
+                    settings.job_storage.pvc.claim_name or "none",
+                    settings.job_storage.s3.credentials_secret or "none")
         try:
             await kopf.operator(
                 registry=registry,

@@ -244,7 +244,9 @@ SHM_MOUNT = "/dev/shm"
 
 # What the operator owns in the pod it renders. Setting any of it is a validation error that
 # names the field; everything else of spec.template and spec.engine is added to the pod.
-RESERVED_VOLUMES = ("control-token", "config", "engine-channel", "dshm", "model-store")
+RESERVED_VOLUMES = (
+    "control-token", "config", "engine-channel", "dshm", "model-store", "job-storage",
+)
 RESERVED_MOUNT_PREFIXES = ("/var/run/slipstream", "/etc/slipstream")
 RESERVED_LABELS = ("slipstream.dev/service", "app.kubernetes.io/managed-by")
 RESERVED_ANNOTATIONS = ("prometheus.io/scrape", "prometheus.io/port")

@@ -582,6 +582,7 @@ class Handlers:
             sidecar_image=self.settings.sidecar_image,
             sidecar_resources=self.settings.sidecar_resources,
             placement=self.placement,
+            job_storage=self.settings.job_storage,
         )
         outcome = reconcile_service(
             ref, spec, observed, self.state.services.get(uid, ServiceMemory()),

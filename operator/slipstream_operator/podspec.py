@@ -7,9 +7,10 @@ docs/install.md):
   field): the containers ``vllm`` and ``sidecar`` with their images' entry arguments, vLLM's
   ``--model``, ``--served-model-name``, ``--host``, ``--port``, ``--scheduling-policy`` and
   ``--scheduler-cls``; vLLM's port 8001 and the sidecar's ``httpPort``/``grpcPort``; the
-  volumes ``control-token``, ``config``, ``engine-channel``, ``dshm`` and ``model-store`` and
-  the paths ``/var/run/slipstream``, ``/etc/slipstream``, ``/dev/shm`` (and ``/mnt/models``
-  with a ``pvc://`` model source); ``SLIPSTREAM_*`` environment variables; ``nvidia.com/gpu``
+  volumes ``control-token``, ``config``, ``engine-channel``, ``dshm``, ``model-store`` and
+  ``job-storage`` and the paths ``/var/run/slipstream``, ``/etc/slipstream``, ``/dev/shm`` (and
+  ``/mnt/models`` with a ``pvc://`` model source); ``SLIPSTREAM_*`` environment variables;
+  ``nvidia.com/gpu``
   (from ``spec.engine.gpus``); the labels ``slipstream.dev/service`` and
   ``app.kubernetes.io/managed-by`` and the ``prometheus.io/*`` annotations the operator sets.
 * **Added** as written: ``spec.engine.env``/``envFrom``/``volumeMounts``/``resources`` on the
@@ -27,6 +28,15 @@ Model source: ``spec.modelSource.uri`` ``hf://org/name`` is vLLM's ``--model org
 always serves the model as ``spec.model`` (``--served-model-name``), the name jobs and
 clients use.
 
+Job storage (:class:`JobStorage`, the operator's setting ``job_storage``, one for the whole
+cluster; the chart's ``jobStorage``): the claim ``pvc.claim_name`` is mounted as the volume
+``job-storage`` into the sidecar container at ``pvc.mount_path``, the path where the operator
+(the chart mounts the same claim there) sees it, so a ``file://`` job path means the same file
+in both; ``s3.credentials_secret`` is the sidecar's ``envFrom`` (the ``AWS_*`` keys s3fs reads)
+and ``s3.endpoint_url`` its ``FSSPEC_S3_ENDPOINT_URL`` and ``AWS_ENDPOINT_URL``. Both name
+objects of the pod's own namespace: every namespace that runs InferenceServices needs them.
+The ``vllm`` container gets none of it.
+
 Deliberately left out: the sidecar's own env and mounts (the operator's alone), init
 containers, and a whole PodSpec passthrough (fields not named above are not offered).
 """
@@ -38,10 +48,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from slipstream_operator.api import (
+    DNS_NAME_PATTERN,
     ENGINE_PORT,
     GPU_RESOURCE,
     MODEL_MOUNT,
+    RESERVED_MOUNT_PREFIXES,
     SHM_MOUNT,
     Enforcement,
     InferenceServiceSpec,
@@ -58,6 +72,17 @@ TOKEN_MOUNT = "/var/run/slipstream/control"
 CONFIG_MOUNT = "/etc/slipstream"
 SHM_VOLUME = "dshm"
 MODEL_VOLUME = "model-store"
+JOB_STORAGE_VOLUME = "job-storage"
+"""The job storage claim's volume in every pod (reserved: ``api.RESERVED_VOLUMES``)."""
+JOB_STORAGE_MOUNT = "/data/jobs"
+"""Where the job storage claim is mounted unless ``job_storage.pvc.mount_path`` says otherwise."""
+OPERATOR_POD_PATHS = ("/tmp",)
+"""The operator pod's own mounts (the chart's writable ``/tmp``), beside the inference pods'."""
+JOB_STORAGE_RESERVED_PATHS = (*RESERVED_MOUNT_PREFIXES, SHM_MOUNT, MODEL_MOUNT,
+                              *OPERATOR_POD_PATHS)
+"""Paths the job storage mount may neither equal nor lie above or below: the operator's
+mounts in the inference pods and in its own pod (the chart lists the same,
+``templates/deployment.yaml``)."""
 
 GPU_NODE_LABEL = "nvidia.com/gpu.product"
 """The node label NVIDIA's GPU feature discovery sets to the GPU's product name."""
@@ -110,6 +135,116 @@ def node_selector(spec: InferenceServiceSpec, placement: GpuPlacement) -> dict[s
     if problems:
         raise SpecError("; ".join(problems), field_path="spec.template.spec.nodeSelector")
     return {**spec.template.spec.node_selector, **placement.selector(spec)}
+
+
+class JobStoragePvc(BaseModel):
+    """A PersistentVolumeClaim holding the ``file://`` job storage."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    claim_name: str = Field(
+        default="", max_length=253, pattern=f"^$|{DNS_NAME_PATTERN}",
+        description="Claim mounted into the sidecar container of every InferenceService pod "
+        "(a claim of this name in each namespace that runs InferenceServices) and, by the "
+        "chart, into the operator. Empty: no claim. Default: empty.",
+    )
+    mount_path: str = Field(
+        default=JOB_STORAGE_MOUNT, min_length=1, max_length=1024,
+        description="Absolute path of the claim, the same in the operator and the sidecars, "
+        "so a file:// job URI under it names the same file in both; not the operator's own "
+        "paths (" + ", ".join(JOB_STORAGE_RESERVED_PATHS) + f"). Default: {JOB_STORAGE_MOUNT}.",
+    )
+    read_only: bool = Field(
+        default=False,
+        description="Mount the claim read-only in the sidecars (outputs then need other "
+        "storage). Default: false.",
+    )
+
+
+class JobStorageS3(BaseModel):
+    """Credentials for ``s3://`` job URIs (s3fs through fsspec)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    credentials_secret: str = Field(
+        default="", max_length=253, pattern=f"^$|{DNS_NAME_PATTERN}",
+        description="Secret whose keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_SESSION_TOKEN, ...) become the sidecar container's environment (envFrom), "
+        "read from each InferenceService's namespace; the chart gives the operator the one of "
+        "its own namespace. Empty: none. Default: empty.",
+    )
+    endpoint_url: str = Field(
+        default="", max_length=1024, pattern=r"^$|^https?://[^\s]+$",
+        description="S3 endpoint (e.g. MinIO's), as FSSPEC_S3_ENDPOINT_URL and "
+        "AWS_ENDPOINT_URL. Empty: AWS. Default: empty.",
+    )
+
+
+class JobStorage(BaseModel):
+    """Where OfflineJob files live, made reachable from every inference pod's sidecar: a
+    claim mounted at the operator's path and S3 credentials (the operator's setting
+    ``job_storage``; the chart's ``jobStorage``). Empty: nothing is added to the pods."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pvc: JobStoragePvc = Field(default_factory=JobStoragePvc, description="The claim.")
+    s3: JobStorageS3 = Field(default_factory=JobStorageS3, description="S3 credentials.")
+
+    @model_validator(mode="after")
+    def _valid(self) -> JobStorage:
+        problems = job_storage_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def sidecar_env(self) -> list[dict[str, Any]]:
+        """The sidecar's S3 endpoint variables (none without an endpoint)."""
+        url = self.s3.endpoint_url
+        return ([{"name": "FSSPEC_S3_ENDPOINT_URL", "value": url},
+                 {"name": "AWS_ENDPOINT_URL", "value": url}] if url else [])
+
+    def sidecar_env_from(self) -> list[dict[str, Any]]:
+        secret = self.s3.credentials_secret
+        return [{"secretRef": {"name": secret}}] if secret else []
+
+    def sidecar_mounts(self) -> list[dict[str, Any]]:
+        if not self.pvc.claim_name:
+            return []
+        mount: dict[str, Any] = {"name": JOB_STORAGE_VOLUME, "mountPath": self.pvc.mount_path}
+        if self.pvc.read_only:
+            mount["readOnly"] = True
+        return [mount]
+
+    def volumes(self) -> list[dict[str, Any]]:
+        if not self.pvc.claim_name:
+            return []
+        claim: dict[str, Any] = {"claimName": self.pvc.claim_name}
+        if self.pvc.read_only:
+            claim["readOnly"] = True
+        return [{"name": JOB_STORAGE_VOLUME, "persistentVolumeClaim": claim}]
+
+
+def job_storage_problems(storage: JobStorage) -> list[str]:
+    """What makes ``storage`` unusable, one message per problem naming the setting: a relative
+    mount path, or one that equals, contains or lies inside an operator path."""
+    where = "job_storage.pvc.mount_path"
+    raw = storage.pvc.mount_path
+    if not raw.startswith("/"):
+        return [f"{where}: {raw!r} is not an absolute path"]
+    path = raw.rstrip("/") or "/"
+    parts = path.split("/")
+    if "." in parts or ".." in parts:
+        return [f"{where}: {raw!r} has . or .. segments"]
+    clash = [r for r in JOB_STORAGE_RESERVED_PATHS
+             if path in ("/", r) or path.startswith(r + "/") or r.startswith(path + "/")]
+    if clash:
+        return [f"{where}: {raw!r} overlaps the operator's {clash[0]} (reserved: "
+                f"{', '.join(JOB_STORAGE_RESERVED_PATHS)})"]
+    return []
+
+
+NO_JOB_STORAGE = JobStorage()
+"""No claim, no credentials: the pods get nothing for job storage."""
 
 
 def _engine_mode(spec: InferenceServiceSpec) -> bool:
@@ -180,8 +315,10 @@ def engine_container(spec: InferenceServiceSpec, args: list[str]) -> dict[str, A
 def sidecar_container(
     spec: InferenceServiceSpec, *, image: str, resources: ResourceRequirements,
     storage_roots: tuple[str, ...], latency_file: bool,
+    job_storage: JobStorage = NO_JOB_STORAGE,
 ) -> dict[str, Any]:
-    """The ``sidecar`` container (the operator's alone)."""
+    """The ``sidecar`` container (the operator's alone), with the job storage's claim, S3
+    credentials and endpoint."""
     engine_mode = _engine_mode(spec)
     env = [
         {"name": "SLIPSTREAM_SIDECAR_ENGINE", "value": f"http://127.0.0.1:{ENGINE_PORT}"},
@@ -208,7 +345,8 @@ def sidecar_container(
         # /ready answers 503 while the sidecar profiles the engine; the readiness probe only
         # keeps the pod out of the Service meanwhile (no liveness or startup probe restarts it).
         env.append({"name": "SLIPSTREAM_SIDECAR_PROFILE_AT_START_S", "value": f"{profile_s:g}"})
-    return {
+    env += job_storage.sidecar_env()
+    container: dict[str, Any] = {
         "name": "sidecar",
         "image": image,
         "args": ["sidecar", *(("--engine-channel", CHANNEL_MOUNT) if engine_mode else ())],
@@ -223,13 +361,19 @@ def sidecar_container(
             {"name": "control-token", "mountPath": TOKEN_MOUNT, "readOnly": True},
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             *([{"name": CHANNEL_VOLUME, "mountPath": CHANNEL_MOUNT}] if engine_mode else []),
+            *job_storage.sidecar_mounts(),
         ],
     }
+    env_from = job_storage.sidecar_env_from()
+    if env_from:
+        container["envFrom"] = env_from
+    return container
 
 
-def pod_volumes(spec: InferenceServiceSpec, *, secret: str, configmap: str
-                ) -> list[dict[str, Any]]:
-    """The operator's volumes, then ``spec.template.spec.volumes``."""
+def pod_volumes(spec: InferenceServiceSpec, *, secret: str, configmap: str,
+                job_storage: JobStorage = NO_JOB_STORAGE) -> list[dict[str, Any]]:
+    """The operator's volumes (the job storage claim's among them), then
+    ``spec.template.spec.volumes``."""
     volumes: list[dict[str, Any]] = [
         {"name": "control-token", "secret": {"secretName": secret}},
         {"name": "config", "configMap": {"name": configmap}},
@@ -243,19 +387,23 @@ def pod_volumes(spec: InferenceServiceSpec, *, secret: str, configmap: str
     if claim is not None:
         volumes.append({"name": MODEL_VOLUME,
                         "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    volumes += job_storage.volumes()
     return volumes + [v.wire() for v in spec.template.spec.volumes]
 
 
 def pod_template(
     spec: InferenceServiceSpec, *, labels: Mapping[str, str], secret: str, configmap: str,
     engine: dict[str, Any], sidecar: dict[str, Any], placement: GpuPlacement,
+    job_storage: JobStorage = NO_JOB_STORAGE,
 ) -> dict[str, Any]:
     """The Deployment's pod template: the operator's labels and annotations over the spec's
-    (the spec cannot name the operator's keys), both containers, and the pod-level fields."""
+    (the spec cannot name the operator's keys), both containers, and the pod-level fields;
+    ``job_storage`` is the claim the ``sidecar`` container mounts."""
     overrides = spec.template.spec
     pod: dict[str, Any] = {
         "containers": [engine, sidecar],
-        "volumes": pod_volumes(spec, secret=secret, configmap=configmap),
+        "volumes": pod_volumes(spec, secret=secret, configmap=configmap,
+                               job_storage=job_storage),
     }
     selector = node_selector(spec, placement)
     if selector:

@@ -99,8 +99,10 @@ from slipstream_operator.modelchoice import LearnedParams, ModelChoice, ModelInF
 from slipstream_operator.observe import WindowStats
 from slipstream_operator.podspec import (
     DEFAULT_PLACEMENT,
+    NO_JOB_STORAGE,
     TOKEN_KEY,
     GpuPlacement,
+    JobStorage,
     engine_container,
     model_args,
     pod_template,
@@ -178,6 +180,8 @@ class ServiceObserved:
     sidecar_resources: ResourceRequirements = field(default_factory=ResourceRequirements)
     # The node label each gpuType requires (settings gpu_node_label / gpu_node_values).
     placement: GpuPlacement = field(default_factory=GpuPlacement)
+    # The job storage every sidecar mounts (settings job_storage).
+    job_storage: JobStorage = NO_JOB_STORAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +253,7 @@ def children(
     ref: ObjectRef, spec: InferenceServiceSpec, token: str, model: LinearLatencyModel | None,
     *, storage_roots: tuple[str, ...] = (), sidecar_image: str = DEFAULT_SIDECAR_IMAGE,
     sidecar_resources: ResourceRequirements | None = None,
-    placement: GpuPlacement = DEFAULT_PLACEMENT,
+    placement: GpuPlacement = DEFAULT_PLACEMENT, job_storage: JobStorage = NO_JOB_STORAGE,
 ) -> tuple[dict[str, Any], ...]:
     """Secret, ConfigMap, Deployment and Service for the spec.
 
@@ -257,7 +261,7 @@ def children(
     default), with ``spec.sidecar.resources`` unless both its requests and limits are empty,
     else ``sidecar_resources``. The pod is ``podspec``'s (the merge rule is there); raises
     :class:`~slipstream_operator.errors.SpecError` when the spec's nodeSelector contradicts
-    ``placement``.
+    ``placement``. ``job_storage`` is mounted into the sidecar container.
     """
     n = names(ref)
     secret = {
@@ -296,7 +300,7 @@ def children(
         spec, image=spec.sidecar.image or sidecar_image,
         resources=(own if own.requests or own.limits or sidecar_resources is None
                    else sidecar_resources),
-        storage_roots=storage_roots, latency_file=model is not None)
+        storage_roots=storage_roots, latency_file=model is not None, job_storage=job_storage)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -307,7 +311,7 @@ def children(
             "template": pod_template(
                 spec, labels={**selector, **MANAGED_BY}, secret=n["secret"],
                 configmap=n["configmap"], engine=engine_container(spec, engine_args),
-                sidecar=sidecar, placement=placement),
+                sidecar=sidecar, placement=placement, job_storage=job_storage),
         },
     }
     service = {
@@ -615,13 +619,14 @@ def _rendered(
 ) -> RenderedChildren:
     """The children, rendered again only when what they come from changed."""
     inputs = (ref, spec, observed.token, model, observed.storage_roots,
-              observed.sidecar_image, observed.sidecar_resources, observed.placement)
+              observed.sidecar_image, observed.sidecar_resources, observed.placement,
+              observed.job_storage)
     if rendered is not None and rendered.inputs == inputs:
         return rendered
     return RenderedChildren(inputs, children(
         ref, spec, observed.token, model, storage_roots=observed.storage_roots,
         sidecar_image=observed.sidecar_image, sidecar_resources=observed.sidecar_resources,
-        placement=observed.placement))
+        placement=observed.placement, job_storage=observed.job_storage))
 
 
 def _generation(

@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from slipstream_operator.api import DEFAULT_SIDECAR_IMAGE, ResourceRequirements
 from slipstream_operator.budgets import BudgetParams
 from slipstream_operator.calibration import CalibrationParams
-from slipstream_operator.podspec import DEFAULT_GPU_PRODUCTS, GPU_NODE_LABEL
+from slipstream_operator.podspec import DEFAULT_GPU_PRODUCTS, GPU_NODE_LABEL, JobStorage
 from slipstream_operator.simsearch import SimSearchParams
 
 
@@ -102,6 +102,16 @@ class OperatorSettings(BaseSettings):
         "SLIPSTREAM_SIDECAR_STORAGE_ROOTS. Default: empty = no scoping, which is unsafe on a "
         "multi-tenant cluster (any job can read and overwrite any file the operator and "
         "sidecars can reach).",
+    )
+    job_storage: JobStorage = Field(
+        default_factory=JobStorage,
+        description="Where OfflineJob files live, made reachable from every InferenceService "
+        "pod: a PersistentVolumeClaim (pvc.claim_name) mounted into each sidecar container at "
+        "pvc.mount_path, the path where the operator sees it (the chart's jobStorage mounts "
+        "it there), and a Secret of S3 credentials (s3.credentials_secret, the sidecar's "
+        "envFrom) with an optional s3.endpoint_url. From the environment as JSON, e.g. "
+        '{"pvc": {"claim_name": "jobs", "mount_path": "/data/jobs"}}. A relative mount path, '
+        "or one overlapping the operator's own paths, is refused. Default: none.",
     )
     prometheus_timeout_s: float = Field(
         default=2.0,

