@@ -102,8 +102,13 @@ def test_tenants_never_write_status_or_finalizers() -> None:
 @pytest.mark.parametrize(("bad", "message"), [
     ("rbac.aggregateToTenantRoles=yes", "/rbac/aggregateToTenantRoles"),
     ("rbac.tenants=true", "/rbac"),
+    ("networkPolicy.namespaces={Team_A}", "/networkPolicy/namespaces/0"),
+    ("networkPolicy.namespaces={team-*}", "/networkPolicy/namespaces/0"),
+    ("networkPolicy.namespaces={a,a}", "/networkPolicy/namespaces"),
+    ("networkPolicy.namespaces=team-a", "/networkPolicy/namespaces"),
 ])
-def test_schema_rejects_bad_rbac_values(bad: str, message: str) -> None:
+def test_schema_rejects_bad_tenancy_values(bad: str, message: str) -> None:
+    """The schema refuses a bad tenant-roles switch or policy namespace, naming the value."""
     result = helm_template(bad, check=False)
     assert result.returncode != 0, f"{bad} was accepted"
     assert message in result.stderr, result.stderr
@@ -197,19 +202,6 @@ def test_namespaces_beyond_the_release_need_the_cluster_wide_operator() -> None:
                            "networkPolicy.namespaces={team-a}", check=False)
     assert result.returncode != 0
     assert "networkPolicy.namespaces: team-a is not watched" in result.stderr, result.stderr
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(("bad", "message"), [
-    ("networkPolicy.namespaces={Team_A}", "/networkPolicy/namespaces/0"),
-    ("networkPolicy.namespaces={team-*}", "/networkPolicy/namespaces/0"),
-    ("networkPolicy.namespaces={a,a}", "/networkPolicy/namespaces"),
-    ("networkPolicy.namespaces=team-a", "/networkPolicy/namespaces"),
-])
-def test_schema_rejects_bad_policy_namespaces(bad: str, message: str) -> None:
-    result = helm_template(bad, check=False)
-    assert result.returncode != 0, f"{bad} was accepted"
-    assert message in result.stderr, result.stderr
 
 
 @pytest.mark.integration
