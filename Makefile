@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 DURATIONS := --durations=15 --durations-min=5
 
 .DEFAULT_GOAL := help
-.PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench lock clean
+.PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench lock images clean
 
 help:
 	@echo "make demo        run the main job (builds what it needs)"
@@ -40,6 +40,7 @@ help:
 	@echo "make bench       rerun every benchmark into docs/benchmarks/"
 	@echo "make proto       regenerate the sidecar's gRPC code (with the locked grpcio-tools)"
 	@echo "make lock        refresh the locks in locks/ (UPGRADE=1: every package to its newest)"
+	@echo "make images      build the slipstream and engine-mode vLLM images (docker, podman or buildah)"
 	@echo "make front       build the sidecar's compiled front (slipstream-front) into $(BIN)"
 
 # The environment and the sidecar's compiled front beside its Python: every sidecar needs it.
@@ -167,6 +168,22 @@ proto: venv
 # if grpcio-tools moved, `make test`, and commit the locks with the change.
 lock:
 	@UPGRADE=$(UPGRADE) bash hack/lock/refresh.sh
+
+# The two images (docs/install.md, "Images"): slipstream (operator and sidecar, Containerfile)
+# and the engine-mode vLLM image (Containerfile.vllm, from the vLLM version the suite tests),
+# with the first of docker, podman or buildah on PATH (or CONTAINER=...). REGISTRY=host/path
+# prefixes the names; pushing is yours. Without a builder it stops with exit 2: the test suite
+# checks both recipes statically (tests/integration/test_containerfile*.py).
+CONTAINER ?= $(firstword $(foreach b,docker podman buildah,$(shell command -v $(b) 2>/dev/null)))
+APP_VERSION := $(shell sed -n 's/^appVersion: "\(.*\)"/\1/p' charts/slipstream/Chart.yaml)
+VLLM_IMAGE_VERSION := $(shell sed -n 's/^VLLM_VERSION=//p' hack/lock/pins.sh)
+REGISTRY ?=
+images:
+	@if [ -z "$(CONTAINER)" ]; then \
+	  echo "make images: no container builder (docker, podman or buildah) on PATH; set CONTAINER=..." >&2; exit 2; fi
+	$(CONTAINER) build -f Containerfile -t $(REGISTRY:%=%/)slipstream:$(APP_VERSION) .
+	$(CONTAINER) build -f Containerfile.vllm --build-arg VLLM_IMAGE=vllm/vllm-openai:v$(VLLM_IMAGE_VERSION) \
+	  -t $(REGISTRY:%=%/)vllm-slipstream:v$(VLLM_IMAGE_VERSION)-slipstream$(APP_VERSION) .
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OFFICIAL_VENV) out .mypy_cache .ruff_cache .pytest_cache

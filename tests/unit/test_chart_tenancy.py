@@ -9,6 +9,7 @@ tests/unit/test_chart.py, whose helpers render the chart here).
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -206,8 +207,6 @@ def test_namespaces_beyond_the_release_need_the_cluster_wide_operator() -> None:
 
 @pytest.mark.integration
 def test_helm_lint_passes_with_tenancy_values() -> None:
-    import subprocess
-
     from unit.test_chart import _helm
 
     args = [str(_helm()), "lint", "--strict", str(CHART),
@@ -250,3 +249,25 @@ def test_install_guide_explains_every_chart_value() -> None:
     missing = [key for key in keys
                if not re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", text)]
     assert not missing, f"docs/install.md does not name these values.yaml keys: {missing}"
+
+
+# ---------------------------------------------------------------------------- images
+def install_notes(*sets: str) -> str:
+    """NOTES.txt as `helm install` prints it (rendered client-side, no cluster)."""
+    from unit.test_chart import _helm
+
+    args = [str(_helm()), "install", "rel", str(CHART), "--dry-run=client"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True).stdout
+    return out.split("\nNOTES:\n", 1)[1]
+
+
+@pytest.mark.integration
+def test_notes_warn_that_the_default_image_is_not_published_and_name_real_examples() -> None:
+    default = install_notes()
+    assert "WARNING: image.repository is the chart's default" in default
+    assert "WARNING" not in install_notes("image.repository=registry.example.com/slipstream")
+    for path in re.findall(r"-f (examples/\S+)", default):
+        assert (REPO / path).exists(), path
+    assert "https://" not in default

