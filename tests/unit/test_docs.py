@@ -821,3 +821,29 @@ def test_length_predictor_page_figures() -> None:
         low, high = _after(text, phrase, 2)
         _shows(low, min(recovered(summary)), 100)
         _shows(high, max(recovered(summary)), 100)
+
+
+def test_ordering_ablations_predictor_figures() -> None:
+    """ordering-ablations.md's global-predictor table and its semantic-against-global
+    percentages, from ``ordering-vllm-global.json`` and ``ordering-vllm.json``."""
+    text = (BENCH / "ordering-ablations.md").read_text()
+    semantic = _ordering_summary("ordering-vllm.json")
+    global_ = _ordering_summary("ordering-vllm-global.json")
+    table = _table(text, "### What the predictor is worth here: the global distribution")
+    assert len(table) == len(global_)
+    for r in table:
+        s = global_[float(_plain(r["load"])), _plain(r["ordering"]), _plain(r["cost"])]
+        _shows(r["mean TTLT"], s["mean_ttlt_s"])
+        _shows(r["p99 TTLT"], s["p99_ttlt_s"])
+        _shows(r["p99 TTFT"], s["ttft_p99_s"])
+    rows = _table(text, "Mean TTLT of the semantic predictor")
+    assert len(rows) == len({k[0] for k in global_})
+    for r in rows:
+        load = float(_plain(r["load"]))
+        for column, cell in r.items():
+            if column == "load":
+                continue
+            found = re.fullmatch(r"(\S+) \((\w+)\)", column)
+            assert found is not None, column
+            key = (load, found.group(1), found.group(2))
+            _shows(cell, semantic[key]["mean_ttlt_s"] / global_[key]["mean_ttlt_s"] - 1, 100)
