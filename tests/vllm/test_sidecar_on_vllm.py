@@ -50,15 +50,24 @@ class Stack:
     vllm: VllmServer
     sidecar: Proc
     tmp: Path
+    _status: tuple[Any, Any] | None = None  # (channel, stub) kept for status()
 
     def stub(self) -> tuple[Any, Any]:
         ch, stub = control_stub(self.sidecar.extra_ports["grpc"])
         return ch, stub
 
     def status(self) -> Any:
-        ch, stub = self.stub()
-        with ch:
-            return stub.Status(pb.StatusRequest(), metadata=bearer(TOKEN))
+        """The sidecar's Status, over one channel kept for the stack's life, as the operator
+        keeps one per sidecar (tests poll it often; each new channel is a new connection and
+        HTTP/2 handshake). A call that gets no answer in 60 s fails."""
+        if self._status is None:
+            self._status = self.stub()
+        return self._status[1].Status(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=60)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status[0].close()
+            self._status = None
 
 
 def start_sidecar(vllm: VllmServer, tmp: Path, *, seqs: int, kv_blocks: int | None = 4096) -> Stack:
@@ -98,6 +107,7 @@ def stack4(vllm: VllmServer, tmp_path: Path) -> Iterator[Stack]:
     """A sidecar that believes the engine has 4 slots (vLLM runs 1: the rest wait in vLLM)."""
     s = start_sidecar(vllm, tmp_path, seqs=4)
     yield s
+    s.close()
     s.sidecar.stop()
 
 
@@ -485,6 +495,7 @@ def long_stack4(shared_vllm: Any, tmp_path: Path) -> Iterator[Stack]:
     s = start_sidecar(shared_vllm(
         max_num_seqs=1, extra_args=("--dtype", "float32"), max_model_len=2048), tmp_path, seqs=4)
     yield s
+    s.close()
     s.sidecar.stop()
 
 
@@ -588,6 +599,7 @@ def stack1(vllm: VllmServer, tmp_path: Path) -> Iterator[Stack]:
     is the one vLLM is decoding, so an online arrival aborts it mid-answer."""
     s = start_sidecar(vllm, tmp_path, seqs=1)
     yield s
+    s.close()
     s.sidecar.stop()
 
 
@@ -704,6 +716,7 @@ def test_kill_9_of_vllm_mid_shard_then_restart(vllm: VllmServer, tmp_path: Path)
         # Read again from the restarted engine (same flags: the same cache).
         assert kv_cache(s) == (*vllm_kv_cache(vllm), "engine", "engine")
     finally:
+        s.close()
         s.sidecar.stop()
     ids = [r["custom_id"] for r in records(tmp_path / "out.jsonl")]
     assert sorted(ids) == sorted(f"req-{i}" for i in range(n)), "each custom_id exactly once"
