@@ -5,6 +5,13 @@ Every test here runs real vLLM code on this CPU: in-process (vLLM's v1 scheduler
 ``vllm serve`` process (:mod:`slipstream_testbed.vllm`). Starting a server takes 30-100 s, so the
 servers are shared per session where a test does not change them; a test that kills its server
 takes one of its own from ``vllm_server_factory``.
+
+A shared server lives only as long as a test module still to run needs it: each one holds
+2-3 GB, and five alive at once (with the per-test servers and in-process engines beside them)
+leave a 24 GiB host without swap short of page cache, so every process on it stalls on page
+faults. The servers the named fixtures give (``vllm_server``, ``vllm_one_seq``) are kept while
+a later module uses that fixture; a server a module asked ``shared_vllm`` for with options of
+its own is stopped when the module ends (a later module that asks again starts it again).
 """
 
 from __future__ import annotations
@@ -59,6 +66,45 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
 
 
+ServerKey = tuple[tuple[str, Any], ...]
+_SERVERS = pytest.StashKey[dict[ServerKey, "VllmServer"]]()
+_NEEDED_AFTER = pytest.StashKey[dict[Path, set[str]]]()
+
+
+def server_key(options: dict[str, Any]) -> ServerKey:
+    return tuple(sorted(options.items()))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """For each test module, the named server fixtures that a module after it uses (in the
+    final run order, after every hook that reorders or deselects)."""
+    needed_after: dict[Path, set[str]] = {}
+    later: set[str] = set()
+    for item in reversed(session.items):
+        path = Path(str(item.fspath))
+        if path not in needed_after:
+            needed_after[path] = set(later)
+        later |= NAMED_SERVERS.keys() & set(getattr(item, "fixturenames", ()))
+    session.config.stash[_NEEDED_AFTER] = needed_after
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """At a module's end (its module fixtures torn down), stop the shared servers no module
+    after it needs."""
+    yield
+    if nextitem is None or Path(str(nextitem.fspath)) == Path(str(item.fspath)):
+        return  # the session's end stops the rest; mid-module, everything may still be in use
+    servers = item.config.stash.get(_SERVERS, None)
+    needed = item.config.stash.get(_NEEDED_AFTER, {}).get(Path(str(item.fspath)), set())
+    if not servers:
+        return
+    keep = {NAMED_SERVERS[name] for name in needed}
+    for key in [k for k in servers if k not in keep]:
+        servers.pop(key).stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The tiny Llama built from a seed (cached in ~/.cache/slipstream/models)."""
@@ -69,10 +115,9 @@ ServerFactory = Callable[..., VllmServer]
 
 
 @pytest.fixture(scope="session")
-def _session_servers(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[tuple[tuple[str, Any], ...], VllmServer]]:
-    servers: dict[tuple[tuple[str, Any], ...], VllmServer] = {}
+def _session_servers(request: pytest.FixtureRequest) -> Iterator[dict[ServerKey, VllmServer]]:
+    servers: dict[ServerKey, VllmServer] = {}
+    request.config.stash[_SERVERS] = servers  # for pytest_runtest_teardown
     yield servers
     for srv in servers.values():
         srv.stop()
@@ -80,14 +125,15 @@ def _session_servers(
 
 @pytest.fixture(scope="session")
 def shared_vllm(
-    _session_servers: dict[tuple[tuple[str, Any], ...], VllmServer],
+    _session_servers: dict[ServerKey, VllmServer],
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> ServerFactory:
-    """``shared_vllm(**options)``: a live server with these options, started once per session."""
+    """``shared_vllm(**options)``: a live server with these options, started once and kept
+    while a test module still to run needs it (see the module's docstring)."""
 
     def get(**kw: Any) -> VllmServer:
-        key = tuple(sorted(kw.items()))
+        key = server_key(kw)
         srv = _session_servers.get(key)
         if srv is None or not srv.healthy():
             if srv is not None:
@@ -115,6 +161,11 @@ def vllm_one_seq(shared_vllm: ServerFactory) -> VllmServer:
     """A live server that runs one request at a time (the order it serves in is observable)
     in float32 (greedy decoding then does not depend on what else is in the batch)."""
     return shared_vllm(**ONE_SEQ_FP32)
+
+
+NAMED_SERVERS: dict[str, ServerKey] = {
+    "vllm_server": server_key({}), "vllm_one_seq": server_key(ONE_SEQ_FP32)}
+"""The session fixtures that name a shared server, and the server's options."""
 
 
 @pytest.fixture

@@ -67,6 +67,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+ENGINE_CORE_NICE = 19
+"""The niceness the engine core's threads are given once the server is up (None: left as
+started). On CPU, vLLM runs the model in a worker process pinned to one core and reserves the
+other for its API server; the engine core, between the two, waits for each step's result by
+spinning (``sched_yield``) and takes most of that reserved core. On a 2-core host the API
+server, a sidecar and the test's own client then get a third of a core each, and a request
+can sit unread in the API server for tens of seconds. On a GPU host the engine core waits on
+a GPU, not on the cores that serve HTTP; at the lowest priority its spin takes only what
+nothing else wants, and its real work (scheduling, output) runs while the worker waits."""
+
+
 @dataclass(frozen=True, slots=True)
 class VllmServerOptions:
     """What ``vllm serve`` is started with. ``extra_args`` go last, as they are."""
@@ -85,6 +96,7 @@ class VllmServerOptions:
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    engine_core_nice: int | None = ENGINE_CORE_NICE
 
     def argv(self, port: int) -> list[str]:
         args = [
@@ -178,10 +190,35 @@ class VllmServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise VllmStartError(f"vllm serve exited with {self.proc.returncode}", self.tail())
             if self.healthy():
+                if self.opts.engine_core_nice is not None:
+                    self.renice_engine_core(self.opts.engine_core_nice)
                 return
             time.sleep(0.5)
         raise VllmStartError(f"vllm serve did not answer /health within {timeout_s:.0f} s",
                              self.tail())
+
+    def engine_core_threads(self) -> list[int]:
+        """The thread ids of this server's engine core (``VLLM::EngineCore``, in the server's
+        process group)."""
+        if self.proc is None:
+            return []
+        tids: list[int] = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                comm = (stat.parent / "comm").read_text().strip()
+                if int(fields[2]) != self.proc.pid or not comm.startswith("VLLM::EngineCor"):
+                    continue
+                tids += [int(t.name) for t in (stat.parent / "task").iterdir()]
+            except (OSError, IndexError, ValueError):
+                continue  # a process that ended meanwhile
+        return tids
+
+    def renice_engine_core(self, nice: int) -> None:
+        """Give every engine-core thread ``nice`` (see :data:`ENGINE_CORE_NICE`)."""
+        for tid in self.engine_core_threads():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
 
     def healthy(self) -> bool:
         try:
