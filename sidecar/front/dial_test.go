@@ -3,11 +3,13 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -120,5 +122,53 @@ func TestTheClientGoingAwayEndsTheWait(t *testing.T) {
 	}
 	if waited := time.Since(start); waited > 3*time.Second {
 		t.Fatalf("waited %v after the client left", waited)
+	}
+}
+
+// An engine connection idle for longer than engineIdleTimeout is not reused: the next request
+// opens a new one, so the front never writes to a connection vLLM (5 s keep-alive) is closing.
+// Within that time the connection is reused.
+func TestAnIdleEngineConnectionIsDroppedBeforeTheEnginesKeepAlive(t *testing.T) {
+	if engineIdleTimeout >= 5*time.Second {
+		t.Fatalf("engineIdleTimeout %v is not below vLLM's 5 s keep-alive", engineIdleTimeout)
+	}
+	var mu sync.Mutex
+	opened := 0
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write([]byte("{}"))
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			mu.Lock()
+			opened++
+			mu.Unlock()
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	client := &http.Client{Transport: engineTransport(8, time.Minute)}
+	get := func() {
+		resp, err := client.Get(srv.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	count := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return opened
+	}
+	get()
+	get() // at once: the same connection
+	if n := count(); n != 1 {
+		t.Fatalf("two requests in a row opened %d connections, want 1", n)
+	}
+	time.Sleep(engineIdleTimeout + time.Second)
+	get()
+	if n := count(); n != 2 {
+		t.Fatalf("a request after %v idle opened %d connections in all, want 2",
+			engineIdleTimeout+time.Second, n)
 	}
 }

@@ -58,6 +58,25 @@ type front struct {
 	ids     atomic.Uint32
 }
 
+// engineIdleTimeout is how long an idle engine connection is kept for reuse: below the
+// engine's own keep-alive (vLLM's uvicorn closes a connection idle for 5 s), so that a request
+// is never written to a connection the engine is closing at that moment. Such a request would
+// fail with a reset, and a POST that was written is not retried. The sidecar's own client
+// keeps 2 s for the same reason.
+const engineIdleTimeout = 2 * time.Second
+
+// engineTransport is the front's pool of connections to the engine: up to conns kept idle,
+// each dropped after engineIdleTimeout, dialled patiently (engineDialer).
+func engineTransport(conns int, dialWait time.Duration) *http.Transport {
+	return &http.Transport{
+		DialContext:         newEngineDialer(dialWait).DialContext,
+		MaxIdleConns:        conns,
+		MaxIdleConnsPerHost: conns,
+		IdleConnTimeout:     engineIdleTimeout,
+		DisableCompression:  true,
+	}
+}
+
 func main() {
 	engine := flag.String("engine", "", "engine base URL (http://HOST:PORT)")
 	listen := flag.String("listen", "127.0.0.1:8000", "address of the OpenAI HTTP port")
@@ -81,14 +100,8 @@ func main() {
 		log.Fatalf("slipstream-front: %v", err)
 	}
 	f := &front{
-		engine: strings.TrimRight(*engine, "/"),
-		client: &http.Client{Transport: &http.Transport{
-			DialContext:         newEngineDialer(*dialWait).DialContext,
-			MaxIdleConns:        *conns,
-			MaxIdleConnsPerHost: *conns,
-			IdleConnTimeout:     90 * time.Second,
-			DisableCompression:  true,
-		}},
+		engine:  strings.TrimRight(*engine, "/"),
+		client:  &http.Client{Transport: engineTransport(*conns, *dialWait)},
 		control: ctl,
 	}
 	sidecar := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http", Host: "sidecar"})
