@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import signal
 import sys
@@ -110,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"slipstream sidecar: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    # SIGUSR1 writes every thread's Python stack to stderr and the sidecar runs on: what a
+    # stalled sidecar is doing, read without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # NOTE: helper threads (gRPC, the length predictor's worker) run Python too; the event
     # loop waits for the GIL at most this long (default 5 ms, a whole TTFT budget's worth).
     sys.setswitchinterval(_SWITCH_INTERVAL_S)

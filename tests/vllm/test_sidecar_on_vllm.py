@@ -13,9 +13,11 @@ tokenizer does not round-trip arbitrary generated text.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,7 +65,40 @@ class Stack:
         HTTP/2 handshake). A call that gets no answer in 60 s fails."""
         if self._status is None:
             self._status = self.stub()
-        return self._status[1].Status(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=60)
+        try:
+            return self._status[1].Status(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=60)
+        except grpc.RpcError as exc:
+            raise AssertionError(f"Status failed: {exc!r}\n{self.stall_report()}") from exc
+
+    def stall_report(self) -> str:
+        """What a failed Status call leaves to read: whether a new channel gets an answer (the
+        kept one or the server stalled), the sidecar's threads' stacks (SIGUSR1 makes it write
+        them to its log), and the host's load, memory and page faults."""
+        ch, stub = self.stub()
+        try:
+            stub.Status(pb.StatusRequest(), metadata=bearer(TOKEN), timeout=10)
+            fresh = "a new channel got an answer at once"
+        except grpc.RpcError as exc:
+            fresh = f"a new channel got no answer either: {exc.code()}"
+        finally:
+            ch.close()
+        proc = self.sidecar.popen
+        state = ""
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                state = " ".join(line for line in Path(f"/proc/{proc.pid}/status").read_text()
+                                 .splitlines() if line.startswith(("State", "Threads", "VmRSS")))
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+        host = ""
+        with contextlib.suppress(OSError):
+            mem = Path("/proc/meminfo").read_text().splitlines()
+            vm = Path("/proc/vmstat").read_text().splitlines()
+            host = (f"loadavg {Path('/proc/loadavg').read_text().strip()}; "
+                    + "; ".join(x for x in mem if x.startswith("MemAvailable"))
+                    + "; " + "; ".join(x for x in vm if x.startswith("pgmajfault")))
+        return (f"{fresh}; sidecar {state}; host {host}\n"
+                f"sidecar log:\n{self.sidecar.log_tail(12000)}")
 
     def close(self) -> None:
         if self._status is not None:
