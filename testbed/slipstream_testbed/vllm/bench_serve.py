@@ -120,6 +120,8 @@ class RoundResult:
     p99_tpot_ms: float
     generated_texts: tuple[str, ...]
     errors: tuple[str, ...]
+    failed_requests: frozenset[int] = frozenset()
+    """The prompts (by index in the dataset's order) whose request failed."""
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> RoundResult:
@@ -137,6 +139,7 @@ class RoundResult:
             p99_tpot_ms=float(doc["p99_tpot_ms"]),
             generated_texts=tuple(str(t) for t in doc.get("generated_texts") or ()),
             errors=tuple(str(e) for e in doc.get("errors") or () if e),
+            failed_requests=frozenset(i for i, e in enumerate(doc.get("errors") or ()) if e),
         )
 
     def figures(self) -> dict[str, float]:
