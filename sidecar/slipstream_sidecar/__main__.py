@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import io
 import logging
 import signal
 import sys
@@ -112,8 +113,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"slipstream sidecar: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     # SIGUSR1 writes every thread's Python stack to stderr and the sidecar runs on: what a
-    # stalled sidecar is doing, read without stopping it.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # stalled sidecar is doing, read without stopping it. (No dumps when the process's
+    # stderr is not a file: faulthandler writes to a file descriptor.)
+    if sys.__stderr__ is not None:
+        with contextlib.suppress(ValueError, io.UnsupportedOperation):
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     # NOTE: helper threads (gRPC, the length predictor's worker) run Python too; the event
     # loop waits for the GIL at most this long (default 5 ms, a whole TTFT budget's worth).
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
