@@ -155,12 +155,12 @@ def test_repeated_faults_hold_vllms_policy_until_a_new_generation(
 def test_a_control_channel_that_raises_keeps_the_generation_in_force(
     channel: Path, model: LinearLatencyModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import slipstream_vllm.scheduler as plugin
+    import slipstream_vllm.channel as plugin_channel  # where the plugin reads control.json
 
     _control(channel, model, generation=1)
     eng = _engine(channel)
     sched = eng.scheduler
-    monkeypatch.setattr(plugin, "decode_control", _boom)
+    monkeypatch.setattr(plugin_channel, "decode_control", _boom)
     _control(channel, model, generation=2)
     with sched._guard.part("control"):  # as the channel thread polls
         sched._poll_control()
