@@ -305,6 +305,18 @@ def test_online_bodies_are_vllms_own(vllm: VllmServer, stack4: Stack) -> None:
         assert v_type == d_type and json.loads(v_raw) == json.loads(d_raw)
 
 
+def settled_count(url: str, name: str, at_least: float, timeout_s: float = 30) -> float:
+    """An online counter of the sidecar once it has reached ``at_least`` (or at ``timeout_s``).
+    The sidecar books a request's samples when its relay ends, which can be just after the
+    client has read the last event: read at once, the counter may not have them yet."""
+    deadline = time.monotonic() + timeout_s
+    while (value := metric(url, name, **{"class": "online"})) < at_least:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return value
+
+
 def test_token_counts_and_latencies_match_what_the_client_saw(stack4: Stack) -> None:
     sc = stack4.sidecar.url
     seen: list[Streamed] = []
@@ -316,7 +328,7 @@ def test_token_counts_and_latencies_match_what_the_client_saw(stack4: Stack) -> 
         opts: dict[str, Any] = {"stream_options": {"include_usage": True}} if i % 3 == 0 else {}
         seen.append(stream(sc + path, {**body, **opts, "max_tokens": 20 + 7 * i, "seed": i,
                                        "temperature": 1.0, "return_token_ids": True}))
-        now = metric(sc, "slipstream_tbt_seconds_count", **{"class": "online"})
+        now = settled_count(sc, "slipstream_tbt_seconds_count", before + seen[-1].text_events - 1)
         gaps.append((now - before, seen[-1].text_events - 1))
         before = now
     assert all(a == b for a, b in gaps), gaps
