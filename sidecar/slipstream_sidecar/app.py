@@ -26,7 +26,7 @@ from slipstream_scheduler.learning import Learned, LearnParams
 from slipstream_scheduler.tailguard import max_wait_for
 from slipstream_sidecar.brain import BrainConfig, apply, build_dispatcher, latency_model_from_spec
 from slipstream_sidecar.controller import Controller
-from slipstream_sidecar.engine import EngineClient
+from slipstream_sidecar.engine import EngineClient, Health
 from slipstream_sidecar.enginechannel import EngineChannel, EngineReportCollector, control_document
 from slipstream_sidecar.errors import EngineUnavailableError
 from slipstream_sidecar.kvcache import (
@@ -123,6 +123,7 @@ class Sidecar:
             settings.engine,
             connections=settings.engine_connections,
             timeout_s=settings.engine_timeout_s,
+            health_timeout_s=settings.engine_health_timeout_s,
         )
         model = None
         if settings.latency_model_file is not None:
@@ -236,10 +237,20 @@ class Sidecar:
         self.lengths.close()
 
     async def _watch_engine(self) -> None:
+        silent = 0  # checks in a row with no answer in time
         while True:
             ok = self.proxy_state.engine_ready or self._profiling
             await asyncio.sleep(self.settings.ready_poll_s if ok else 0.2)
-            up = await self.engine.health()
+            health = await self.engine.health_check()
+            silent = silent + 1 if health is Health.SILENT else 0
+            if health is Health.SILENT and 0 < silent < self.settings.engine_silent_checks:
+                # A busy host can leave one check unanswered: a ready engine stays ready until
+                # engine_silent_checks in a row go unanswered (a refusal counts at once).
+                if self.proxy_state.engine_ready:
+                    log.info("engine /health did not answer in time (%d of %d in a row)",
+                             silent, self.settings.engine_silent_checks)
+                continue
+            up = health is Health.UP
             if up and not self._kv_read:
                 await self._read_engine_kv()  # before readiness: a restarted engine may differ
             self._engine_health(up)

@@ -17,6 +17,7 @@ bodies beyond ``/tokenize`` and ``/v1/models``.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from dataclasses import dataclass
@@ -29,6 +30,14 @@ from slipstream_sidecar.errors import EngineError, unreachable
 log = logging.getLogger(__name__)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class Health(enum.Enum):
+    """One check of the engine's ``/health``."""
+
+    UP = "up"
+    SILENT = "silent"  # no answer in time
+    DOWN = "down"  # refused, reset, or an answer other than 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +150,12 @@ class EngineClient:
         *,
         connections: int,
         timeout_s: float,
+        health_timeout_s: float = 2.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._connections = connections
         self._timeout_s = timeout_s
+        self._health_timeout_s = health_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -183,14 +194,23 @@ class EngineClient:
             raise unreachable(f"POST {path}", exc) from exc
 
     async def health(self) -> bool:
+        """Whether the engine's ``/health`` answers 200 in time."""
+        return await self.health_check() is Health.UP
+
+    async def health_check(self) -> Health:
+        """The engine's ``/health``: 200 in time (UP), no answer in time (SILENT: a busy host
+        or a stalled engine, not yet a lost one), or a refused connection or any other answer
+        (DOWN)."""
         try:
             async with self.session.get(
-                self.url("/health"), timeout=aiohttp.ClientTimeout(total=2.0)
+                self.url("/health"), timeout=aiohttp.ClientTimeout(total=self._health_timeout_s)
             ) as resp:
                 await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+                return Health.UP if resp.status == 200 else Health.DOWN
+        except TimeoutError:
+            return Health.SILENT
+        except aiohttp.ClientError:
+            return Health.DOWN
 
     async def get(self, path: str) -> tuple[int, bytes, str]:
         """GET ``path``: (status, body, content type)."""

@@ -128,6 +128,16 @@ class SidecarSettings(BaseSettings):
     ready_poll_s: float = Field(
         default=1.0, gt=0, description="How often /ready re-checks the engine's /health (s)."
     )
+    engine_health_timeout_s: float = Field(
+        default=2.0, gt=0, description="How long one check of the engine's /health waits (s)."
+    )
+    engine_silent_checks: int = Field(
+        default=3,
+        ge=1,
+        description="How many /health checks in a row the engine may leave unanswered before "
+        "a ready engine turns not ready; a refused connection or an error status turns it not "
+        "ready at once.",
+    )
     tick_s: float = Field(
         default=0.005, gt=0, description="Period of the dispatcher's time-driven decide (s)."
     )
