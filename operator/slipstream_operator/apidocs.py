@@ -92,7 +92,7 @@ SETTINGS_HEADER = """## Operator settings
 
 `slipstream operator` reads these from its environment (flags of the same
 meaning override them; `slipstream operator --help`). The Helm chart sets the
-ones its values name ([install](../install.md)); list and object values are
+ones its values name ([chart values](chart-values.md)); list and object values are
 JSON, e.g. `SLIPSTREAM_OPERATOR_STORAGE_ROOTS='["s3://batch"]'`; a knob of a
 group is its field name in capitals after `__`, e.g.
 `SLIPSTREAM_OPERATOR_BUDGET__DECREASE_FACTOR=0.5`.

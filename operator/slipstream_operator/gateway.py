@@ -22,7 +22,7 @@ else in the tick depends on it: a missing CRD only costs that condition.
 
 Deliberately left out: watching pools (the resync puts back an edited or deleted one), pools
 spanning several services (one pool per service), and the gateway's own objects (Gateway,
-HTTPRoute, the EPP's Deployment: ``docs/install.md`` shows them).
+HTTPRoute, the EPP's Deployment: ``docs/gateway.md`` shows them).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class InferencePools:
                     return _Verdict(False, "CRDNotInstalled",
                                     f"the API server does not serve {POOL_API_VERSION} "
                                     "inferencepools: install the InferencePool CRD of the "
-                                    "Gateway API Inference Extension (docs/install.md)")
+                                    "Gateway API Inference Extension (docs/gateway.md)")
             if exc.status == 403:
                 logger.warning("InferencePool %s/%s: %s", meta["namespace"], meta["name"],
                                _refusal(exc))

@@ -1,6 +1,7 @@
 """The chart on a shared cluster: the tenants' roles, aggregated into Kubernetes' built-in
 admin, edit and view (and never writing status), the NetworkPolicy rendered in every namespace
-that holds InferenceServices, and docs/install.md explaining every value of values.yaml.
+that holds InferenceServices, and docs/reference/chart-values.md explaining every value of
+values.yaml.
 
 Tests that run helm carry ``integration`` (the binary comes from the cluster build, as in
 tests/unit/test_chart.py, whose helpers render the chart here).
@@ -240,15 +241,17 @@ def test_leaf_keys_walk_the_tree() -> None:
 
 
 @pytest.mark.unit
-def test_install_guide_explains_every_chart_value() -> None:
+def test_chart_values_page_explains_every_chart_value() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    text = (REPO / "docs" / "install.md").read_text()
+    text = (REPO / "docs" / "reference" / "chart-values.md").read_text()
     keys = list(leaf_keys(values))
     assert len(keys) > 40, keys
     # The full dotted path, not a suffix of a longer one ("image.tag" in "sidecar.image.tag").
     missing = [key for key in keys
                if not re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", text)]
-    assert not missing, f"docs/install.md does not name these values.yaml keys: {missing}"
+    assert not missing, (
+        f"docs/reference/chart-values.md does not name these values.yaml keys: {missing}"
+    )
 
 
 # ---------------------------------------------------------------------------- images
