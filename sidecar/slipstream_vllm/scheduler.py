@@ -154,7 +154,30 @@ class _Slipstream(
     in the module note); vLLM's scheduler comes after all of them."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's scheduler, then every attribute :class:`~slipstream_vllm.state._State`
+        declares, each set (and described) in the part below for its concern, in this order;
+        then the first control document, and the channel thread."""
         super().__init__(*args, **kwargs)
+        self._check_vllm()
+        self._read_engine_config()
+        self._guard = FaultGuard()
+        self.clock: Callable[[], float] = time.time
+        """The clock of requests' ``arrival_time`` (the tail guard's deadlines); a harness
+        stepping vLLM on a virtual clock sets its own."""
+        self._init_ordering_state()
+        self._init_channel_state()
+        self._init_planner_state()
+        self._init_report_state()
+        with self._guard.part("control"):
+            self._poll_control()
+            self._take_config()
+        self._start_channel_thread()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _check_vllm(self) -> None:
+        """The start-up check (:mod:`slipstream_vllm.compat`): refuses a vLLM missing an
+        internal the plugin uses; warns for a version outside the tested ones."""
         problems = compat.check(self, Request)
         version = _vllm_version()
         if problems:
@@ -165,6 +188,10 @@ class _Slipstream(
                 "the plugin uses is present, run the vllm test tier against it",
                 version, ", ".join(compat.TESTED_VERSIONS),
             )
+
+    def _read_engine_config(self) -> None:
+        """What the plugin reads of vLLM's configuration: async scheduling (warned about when
+        it does not match the class), the channel directory, the engine's limits."""
         self.async_scheduling = bool(getattr(self.scheduler_config, "async_scheduling", False))
         if isinstance(self, AsyncScheduler) != self.async_scheduling:
             logger.warning(
@@ -183,10 +210,10 @@ class _Slipstream(
             long_prefill_token_threshold=self.scheduler_config.long_prefill_token_threshold,
             reserve_full_sequence=bool(self.scheduler_reserve_full_isl),
         )
-        self._guard = FaultGuard()
-        self.clock: Callable[[], float] = time.time
-        """The clock of requests' ``arrival_time`` (the tail guard's deadlines); a harness
-        stepping vLLM on a virtual clock sets its own."""
+
+    def _init_ordering_state(self) -> None:
+        """The per-request records, the online ordering's length predictors and the offline
+        PSM order (:mod:`slipstream_vllm.ordering`)."""
         self._meta: dict[str, _Meta] = {}
         self._embedder = HashingEmbedder()
         self._predictor = SemanticHistoryPredictor(self._embedder.dim)
@@ -195,6 +222,9 @@ class _Slipstream(
         self._fallback: tuple[int, Any] | None = None
         self._psm = PsmQueue(PsmParams(block_size=self.block_size))
         self._psm_cache: tuple[tuple[int, int, int], float, tuple[str, ...]] | None = None
+
+    def _init_channel_state(self) -> None:
+        """The control channel's state (:mod:`slipstream_vllm.channel`)."""
         self._token: str | None = None
         self._token_stat: tuple[int, int] | None = None
         self._control_stat: tuple[int, int, int] | None = None
@@ -206,6 +236,10 @@ class _Slipstream(
         step: the channel thread reports these, never vLLM's queues."""
         self._counted_at = 0.0
         self._channel_stop = threading.Event()
+
+    def _init_planner_state(self) -> None:
+        """What a control document sets, at its defaults until the first one is taken: the
+        planner, the online ordering, the offline order, the budgets."""
         self.control: EngineControl | None = None
         self.planner: TwoPhasePlanner = build_planner("naive", mode=PlannerMode.ITERATION)
         self.ordering: Ordering = make_ordering("fcfs")
@@ -213,6 +247,9 @@ class _Slipstream(
         self.budget_s: float | None = None
         self.idle_budget_s: float | None = None
         self._budget_in_force: float | None = None
+
+    def _init_report_state(self) -> None:
+        """The steps' bookkeeping (:mod:`slipstream_vllm.stats`)."""
         # Counters and windows for the report.
         self.steps = 0
         self.fallback_steps = 0
@@ -238,9 +275,10 @@ class _Slipstream(
         """Each step's composition and measured time, for the sidecar to learn from."""
         self._last_output_s = 0.0
         self._last_predicted: float | None = None
-        with self._guard.part("control"):
-            self._poll_control()
-            self._take_config()
+
+    def _start_channel_thread(self) -> None:
+        """The channel thread (:func:`~slipstream_vllm.channel._channel_main`), when there is
+        a channel directory."""
         self._channel_thread: threading.Thread | None = None
         if self.channel_dir is not None:
             # The thread holds the scheduler weakly (it ends when the scheduler is collected)

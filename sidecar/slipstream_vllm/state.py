@@ -68,7 +68,7 @@ class _State(_Base):  # type: ignore[misc]
     waiting: Any
     max_num_scheduled_tokens: int
 
-    # The plugin's own, set in ``_Slipstream.__init__`` (described there).
+    # The plugin's own, set in the start-up parts of ``_Slipstream.__init__`` (described there).
     async_scheduling: bool
     channel_dir: Path | None
     limits: EngineLimits

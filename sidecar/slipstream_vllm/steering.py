@@ -151,6 +151,32 @@ class SteeringMixin(_State):
     def _steer(
         self, plan: StepPlan, snap: Snapshot, waiting: list[Request], throttle: bool
     ) -> SchedulerOutput:
+        """vLLM's walk steered to ``plan`` (module note): the plan's preemptions, then the
+        walk's running requests and waiting queue, then the walk itself."""
+        self._preempt_planned(plan)
+        waiting_by_id = {r.request_id: r for r in self.waiting}
+        admitted = [
+            waiting_by_id[a.request_id] for a in plan.admitted if a.request_id in waiting_by_id
+        ]
+        online_admit = any(self._class_of(r) is _ONLINE for r in admitted)
+        planned = {a.request_id: a.tokens for a in plan.scheduled}
+        cap = sum(planned.values()) + sum(a.tokens for a in plan.admitted)
+        walk_running, hidden, cap = self._split_running(planned, cap, online_admit)
+        queue = FCFSRequestQueue()
+        for req in admitted:
+            queue.add_request(req)
+        admitted_ids = {a.request_id for a in plan.admitted}
+        rest = [r for r in waiting if r.request_id not in admitted_ids]
+        out = self._steered_walk(
+            plan, throttle, running=walk_running, queue=queue, hidden=hidden, rest=rest, cap=cap
+        )
+        with self._guard.part("psm"):
+            for req in out.num_scheduled_tokens:
+                self._psm_taken(req)
+        return out
+
+    def _preempt_planned(self, plan: StepPlan) -> None:
+        """The plan's preemptions, with vLLM's ``_preempt_request`` (recompute)."""
         now = time.monotonic()
         by_id = {r.request_id: r for r in self.running}
         for rid in plan.preempted:
@@ -160,13 +186,14 @@ class SteeringMixin(_State):
             self.running.remove(req)
             self._preempt_request(req, now)
             self.offline_preemptions += 1
-        waiting_by_id = {r.request_id: r for r in self.waiting}
-        admitted = [
-            waiting_by_id[a.request_id] for a in plan.admitted if a.request_id in waiting_by_id
-        ]
-        online_admit = any(self._class_of(r) is _ONLINE for r in admitted)
-        planned = {a.request_id: a.tokens for a in plan.scheduled}
-        cap = sum(planned.values()) + sum(a.tokens for a in plan.admitted)
+
+    def _split_running(
+        self, planned: dict[str, int], cap: int, online_admit: bool
+    ) -> tuple[list[Request], list[Request], int]:
+        """The running requests the walk sees (online, then offline decodes, then offline
+        prefill chunks), those hidden from it (offline requests the plan leaves out, and
+        offline chunks held back for an admitted online request), and the token cap less the
+        held-back chunks' tokens."""
         online_run: list[Request] = []
         off_decode: list[Request] = []
         off_prefill: list[Request] = []
@@ -186,11 +213,23 @@ class SteeringMixin(_State):
                 self.offline_deferred_chunks += 1
             else:
                 off_prefill.append(req)
-        queue = FCFSRequestQueue()
-        for req in admitted:
-            queue.add_request(req)
-        admitted_ids = {a.request_id for a in plan.admitted}
-        rest = [r for r in waiting if r.request_id not in admitted_ids]
+        return online_run + off_decode + off_prefill, hidden, cap
+
+    def _steered_walk(
+        self,
+        plan: StepPlan,
+        throttle: bool,
+        *,
+        running: list[Request],
+        queue: FCFSRequestQueue,
+        hidden: list[Request],
+        rest: list[Request],
+        cap: int,
+    ) -> SchedulerOutput:
+        """vLLM's ``schedule()`` over ``running`` and the waiting ``queue`` with at most
+        ``cap`` tokens; afterwards, whatever happened, vLLM's queues hold every request again
+        (``hidden`` back in the running list, ``rest`` and what the walk left in the waiting
+        queue)."""
         saved_waiting, saved_cap = self.waiting, self.max_num_scheduled_tokens
         # A lone online request may be planned a chunk past the threshold (the planner lifts
         # it as vLLM does for a request with nobody to starve); vLLM would cut it back as soon
@@ -206,7 +245,7 @@ class SteeringMixin(_State):
             default=0,
         )
         # From here to the walk's end vLLM's queues are rearranged; the finally undoes it.
-        self.running = online_run + off_decode + off_prefill
+        self.running = running
         self.waiting = queue
         self.max_num_scheduled_tokens = max(min(cap, saved_cap), 1)
         try:
@@ -224,9 +263,6 @@ class SteeringMixin(_State):
             sc.long_prefill_token_threshold = saved_threshold
             self.running.extend(hidden)
             self._rebuild_waiting(left, rest)
-        with self._guard.part("psm"):
-            for req in out.num_scheduled_tokens:
-                self._psm_taken(req)
         return out
 
     def _is_online_id(self, request_id: str) -> bool:
