@@ -47,6 +47,7 @@ from urllib.parse import urlsplit, urlunsplit
 from kubernetes import client
 
 from slipstream_testbed.procgroup import stop_group
+from slipstream_testbed.vllm.server import ENGINE_CORE_NICE, renice_engine_core
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +242,7 @@ class Process:
     popen: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     restarts: int = 0
+    engine_core_nice: int | None = None  # a vllm serve's engine core runs at this niceness
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -380,6 +382,10 @@ class PodRunner:
                         logger.warning("%s of %s exited; restart %d (log %s)", proc.name,
                                        running.key, proc.restarts, proc.log_path)
                         proc.start()
+                    elif proc.engine_core_nice is not None and proc.popen is not None:
+                        # Each pass: the engine core's threads appear while vLLM starts, and
+                        # again after a restart.
+                        renice_engine_core(proc.popen.pid, proc.engine_core_nice)
 
     def snapshot(self) -> list[RunningPod]:
         with self._lock:
@@ -503,7 +509,8 @@ class PodRunner:
                        if not k.startswith("SLIPSTREAM_SIDECAR_")}
         sidecar_env.update(env)
         return [
-            Process("engine", engine_argv, engine_env, folder / "engine.log"),
+            Process("engine", engine_argv, engine_env, folder / "engine.log",
+                    engine_core_nice=ENGINE_CORE_NICE if self.engine == "vllm" else None),
             Process("sidecar", [*SLIPSTREAM, "sidecar", *sidecar_args(sidecar, mounts)],
                     sidecar_env, folder / "sidecar.log"),
         ]

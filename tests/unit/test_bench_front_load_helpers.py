@@ -36,6 +36,12 @@ def test_a_round_is_a_vllm_bench_serve_command_line_on_loopback(tmp_path: Path) 
     with pytest.raises(ValueError, match="loopback"):
         require_loopback("http://10.0.0.1:8000")
     assert require_loopback("http://localhost:1") == "http://localhost:1"
+    # A testbed pod's address: anywhere in 127.0.0.0/8.
+    assert require_loopback("http://127.1.0.1:8001") == "http://127.1.0.1:8001"
+    assert require_loopback("http://[::1]:8000") == "http://[::1]:8000"
+    for far in ("http://192.168.1.5:80", "http://example.com:80", "http://128.0.0.1:1"):
+        with pytest.raises(ValueError, match="loopback"):
+            require_loopback(far)
 
 
 def test_a_rounds_json_is_read_with_its_failures() -> None:

@@ -7,7 +7,9 @@ targets vLLM's port. :class:`slipstream_testbed.podrunner.PodRunner` runs the po
 ``vllm serve`` (CPU, the tiny model, the plugin loaded by vLLM itself) and a real sidecar,
 sharing the channel folder as the pod's two containers share the ``emptyDir``. An OfflineJob
 of real MMLU prompts runs through the sidecar's shards while online streams go to vLLM
-directly; midway the vLLM process is killed with SIGKILL and the pod runner restarts it.
+directly, and a burst of 256 concurrent online requests from vLLM's own load generator
+(``vllm bench serve``, four times the pod's sequences) must complete with none failed while
+the job runs; then the vLLM process is killed with SIGKILL and the pod runner restarts it.
 The job must end with every ``custom_id`` exactly once, and the plugin must have been the
 scheduler: it applied the sidecar's control generation, saw the offline class only with the
 pod's token, and reported the engine's online TTFT/TBT to ``kubectl get``.
@@ -39,7 +41,9 @@ from kubernetes import client
 
 from integration.helpers_procs import eventually
 from slipstream_testbed.cluster import LocalCluster
-from slipstream_testbed.podrunner import PodRunner, RunningPod
+from slipstream_testbed.podrunner import PodRunner, Process, RunningPod
+from slipstream_testbed.vllm.bench_serve import BenchServeClient, RandomWorkload
+from slipstream_testbed.vllm.server import ENGINE_CORE_NICE, engine_core_threads
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -47,6 +51,8 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "data" / "offline-sample.jsonl"
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MODEL = "tiny-llama-cpu"  # no shipped profile: the learned model prices the budget
+BURST = 256  # concurrent online requests while the job runs (the pod runs 64 sequences)
+JOB_REQUESTS = 150
 
 
 def http_ok(url: str) -> bool:
@@ -72,17 +78,21 @@ def runner(admin_api: client.ApiClient, namespace: str,
 
 def manifests(tmp_path: Path, namespace: str,
               requests: int) -> tuple[Path, Path, Path, set[str]]:
-    """The example service in engine mode (one replica, generous SLO) and a job of the first
-    ``requests`` real MMLU prompts of the shipped sample."""
+    """The example service in engine mode (one replica, generous SLO) and a job of
+    ``requests`` real MMLU prompts: the shipped sample's, repeated (a repeat's ``custom_id``
+    gets ``-2``, ``-3``, ...) past its 60 lines."""
     import yaml
 
     service = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
     service["spec"].update(replicas=1, model=MODEL)
     service["spec"]["scheduling"]["enforcement"] = "engine"
     service["spec"]["slo"] = {"ttft": {"p99": "20s"}, "tbt": {"p99": "2s"}}
+    sample = SAMPLE.read_text().splitlines()
     lines = []
-    for line in SAMPLE.read_text().splitlines()[:requests]:
-        record = json.loads(line)
+    for i in range(requests):
+        record = json.loads(sample[i % len(sample)])
+        if i >= len(sample):
+            record["custom_id"] += f"-{i // len(sample) + 1}"
         record["body"]["model"] = MODEL
         lines.append(json.dumps(record))
     ids = {json.loads(line)["custom_id"] for line in lines}
@@ -94,7 +104,8 @@ def manifests(tmp_path: Path, namespace: str,
     out = tmp_path / "results" / "out.jsonl"
     out.parent.mkdir()
     job["spec"]["output"]["uri"] = f"file://{out}"
-    # Enough work (60 prompts of up to 1,888 tokens, 128 tokens out) to be mid-job at the kill.
+    # Enough work (prompts of up to 1,888 tokens, 128 tokens out) to be mid-job after the
+    # burst and at the kill.
     job["spec"]["requestDefaults"]["maxTokens"] = 128
     job["spec"]["shardSize"] = 8
     service_path, job_path = tmp_path / "service.yaml", tmp_path / "job.yaml"
@@ -123,8 +134,17 @@ def online_streams(url: str, count: int, results: list[dict[str, Any]], *, words
             results.append({"ok": False, "error": str(exc)})
 
 
+def engine_core_niced(proc: Process) -> bool | None:
+    """True once the engine core's threads all run at :data:`ENGINE_CORE_NICE`."""
+    if proc.popen is None:
+        return None
+    tids = engine_core_threads(proc.popen.pid)
+    niced = [os.getpriority(os.PRIO_PROCESS, t) == ENGINE_CORE_NICE for t in tids]
+    return True if niced and all(niced) else None
+
+
 def test_engine_mode_job_exactly_once_through_a_vllm_kill(
-    cluster: LocalCluster, namespace: str, runner: PodRunner, tmp_path: Path,
+    cluster: LocalCluster, namespace: str, runner: PodRunner, tmp_path: Path, tiny_model: Path,
 ) -> None:
     env = dict(os.environ, KUBECONFIG=str(cluster.admin_kubeconfig))
 
@@ -142,7 +162,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
         env={**os.environ, "SLIPSTREAM_OPERATOR_LEARNED_MAX_MAPE": "0.5"})
     operator_log.close()
     try:
-        service_path, job_path, out, ids = manifests(tmp_path, namespace, requests=60)
+        service_path, job_path, out, ids = manifests(tmp_path, namespace, requests=JOB_REQUESTS)
         kubectl("apply", "-n", namespace, "-f", str(service_path))
 
         def serving() -> RunningPod | None:
@@ -158,6 +178,9 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
         assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["engine"], (
             "in engine mode the Service sends online traffic to vLLM's port")
         assert pod.processes[0].name == "engine"
+        # The engine core's spin yields the cores that serve HTTP (ENGINE_CORE_NICE).
+        eventually("the engine core at the lowest priority",
+                   lambda: engine_core_niced(pod.processes[0]), 30, 0.5)
 
         def plugin_configured() -> bool | None:
             with OPENER.open(f"http://{pod.ip}:{pod.http_port}/metrics", timeout=5) as r:
@@ -206,19 +229,43 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
         assert lm["steps"] >= 200 and 0 <= lm["heldoutMAPE"] <= 0.5 and lm["revision"] >= 1
         assert service["budget"]["profile"].startswith("learned:")
         print(f"learned latency model in force: {lm} after {len(learning)} online requests")
-        kubectl("apply", "-n", namespace, "-f", str(job_path))
-
-        online: list[dict[str, Any]] = []
-        before = threading.Thread(target=online_streams, args=(url, 6, online))
-        before.start()
 
         def progress() -> int:
             status = json.loads(kubectl("get", "-n", namespace, "offlinejobs.slipstream.dev",
                                         "mmlu-engine", "-o", "json")).get("status") or {}
             return int((status.get("requests") or {}).get("completed") or 0)
 
-        eventually("offline results before the kill", lambda: True if progress() > 0 else None,
-                   300, 1.0)
+        # vLLM's load generator, warmed up (it imports vLLM) before the job starts, so that its
+        # burst below comes while the job runs.
+        workload = RandomWorkload(tiny_model, served_model_name=MODEL, input_len=32,
+                                  output_len=16, seed=7)
+        bench = BenchServeClient(tmp_path / "bench-serve.log").start()
+        try:
+            warm = bench.run(workload.argv(url, concurrency=1, num_prompts=1,
+                                           result_file=tmp_path / "warm.json", label="warm"),
+                             tmp_path / "warm.json")
+            assert warm.completed == 1, warm.errors
+            kubectl("apply", "-n", namespace, "-f", str(job_path))
+
+            online: list[dict[str, Any]] = []
+            before = threading.Thread(target=online_streams, args=(url, 6, online))
+            before.start()
+
+            eventually("offline results before the burst",
+                       lambda: True if progress() > 0 else None, 300, 1.0)
+            # A burst of 256 concurrent online requests straight to vLLM, from vLLM's own load
+            # generator, while the job runs: none fails, and the job goes on beside it.
+            burst = bench.run(workload.argv(url, concurrency=BURST, num_prompts=2 * BURST,
+                                            result_file=tmp_path / "burst.json", label="burst"),
+                              tmp_path / "burst.json")
+        finally:
+            bench.close()
+        assert (burst.completed, burst.failed) == (2 * BURST, 0), burst.errors[:5]
+        done_after_burst = progress()
+        assert done_after_burst < len(ids), "the job finished during the burst, not beside it"
+        print(f"burst of {BURST} concurrent: {burst.completed} completed in "
+              f"{burst.duration_s:.1f} s, TTFT p99 {burst.p99_ttft_ms:.0f} ms; the job at "
+              f"{done_after_burst}/{len(ids)}")
         eventually("the plugin running the sidecar's control document", plugin_configured, 120, 1.0)
         before.join(timeout=300)
         assert online and all(r["ok"] for r in online), online
@@ -231,6 +278,8 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
         eventually("vLLM back after SIGKILL",
                    lambda: True if proc.restarts >= 1 and http_ok(
                        f"http://{pod.ip}:{pod.engine_port}/health") else None, 600, 1.0)
+        eventually("the restarted engine core at the lowest priority",
+                   lambda: engine_core_niced(proc), 30, 0.5)
         after: list[dict[str, Any]] = []
         online_streams(url, 6, after)
         assert all(r["ok"] for r in after), after

@@ -6,11 +6,14 @@ kill -9 test, behind a sidecar."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from slipstream_testbed.vllm import DEFAULT_SERVED_NAME, VllmServer
+from slipstream_testbed.vllm.server import ENGINE_CORE_NICE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -36,3 +39,28 @@ def test_completion_chat_and_metrics(vllm_server: VllmServer) -> None:
     assert "vllm:num_requests_waiting" in metrics
     assert "vllm:cache_config_info" in metrics and "num_gpu_blocks=" in metrics
 
+
+
+def test_the_engine_core_runs_at_the_lowest_priority_and_the_worker_does_not(
+    vllm_server: VllmServer,
+) -> None:
+    """The testbed's servers give the engine core's threads ENGINE_CORE_NICE once up (its
+    spin would otherwise take the core the API server, a sidecar and the test share); the
+    worker that runs the model keeps the default."""
+    assert vllm_server.proc is not None
+    core = vllm_server.engine_core_threads()
+    assert core, "no VLLM::EngineCore threads in the server's process group"
+    assert {os.getpriority(os.PRIO_PROCESS, t) for t in core} == {ENGINE_CORE_NICE}
+    others = [t for t in group_threads(vllm_server.proc.pid) if t not in set(core)]
+    assert others and {os.getpriority(os.PRIO_PROCESS, t) for t in others} == {0}
+
+
+def group_threads(pgid: int) -> list[int]:
+    tids: list[int] = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                tids += [int(t.name) for t in (stat.parent / "task").iterdir()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return tids

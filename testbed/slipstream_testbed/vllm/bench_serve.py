@@ -23,6 +23,7 @@ fast as ``--max-concurrency`` lets it), and anything that judges the figures.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import runpy
@@ -40,8 +41,6 @@ from urllib.parse import urlsplit
 
 from slipstream_testbed.vllm.server import DEFAULT_SERVED_NAME, vllm_python
 
-LOOPBACK = frozenset(("127.0.0.1", "localhost", "::1"))
-
 
 class BenchServeError(RuntimeError):
     """A round failed to run (``log``: the child's last lines); failed *requests* are not
@@ -53,9 +52,14 @@ class BenchServeError(RuntimeError):
 
 
 def require_loopback(base_url: str) -> str:
-    """``base_url`` unchanged if its host is a loopback address; else ValueError."""
-    host = urlsplit(base_url).hostname
-    if host not in LOOPBACK:
+    """``base_url`` unchanged if its host is ``localhost`` or a loopback address (127.0.0.0/8,
+    ::1: the testbed's pods have addresses across 127.0.0.0/8); else ValueError."""
+    host = urlsplit(base_url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
         raise ValueError(f"{base_url}: the load generator dials loopback addresses only")
     return base_url
 

@@ -78,6 +78,32 @@ a GPU, not on the cores that serve HTTP; at the lowest priority its spin takes o
 nothing else wants, and its real work (scheduling, output) runs while the worker waits."""
 
 
+def engine_core_threads(pgid: int) -> list[int]:
+    """The thread ids of the engine core (``VLLM::EngineCore``) in process group ``pgid``:
+    a ``vllm serve`` started in its own session."""
+    tids: list[int] = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            comm = (stat.parent / "comm").read_text().strip()
+            if int(fields[2]) != pgid or not comm.startswith("VLLM::EngineCor"):
+                continue
+            tids += [int(t.name) for t in (stat.parent / "task").iterdir()]
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    return tids
+
+
+def renice_engine_core(pgid: int, nice: int) -> int:
+    """Give every engine-core thread in process group ``pgid`` the niceness ``nice`` (see
+    :data:`ENGINE_CORE_NICE`); how many threads were found."""
+    tids = engine_core_threads(pgid)
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    return len(tids)
+
+
 @dataclass(frozen=True, slots=True)
 class VllmServerOptions:
     """What ``vllm serve`` is started with. ``extra_args`` go last, as they are."""
@@ -200,25 +226,12 @@ class VllmServer:
     def engine_core_threads(self) -> list[int]:
         """The thread ids of this server's engine core (``VLLM::EngineCore``, in the server's
         process group)."""
-        if self.proc is None:
-            return []
-        tids: list[int] = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                comm = (stat.parent / "comm").read_text().strip()
-                if int(fields[2]) != self.proc.pid or not comm.startswith("VLLM::EngineCor"):
-                    continue
-                tids += [int(t.name) for t in (stat.parent / "task").iterdir()]
-            except (OSError, IndexError, ValueError):
-                continue  # a process that ended meanwhile
-        return tids
+        return [] if self.proc is None else engine_core_threads(self.proc.pid)
 
     def renice_engine_core(self, nice: int) -> None:
         """Give every engine-core thread ``nice`` (see :data:`ENGINE_CORE_NICE`)."""
-        for tid in self.engine_core_threads():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        if self.proc is not None:
+            renice_engine_core(self.proc.pid, nice)
 
     def healthy(self) -> bool:
         try:
