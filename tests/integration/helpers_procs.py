@@ -11,6 +11,7 @@ Deliberately left out: anything Kubernetes (``tests/fixtures/cluster.py``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -172,6 +173,18 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 _T = TypeVar("_T")
+
+
+async def until(
+    what: str, probe: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02
+) -> None:
+    """Await until ``probe()`` is true, on the running event loop (the code under test runs on
+    it meanwhile); AssertionError after ``timeout`` seconds, naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def eventually(

@@ -9,13 +9,14 @@ told to stall past the check's timeout.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from integration.helpers_procs import until
 from slipstream_sidecar.app import Sidecar
 from slipstream_sidecar.engine import EngineClient, Health
 from slipstream_sidecar.settings import SidecarSettings
@@ -57,14 +58,6 @@ async def engine() -> AsyncIterator[Engine]:
 
 async def metrics(_: web.Request) -> web.Response:
     return web.Response(text="", content_type="text/plain")
-
-
-async def _until(what: str, probe: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not probe():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def test_one_check_tells_up_silent_and_down(engine: Engine) -> None:
@@ -110,10 +103,10 @@ async def test_a_ready_engine_stays_ready_through_fewer_silent_checks_than_the_l
         assert engine.stall == 0 and all(seen), "two silent checks turned the engine not ready"
         # The limit reached: not ready; the first answer in time makes it ready again.
         engine.stall = -1
-        await _until("the engine's loss", lambda: not sc.status().engine_ready)
+        await until("the engine's loss", lambda: not sc.status().engine_ready)
         assert engine.checks - before >= 4 + 3
         engine.stall = 0
-        await _until("the engine back", lambda: sc.status().engine_ready)
+        await until("the engine back", lambda: sc.status().engine_ready)
     finally:
         await sc.stop()
 
@@ -124,10 +117,10 @@ async def test_an_error_status_turns_the_engine_not_ready_at_once(engine: Engine
     try:
         assert sc.status().engine_ready
         engine.status, before = 503, engine.checks
-        await _until("the engine's loss", lambda: not sc.status().engine_ready)
+        await until("the engine's loss", lambda: not sc.status().engine_ready)
         assert engine.checks - before == 1
         engine.status = 200
-        await _until("the engine back", lambda: sc.status().engine_ready)
+        await until("the engine back", lambda: sc.status().engine_ready)
     finally:
         await sc.stop()
 
@@ -137,7 +130,7 @@ async def test_a_limit_of_one_turns_a_silent_engine_not_ready_at_once(engine: En
     await sc.start()
     try:
         engine.stall, before = -1, engine.checks
-        await _until("the engine's loss", lambda: not sc.status().engine_ready)
+        await until("the engine's loss", lambda: not sc.status().engine_ready)
         assert engine.checks - before == 1
     finally:
         await sc.stop()

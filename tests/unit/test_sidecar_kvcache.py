@@ -7,7 +7,6 @@ loopback, beside ``/health``, as the engine it reads at start and after the engi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from integration.helpers_procs import until
 from slipstream_operator.sidecar_client import KvCacheReport, status_from_pb
 from slipstream_scheduler.dispatcher import Incoming
 from slipstream_scheduler.types import RequestClass
@@ -133,15 +133,6 @@ async def engine() -> AsyncIterator[Engine]:
     await server.close()
 
 
-async def _until(what: str, probe: object, timeout_s: float = 10.0) -> None:
-    assert callable(probe)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not probe():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def test_the_sidecar_admits_with_the_engines_cache_and_reports_it(engine: Engine) -> None:
     sc = Sidecar(SidecarSettings(engine=engine.url, ready_poll_s=0.05))
     assert sc.dispatcher.limits.block_size == DEFAULT_BLOCK_SIZE  # until the engine is read
@@ -161,10 +152,10 @@ async def test_the_sidecar_admits_with_the_engines_cache_and_reports_it(engine: 
         assert engine.scrapes == 1
         # The engine restarts with another cache: read again once it is back, before ready.
         engine.up = False
-        await _until("the engine's loss", lambda: not sc.status().engine_ready)
+        await until("the engine's loss", lambda: not sc.status().engine_ready)
         engine.metrics = VLLM_METRICS.replace('num_gpu_blocks="8192"', 'num_gpu_blocks="5000"')
         engine.up = True
-        await _until("the engine back", lambda: sc.status().engine_ready)
+        await until("the engine back", lambda: sc.status().engine_ready)
         assert sc.kv == KvCache(5000, 128, "engine", "engine")
         assert sc.dispatcher.kv_blocks == 5000 and engine.scrapes == 2
     finally:
@@ -199,9 +190,9 @@ async def test_an_engine_without_the_family_keeps_the_defaults_and_says_so_once(
         try:
             assert sc.kv == KvCache(1000, DEFAULT_BLOCK_SIZE, "setting", "default")
             engine.up = False
-            await _until("the engine's loss", lambda: not sc.status().engine_ready)
+            await until("the engine's loss", lambda: not sc.status().engine_ready)
             engine.up = True
-            await _until("the engine back", lambda: sc.status().engine_ready)
+            await until("the engine back", lambda: sc.status().engine_ready)
             assert engine.scrapes == 2
         finally:
             await sc.stop()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from integration.helpers_procs import until
 from slipstream_operator.errors import SidecarError
 from slipstream_operator.sidecar_client import (
     GrpcSidecarControl,
@@ -158,13 +159,6 @@ class CountingStatus:
         return await self.inner.revoke(address, shard_id)
 
 
-async def _until(predicate: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def test_streamed_snapshots_answer_looks_and_a_change_wakes_the_owner() -> None:
     grpc_port = next(_ports)
     standin = Standin(StandinConfig(http_port=grpc_port + 1, grpc_port=grpc_port))
@@ -181,12 +175,13 @@ async def test_streamed_snapshots_answer_looks_and_a_change_wakes_the_owner() ->
                 for i in range(2)]
         addresses = [PodAddress(p.name, p.ip, grpc_port, "tok") for p in pods]
         feed.follow("svc-uid", addresses)
-        await _until(lambda: feed.streaming("svc-uid") == 2 and shared.offered == 2)
+        await until("both pods' streams", lambda: feed.streaming("svc-uid") == 2
+                    and shared.offered == 2, timeout=30.0)
         for a in addresses:
             assert (await shared.status(a, max_age_s=0.0)).online_sample is not None
         assert counting.calls == 0 and woken == []
         standin.bump()  # one online request on every pod
-        await _until(lambda: len(woken) == 2)
+        await until("the owner woken twice", lambda: len(woken) == 2, timeout=30.0)
         assert woken == ["svc-uid", "svc-uid"]
         for a in addresses:
             sample = (await shared.status(a, max_age_s=0.0)).online_sample
@@ -200,7 +195,7 @@ async def test_streamed_snapshots_answer_looks_and_a_change_wakes_the_owner() ->
         assert [s.shard_id for s in after.shards] == ["ns.job-0001"] and counting.calls == 1
         # A pod whose stream breaks is asked again (here: it is gone, so the look fails).
         await standin.remove_pod(addresses[1].ip)
-        await _until(lambda: feed.streaming("svc-uid") == 1)
+        await until("one stream left", lambda: feed.streaming("svc-uid") == 1, timeout=30.0)
         with pytest.raises(SidecarError):
             await shared.status(addresses[1], max_age_s=0.0)
         # Following fewer pods closes the others' streams; dropping the owner closes all.
@@ -225,11 +220,12 @@ async def test_a_stream_with_a_wrong_token_is_refused_and_retried() -> None:
         pod = await standin.add_pod("pod-t", "127.1.250.40", "right")
         wrong = PodAddress("pod-t", pod.ip, grpc_port, "wrong")
         feed.follow("svc", [wrong])
-        await _until(lambda: feed.opened >= 3)  # refused, retried, refused ...
+        # refused, retried, refused ...
+        await until("three tries", lambda: feed.opened >= 3, timeout=30.0)
         assert feed.snapshots == 0 and feed.streaming() == 0
         # The rotated token in the follow list replaces the stream.
         feed.follow("svc", [PodAddress("pod-t", pod.ip, grpc_port, "right")])
-        await _until(lambda: feed.streaming() == 1)
+        await until("the rotated token's stream", lambda: feed.streaming() == 1, timeout=30.0)
     finally:
         await feed.close()
         await grpc_client.close()
