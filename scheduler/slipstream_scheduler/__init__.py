@@ -55,7 +55,7 @@ from slipstream_scheduler.dispatcher import (
     PsmOfflineQueue,
     Submit,
 )
-from slipstream_scheduler.gittins import GittinsTracker, gittins_rank, request_cost
+from slipstream_scheduler.gittins import gittins_rank, request_cost
 from slipstream_scheduler.latency import (
     BatchFeatures,
     FeatureSet,
@@ -131,7 +131,6 @@ __all__ = [
     "FitError",
     "FitResult",
     "FitStats",
-    "GittinsTracker",
     "GlobalDistributionPredictor",
     "HashingEmbedder",
     "HistoryParams",

@@ -39,7 +39,6 @@ reorder a queue or preempt (``ordering.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -53,7 +52,6 @@ CostKind = Literal["memory", "output"]
 __all__ = [
     "DEFAULT_REFRESH_EVERY_TOKENS",
     "CostKind",
-    "GittinsTracker",
     "gittins_rank",
     "gittins_rank_sorted",
     "remaining_cost_sample",
@@ -112,7 +110,7 @@ def gittins_rank(costs: FloatArray | list[float], attained: float = 0.0) -> floa
     """Rank of the remaining cost ``X − attained | X > attained``.
 
     Returns None when no sample exceeds ``attained`` (the request outlived its
-    distribution); ``GittinsTracker`` applies the outliving rule.
+    distribution); :func:`surviving_lengths` applies the outliving rule.
     """
     if len(costs) <= _SMALL_SAMPLE:
         values = costs.tolist() if isinstance(costs, np.ndarray) else costs
@@ -155,56 +153,3 @@ def remaining_cost_sample(
     alive = surviving_lengths(sorted_lengths, generated_tokens, fallback_sorted)
     attained = float(request_cost(input_tokens, float(generated_tokens), cost))
     return request_cost(input_tokens, alive, cost) - attained
-
-
-@dataclass(slots=True)
-class GittinsTracker:
-    """Per-request Gittins state: the sorted sample, the last rank, when to refresh.
-
-    Build it when the request arrives with its predicted output-length sample;
-    call ``rank(generated_tokens)`` when ``needs_refresh(generated_tokens)`` says
-    a bucket boundary (every ``refresh_every_tokens`` output tokens) was crossed.
-    """
-
-    input_tokens: int
-    sorted_lengths: FloatArray
-    fallback_sorted: FloatArray | None = None
-    refresh_every_tokens: int = DEFAULT_REFRESH_EVERY_TOKENS
-    last_rank: float = field(default=float("nan"))
-    ranked_at_tokens: int = -1
-
-    @classmethod
-    def create(
-        cls,
-        input_tokens: int,
-        lengths: FloatArray | list[float],
-        fallback: FloatArray | list[float] | None = None,
-        refresh_every_tokens: int = DEFAULT_REFRESH_EVERY_TOKENS,
-    ) -> GittinsTracker:
-        if refresh_every_tokens < 1:
-            raise ValueError("refresh_every_tokens must be >= 1")
-        fb = None if fallback is None else np.sort(np.asarray(fallback, dtype=np.float64))
-        return cls(
-            input_tokens=input_tokens,
-            sorted_lengths=np.sort(np.asarray(lengths, dtype=np.float64)),
-            fallback_sorted=fb,
-            refresh_every_tokens=refresh_every_tokens,
-        )
-
-    def bucket(self, generated_tokens: int) -> int:
-        return generated_tokens // self.refresh_every_tokens
-
-    def needs_refresh(self, generated_tokens: int) -> bool:
-        """True before the first rank and whenever a bucket boundary was crossed."""
-        if self.ranked_at_tokens < 0:
-            return True
-        return self.bucket(generated_tokens) != self.bucket(self.ranked_at_tokens)
-
-    def rank(self, generated_tokens: int) -> float:
-        """Compute (and remember) the rank at ``generated_tokens`` of attained service."""
-        costs = remaining_cost_sample(
-            self.sorted_lengths, self.input_tokens, generated_tokens, self.fallback_sorted
-        )
-        self.last_rank = gittins_rank_sorted(costs)
-        self.ranked_at_tokens = generated_tokens
-        return self.last_rank

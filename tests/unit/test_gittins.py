@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipstream_scheduler.gittins import (
-    GittinsTracker,
     gittins_rank,
     gittins_rank_sorted,
     remaining_cost_sample,
@@ -105,32 +104,6 @@ def test_surviving_lengths_outliving_rule() -> None:
 def test_remaining_costs_are_positive_and_conditioned() -> None:
     rc = remaining_cost_sample(np.array([10.0, 20.0]), input_tokens=5, generated_tokens=10)
     assert rc.tolist() == [float(request_cost(5, 20) - request_cost(5, 10))]
-
-
-def test_tracker_refreshes_at_bucket_boundaries_only() -> None:
-    t = GittinsTracker.create(input_tokens=50, lengths=[100, 300, 900], refresh_every_tokens=200)
-    assert t.needs_refresh(0)
-    r0 = t.rank(0)
-    assert not t.needs_refresh(199)
-    assert t.needs_refresh(200)
-    r1 = t.rank(250)
-    assert t.ranked_at_tokens == 250
-    assert not t.needs_refresh(399)
-    assert t.needs_refresh(400)
-    # the 100-token sample is gone at 250 tokens; remaining costs are of 300 and 900
-    expected = gittins_rank(
-        request_cost(50, np.array([300.0, 900.0])), float(request_cost(50, 250))
-    )
-    assert r1 == pytest.approx(expected)
-    assert r0 != r1
-
-
-def test_tracker_outlives_everything_and_still_ranks() -> None:
-    t = GittinsTracker.create(input_tokens=0, lengths=[10, 20], refresh_every_tokens=10)
-    r = t.rank(50)
-    assert r == pytest.approx(float(request_cost(0, 100) - request_cost(0, 50)))
-    with pytest.raises(ValueError):
-        GittinsTracker.create(input_tokens=0, lengths=[1], refresh_every_tokens=0)
 
 
 @settings(max_examples=200, deadline=None)
