@@ -246,6 +246,7 @@ SHM_MOUNT = "/dev/shm"
 # names the field; everything else of spec.template and spec.engine is added to the pod.
 RESERVED_VOLUMES = (
     "control-token", "config", "engine-channel", "dshm", "model-store", "job-storage",
+    "sidecar-state",
 )
 RESERVED_MOUNT_PREFIXES = ("/var/run/slipstream", "/etc/slipstream")
 RESERVED_LABELS = ("slipstream.dev/service", "app.kubernetes.io/managed-by")

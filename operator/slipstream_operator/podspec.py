@@ -7,12 +7,12 @@ docs/install.md):
   field): the containers ``vllm`` and ``sidecar`` with their images' entry arguments, vLLM's
   ``--model``, ``--served-model-name``, ``--host``, ``--port``, ``--scheduling-policy`` and
   ``--scheduler-cls``; vLLM's port 8001 and the sidecar's ``httpPort``/``grpcPort``; the
-  volumes ``control-token``, ``config``, ``engine-channel``, ``dshm``, ``model-store`` and
-  ``job-storage`` and the paths ``/var/run/slipstream``, ``/etc/slipstream``, ``/dev/shm`` (and
-  ``/mnt/models`` with a ``pvc://`` model source); ``SLIPSTREAM_*`` environment variables;
-  ``nvidia.com/gpu``
-  (from ``spec.engine.gpus``); the labels ``slipstream.dev/service`` and
-  ``app.kubernetes.io/managed-by`` and the ``prometheus.io/*`` annotations the operator sets.
+  volumes ``control-token``, ``config``, ``engine-channel``, ``dshm``, ``model-store``,
+  ``job-storage`` and ``sidecar-state`` and the paths ``/var/run/slipstream``,
+  ``/etc/slipstream``, ``/dev/shm`` (and ``/mnt/models`` with a ``pvc://`` model source);
+  ``SLIPSTREAM_*`` environment variables; ``nvidia.com/gpu`` (from ``spec.engine.gpus``); the
+  labels ``slipstream.dev/service`` and ``app.kubernetes.io/managed-by`` and the
+  ``prometheus.io/*`` annotations the operator sets.
 * **Added** as written: ``spec.engine.env``/``envFrom``/``volumeMounts``/``resources`` on the
   ``vllm`` container (the operator's own entries first), ``spec.template.metadata`` on the
   pod, and ``spec.template.spec``'s volumes, tolerations, affinity, image pull secrets,
@@ -67,6 +67,10 @@ from slipstream_operator.simsearch import engine_limit_args
 CHANNEL_VOLUME = "engine-channel"
 CHANNEL_MOUNT = "/var/run/slipstream/channel"
 """Where both containers mount the engine channel's emptyDir in engine mode."""
+STATE_VOLUME = "sidecar-state"
+STATE_MOUNT = "/var/run/slipstream/state"
+"""The sidecar's durable state (its shards, the configuration in force, a profile made at
+start): an emptyDir, so it outlives a restart of the sidecar container, not the pod's."""
 TOKEN_KEY = "token"
 TOKEN_MOUNT = "/var/run/slipstream/control"
 CONFIG_MOUNT = "/etc/slipstream"
@@ -328,6 +332,7 @@ def sidecar_container(
         {"name": "SLIPSTREAM_SIDECAR_MODEL", "value": spec.model},
         {"name": "SLIPSTREAM_SIDECAR_ORDERING", "value": spec.scheduling.ordering.value},
         {"name": "SLIPSTREAM_SIDECAR_AUTH_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_KEY}"},
+        {"name": "SLIPSTREAM_SIDECAR_STATE_DIR", "value": STATE_MOUNT},
     ]
     # The sidecar prices batches as the engine forms them: it gets the engine's batching
     # flags that the spec sets (the rest keep vLLM's defaults on both sides).
@@ -360,6 +365,7 @@ def sidecar_container(
         "volumeMounts": [
             {"name": "control-token", "mountPath": TOKEN_MOUNT, "readOnly": True},
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": STATE_VOLUME, "mountPath": STATE_MOUNT},
             *([{"name": CHANNEL_VOLUME, "mountPath": CHANNEL_MOUNT}] if engine_mode else []),
             *job_storage.sidecar_mounts(),
         ],
@@ -377,6 +383,7 @@ def pod_volumes(spec: InferenceServiceSpec, *, secret: str, configmap: str,
     volumes: list[dict[str, Any]] = [
         {"name": "control-token", "secret": {"secretName": secret}},
         {"name": "config", "configMap": {"name": configmap}},
+        {"name": STATE_VOLUME, "emptyDir": {}},
     ]
     if _engine_mode(spec):
         volumes.append({"name": CHANNEL_VOLUME, "emptyDir": {}})

@@ -81,7 +81,7 @@ def test_a_claim_is_mounted_into_the_sidecar_at_the_operators_path() -> None:
     assert {"name": "job-storage", "mountPath": "/data/jobs"} in sidecar["volumeMounts"]
     # The operator's own mounts stay, first; vLLM never sees the job files.
     assert [m["name"] for m in sidecar["volumeMounts"]] == ["control-token", "config",
-                                                             "job-storage"]
+                                                             "sidecar-state", "job-storage"]
     assert JOB_STORAGE_VOLUME not in {m["name"] for m in engine.get("volumeMounts", [])}
     assert "envFrom" not in sidecar
 
@@ -108,7 +108,7 @@ def test_s3_credentials_are_the_sidecars_env_from_and_the_endpoint_its_env() -> 
     assert "envFrom" not in engine and "AWS_ENDPOINT_URL" not in env_of(engine)
     # The operator's channel mount (engine mode) is untouched.
     assert [m["name"] for m in sidecar["volumeMounts"]] == ["control-token", "config",
-                                                             "engine-channel"]
+                                                             "sidecar-state", "engine-channel"]
 
 
 @pytest.mark.unit

@@ -157,7 +157,7 @@ def test_the_specs_pod_fields_are_added_to_the_operators_pod() -> None:
         {"name": "cache", "mountPath": "/root/.cache/huggingface"},
     ]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert list(volumes) == ["control-token", "config", "dshm", "cache"]
+    assert list(volumes) == ["control-token", "config", "sidecar-state", "dshm", "cache"]
     assert volumes["dshm"] == {"name": "dshm",
                                "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
     assert pod["nodeSelector"] == {"topology.kubernetes.io/zone": "eu-1a", **H100}
@@ -173,7 +173,8 @@ def test_the_specs_pod_fields_are_added_to_the_operators_pod() -> None:
     # The sidecar is the operator's alone.
     sidecar = containers(tpl)["sidecar"]
     assert all(e["name"].startswith("SLIPSTREAM_SIDECAR_") for e in sidecar["env"])
-    assert {m["name"] for m in sidecar["volumeMounts"]} == {"control-token", "config"}
+    assert {m["name"] for m in sidecar["volumeMounts"]} == {"control-token", "config",
+                                                               "sidecar-state"}
 
 
 def test_an_empty_template_adds_nothing() -> None:
@@ -181,6 +182,19 @@ def test_an_empty_template_adds_nothing() -> None:
     assert set(tpl["spec"]) == {"containers", "volumes"}
     vllm = containers(tpl)["vllm"]
     assert set(vllm) == {"name", "image", "args", "resources"} and vllm["resources"] == {}
+
+
+def test_the_sidecar_keeps_its_state_in_an_empty_dir_that_outlives_its_restarts() -> None:
+    pod = pod_of(spec())
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["sidecar-state"] == {"name": "sidecar-state", "emptyDir": {}}
+    sidecar, engine = containers(pod)["sidecar"], containers(pod)["vllm"]
+    assert {"name": "sidecar-state", "mountPath": "/var/run/slipstream/state"} in (
+        sidecar["volumeMounts"])
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["SLIPSTREAM_SIDECAR_STATE_DIR"] == "/var/run/slipstream/state"
+    # The sidecar's shards and configuration are its own: vLLM does not mount them.
+    assert all(m["name"] != "sidecar-state" for m in engine.get("volumeMounts", []))
 
 
 def test_engine_mode_keeps_the_operators_channel_first() -> None:
@@ -269,6 +283,8 @@ def test_the_operator_reports_a_contradicting_node_selector_as_an_invalid_spec()
      "spec.template.metadata.annotations['prometheus.io/port']: set by the operator"),
     ({"template": template(volumes=[{"name": "config", "emptyDir": {}}])},
      "spec.template.spec.volumes[0].name: config is the operator's"),
+    ({"template": template(volumes=[{"name": "sidecar-state", "emptyDir": {}}])},
+     "spec.template.spec.volumes[0].name: sidecar-state is the operator's"),
     ({"template": template(volumes=[{"name": "a", "emptyDir": {}},
                                     {"name": "a", "emptyDir": {}}])},
      "spec.template.spec.volumes[1].name: a is named twice"),
