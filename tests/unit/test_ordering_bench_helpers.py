@@ -7,7 +7,7 @@ import pytest
 
 from slipstream_cli.benches import ordering
 from slipstream_cli.benches.ordering_vllm import VOCAB_HIGH, VOCAB_LOW, text_token_ids
-from slipstream_cli.workloads import alpaca_eval
+from slipstream_cli.workloads import WorkloadError, alpaca_eval
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +53,19 @@ def test_long_share_mixes_in_arxiv_requests_with_token_ids() -> None:
         [r.prompt_tokens for r in reqs if r.group != "arxiv"]
     )
     assert all(len(prompts[r.request_id]) == r.prompt_tokens for r in reqs)
+
+
+def test_one_generators_stream_holds_only_its_answers() -> None:
+    try:
+        rows = alpaca_eval.load_rows(None)
+    except (alpaca_eval.DataMissingError, FileNotFoundError) as exc:
+        pytest.skip(f"shared data not available: {exc}")
+    name = sorted({r.generator for r in rows})[0]
+    reqs, _ = ordering.build_workload(None, 10_000, 0, generator=name)
+    mine = sum(r.generator == name for r in rows)
+    # Every answer of that generator once (as many as it has: fewer than asked), no other's.
+    assert {r.group for r in reqs} == {name} and len(reqs) == mine < len(rows)
+    mixed, _ = ordering.build_workload(None, 100, 0, generator=name, long_share=0.2)
+    assert sorted({r.group for r in mixed}) == sorted({name, "arxiv"}) and len(mixed) == 100
+    with pytest.raises(WorkloadError, match="--generator nobody: no answers"):
+        ordering.build_workload(None, 50, 0, generator="nobody")

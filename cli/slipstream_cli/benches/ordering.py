@@ -160,6 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lengths, Vidur's Llama-2 counts): long prompts and long-tailed outputs (default 0)",
     )
     parser.add_argument(
+        "--generator",
+        metavar="NAME",
+        help="one generator's answers only (the prompts file's `generator` field): the stream "
+        "one model's service sees, the length history fed only by its own earlier answers "
+        "(default: every generator's answers, mixed)",
+    )
+    parser.add_argument(
         "--arrivals",
         choices=["poisson", "azure"],
         default="poisson",
@@ -184,12 +191,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_workload(
-    path: Path | None, n: int, seed: int, *, long_share: float = 0.0
+    path: Path | None, n: int, seed: int, *, long_share: float = 0.0,
+    generator: str | None = None,
 ) -> tuple[list[SimRequest], dict[str, list[int]]]:
     """(prompt, generator) answers as requests with real lengths and prompt vectors, and
     ``long_share`` of them arXiv summarisations; with every request's prompt token ids
-    (what ``--engine vllm`` sends): its text's, or, for an arXiv prompt, a seeded draw."""
+    (what ``--engine vllm`` sends): its text's, or, for an arXiv prompt, a seeded draw.
+    ``generator``: that generator's answers only (one model's service), else all of them."""
     rows = alpaca_eval.load_rows(path)
+    if generator is not None:
+        names = sorted({r.generator for r in rows})
+        rows = [r for r in rows if r.generator == generator]
+        if not rows:
+            raise WorkloadError(f"--generator {generator}: no answers of it in the prompts "
+                                f"file; its generators: {', '.join(names)}")
     count = alpaca_eval.make_token_counter("regex")
     emb = HashingEmbedder()
     rng = random.Random(seed)
@@ -535,7 +550,8 @@ def run(args: argparse.Namespace) -> int:
         add_arguments(parser)
         parser.error(f"{', '.join(guarded)} need --max-wait SECONDS")
     reqs, token_ids = build_workload(
-        args.prompts, args.requests, args.seed, long_share=args.long_share
+        args.prompts, args.requests, args.seed, long_share=args.long_share,
+        generator=args.generator,
     )
     prompts = token_ids if args.engine == "vllm" else None
     if args.oracle:
@@ -644,6 +660,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_blocks": sat.engine.kv_blocks_total,
         "max_num_seqs": engine.limits().max_num_seqs,
         "long_share": args.long_share,
+        "generator": args.generator,
         "arrivals": args.arrivals,
         "model": args.model,
         "gpu": args.gpu,
