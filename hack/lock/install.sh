@@ -26,6 +26,10 @@ ensure_tools
 UV=$(tools_venv)/bin/uv
 test -x "$VENV/bin/python" || "${PYTHON:-python3}" -m venv "$VENV"
 echo "==> [$(ts)] $VENV from $* (uv pip sync, hash-checked)"
-"$UV" pip sync --quiet --require-hashes --python "$VENV/bin/python" "$@"
+# --compile-bytecode: write every package's .pyc now. Without it nothing is ever cached where
+# PYTHONDONTWRITEBYTECODE is set, and each process that imports vLLM compiles vLLM, torch and
+# transformers from source again: 28 s against 8 s per import on a 2-core host, and a
+# `vllm serve` start imports vLLM in three processes.
+"$UV" pip sync --quiet --require-hashes --compile-bytecode --python "$VENV/bin/python" "$@"
 "$UV" pip install --quiet --no-deps --no-build-isolation --python "$VENV/bin/python" -e "$ROOT"
 echo "==> [$(ts)] $VENV ready in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"
