@@ -847,3 +847,54 @@ def test_ordering_ablations_predictor_figures() -> None:
             assert found is not None, column
             key = (load, found.group(1), found.group(2))
             _shows(cell, semantic[key]["mean_ttlt_s"] / global_[key]["mean_ttlt_s"] - 1, 100)
+
+
+def test_ordering_ablations_per_generator_figures() -> None:
+    """ordering-ablations.md's one-model-stream table and prose, from the six
+    ``ordering-vllm-gen-GENERATOR-PREDICTOR.json`` runs."""
+    text = (BENCH / "ordering-ablations.md").read_text()
+    table = _table(text, "### One model's stream: per generator")
+    assert len(table) == 3
+    ratios = {}
+    for r in table:
+        generator = _plain(r["generator"])
+        semantic = _ordering_summary(f"ordering-vllm-gen-{generator}-semantic.json")
+        global_ = _ordering_summary(f"ordering-vllm-gen-{generator}-global.json")
+        for predictor, run in (("semantic", semantic), ("global", global_)):
+            doc = _load(f"ordering-vllm-gen-{generator}-{predictor}.json")
+            assert doc["generator"] == generator and doc["engine"] == "vllm"
+            assert (doc["predictor"] == "global distribution") == (predictor == "global")
+            assert set(run) == {(0.9, "fcfs", "-"), (0.9, "gittins-r200", "memory")}
+        fcfs, gittins = (0.9, "fcfs", "-"), (0.9, "gittins-r200", "memory")
+        assert semantic[fcfs]["mean_ttlt_s"] == global_[fcfs]["mean_ttlt_s"]
+        _shows(r["FCFS mean TTLT"], semantic[fcfs]["mean_ttlt_s"])
+        _shows(r["Gittins mean TTLT, semantic"], semantic[gittins]["mean_ttlt_s"])
+        _shows(r["Gittins mean TTLT, global"], global_[gittins]["mean_ttlt_s"])
+        ratios[generator] = semantic[gittins]["mean_ttlt_s"] / global_[gittins]["mean_ttlt_s"]
+        _shows(r["semantic / global"], ratios[generator])
+        _shows(r["Gittins p99 TTFT, semantic"], semantic[gittins]["ttft_p99_s"])
+        _shows(r["Gittins p99 TTFT, global"], global_[gittins]["ttft_p99_s"])
+    lower, higher, highest = _after(text, "Gittins's mean TTLT is", 3)
+    _shows(lower, 1 - ratios["text_davinci_003"], 100)
+    _shows(higher, ratios["Mistral-7B-Instruct-v0.2"] - 1, 100)
+    _shows(highest, ratios["gpt4_1106_preview"] - 1, 100)
+
+
+def test_length_predictor_per_generator_figures() -> None:
+    """length-predictor.md's per-generator table, from
+    ``length-predictor-per-generator.json``."""
+    text = (BENCH / "length-predictor.md").read_text()
+    report = _load("length-predictor-per-generator.json")
+    scores = {s["predictor"]: s["p_bucket_by_generator"] for s in report["scores"]
+              if s["scope"] == "per-model"}
+    table = _table(text, "### One model's stream: per generator")
+    assert {_plain(r["generator"]) for r in table} == set(scores["global"])
+    for r in table:
+        g = _plain(r["generator"])
+        _shows(r["global"], scores["global"][g])
+        _shows(r["input length"], scores["input_length"][g])
+        semantic = scores["semantic (nearest top-up)"][g]
+        _shows(r["semantic (hashing, nearest top-up)"], semantic)
+        _shows(r["semantic vs global"], semantic / scores["global"][g])
+    gains = [scores["semantic (nearest top-up)"][g] / scores["global"][g] for g in scores["global"]]
+    assert max(gains) < 1.5  # "No generator reaches 1.5×"

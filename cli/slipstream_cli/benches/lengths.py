@@ -75,6 +75,7 @@ class Score:
     median_hit: float
     mean_sample_size: float
     matched_fraction: float | None  # queries with >= min_matches real matches (semantic only)
+    p_bucket_by_generator: dict[str, float] | None = None  # per-model scope: each history's
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +195,9 @@ def evaluate(
     hits: list[bool] = []
     sizes: list[int] = []
     matched = 0
+    by_group: dict[str, float] = {}
     for g in groups:
+        first = len(pb)
         pred = _make(kind, dim, params)
         for r in history:
             if g in ("*", r.generator):
@@ -210,6 +213,8 @@ def evaluate(
             sizes.append(int(sample.shape[0]))
             if isinstance(pred, SemanticHistoryPredictor) and vec is not None:
                 matched += int(pred.matches(vec).shape[0] >= params.min_matches)
+        if len(pb) > first:
+            by_group[g] = float(np.mean(pb[first:]))
     return Score(
         scope=scope,
         predictor=kind if kind != "semantic" else _semantic_label(params),
@@ -219,6 +224,7 @@ def evaluate(
         median_hit=float(np.mean(hits)),
         mean_sample_size=float(np.mean(sizes)),
         matched_fraction=matched / len(pb) if kind == "semantic" else None,
+        p_bucket_by_generator=by_group if scope == "per-model" else None,
     )
 
 
