@@ -75,7 +75,7 @@ class Score:
     median_hit: float
     mean_sample_size: float
     matched_fraction: float | None  # queries with >= min_matches real matches (semantic only)
-    p_bucket_by_generator: dict[str, float] | None = None  # per-model scope: each history's
+    p_bucket_by_generator: dict[str, float] | None = None  # per-model: P(true bucket) per history
 
 
 @dataclass(frozen=True, slots=True)
