@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from slipstream_testbed.vllm import DEFAULT_SERVED_NAME, VllmServer
-from slipstream_testbed.vllm.server import ENGINE_CORE_NICE
+from slipstream_testbed.vllm.server import ENGINE_CORE_NICE, group_threads
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -40,7 +39,6 @@ def test_completion_chat_and_metrics(vllm_server: VllmServer) -> None:
     assert "vllm:cache_config_info" in metrics and "num_gpu_blocks=" in metrics
 
 
-
 def test_the_engine_core_runs_at_the_lowest_priority_and_the_worker_does_not(
     vllm_server: VllmServer,
 ) -> None:
@@ -53,14 +51,3 @@ def test_the_engine_core_runs_at_the_lowest_priority_and_the_worker_does_not(
     assert {os.getpriority(os.PRIO_PROCESS, t) for t in core} == {ENGINE_CORE_NICE}
     others = [t for t in group_threads(vllm_server.proc.pid) if t not in set(core)]
     assert others and {os.getpriority(os.PRIO_PROCESS, t) for t in others} == {0}
-
-
-def group_threads(pgid: int) -> list[int]:
-    tids: list[int] = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                tids += [int(t.name) for t in (stat.parent / "task").iterdir()]
-        except (OSError, IndexError, ValueError):
-            continue
-    return tids

@@ -78,20 +78,27 @@ a GPU, not on the cores that serve HTTP; at the lowest priority its spin takes o
 nothing else wants, and its real work (scheduling, output) runs while the worker waits."""
 
 
-def engine_core_threads(pgid: int) -> list[int]:
-    """The thread ids of the engine core (``VLLM::EngineCore``) in process group ``pgid``:
-    a ``vllm serve`` started in its own session."""
+def group_threads(pgid: int, comm_prefix: str = "") -> list[int]:
+    """The thread ids of the processes in process group ``pgid`` whose name (``comm``) starts
+    with ``comm_prefix``."""
     tids: list[int] = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            comm = (stat.parent / "comm").read_text().strip()
-            if int(fields[2]) != pgid or not comm.startswith("VLLM::EngineCor"):
+            if int(fields[2]) != pgid:
+                continue
+            if comm_prefix and not (stat.parent / "comm").read_text().startswith(comm_prefix):
                 continue
             tids += [int(t.name) for t in (stat.parent / "task").iterdir()]
         except (OSError, IndexError, ValueError):
             continue  # a process that ended meanwhile
     return tids
+
+
+def engine_core_threads(pgid: int) -> list[int]:
+    """The thread ids of the engine core (``VLLM::EngineCore``) in process group ``pgid``:
+    a ``vllm serve`` started in its own session."""
+    return group_threads(pgid, "VLLM::EngineCor")
 
 
 def renice_engine_core(pgid: int, nice: int) -> int:
