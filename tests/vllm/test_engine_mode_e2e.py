@@ -6,13 +6,14 @@ vLLM container with ``--scheduler-cls`` and the engine channel's ``emptyDir``, a
 targets vLLM's port. :class:`slipstream_testbed.podrunner.PodRunner` runs the pod as real
 ``vllm serve`` (CPU, the tiny model, the plugin loaded by vLLM itself) and a real sidecar,
 sharing the channel folder as the pod's two containers share the ``emptyDir``. An OfflineJob
-of real MMLU prompts runs through the sidecar's shards while online streams go to vLLM
-directly, and a burst of 256 concurrent online requests from vLLM's own load generator
-(``vllm bench serve``, four times the pod's sequences) must complete with none failed while
-the job runs; then the vLLM process is killed with SIGKILL and the pod runner restarts it.
-The job must end with every ``custom_id`` exactly once, and the plugin must have been the
-scheduler: it applied the sidecar's control generation, saw the offline class only with the
-pod's token, and reported the engine's online TTFT/TBT to ``kubectl get``.
+of real MMLU prompts runs through the sidecar's shards while online traffic goes to vLLM
+directly. At the job's first results the vLLM process is killed with SIGKILL and the pod
+runner restarts it; then a burst of 256 concurrent online requests from vLLM's own load
+generator (``vllm bench serve``, four times the pod's sequences) must complete with none
+failed while the resumed job runs. The job must end with every ``custom_id`` exactly once,
+and the plugin must have been the scheduler: it applied the sidecar's control generation, saw
+the offline class only with the pod's token, and reported the engine's online TTFT/TBT to
+``kubectl get``.
 
 The service serves ``tiny-llama-cpu``, which no shipped profile describes: its budget is
 priced by the latency model the pod learned from its own engine's steps, so the service must
@@ -104,8 +105,8 @@ def manifests(tmp_path: Path, namespace: str,
     out = tmp_path / "results" / "out.jsonl"
     out.parent.mkdir()
     job["spec"]["output"]["uri"] = f"file://{out}"
-    # Enough work (prompts of up to 1,888 tokens, 128 tokens out) to be mid-job after the
-    # burst and at the kill.
+    # Enough work (prompts of up to 1,888 tokens, 128 tokens out) to be mid-job at the kill
+    # and at the burst after it.
     job["spec"]["requestDefaults"]["maxTokens"] = 128
     job["spec"]["shardSize"] = 8
     service_path, job_path = tmp_path / "service.yaml", tmp_path / "job.yaml"
@@ -236,7 +237,7 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
             return int((status.get("requests") or {}).get("completed") or 0)
 
         # vLLM's load generator, warmed up (it imports vLLM) before the job starts, so that its
-        # burst below comes while the job runs.
+        # burst below is not delayed by vLLM's import.
         workload = RandomWorkload(tiny_model, served_model_name=MODEL, input_len=32,
                                   output_len=16, seed=7)
         bench = BenchServeClient(tmp_path / "bench-serve.log").start()
@@ -245,41 +246,40 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
                                            result_file=tmp_path / "warm.json", label="warm"),
                              tmp_path / "warm.json")
             assert warm.completed == 1, warm.errors
+            eventually("the plugin running the sidecar's control document", plugin_configured,
+                       120, 1.0)
             kubectl("apply", "-n", namespace, "-f", str(job_path))
 
-            online: list[dict[str, Any]] = []
-            before = threading.Thread(target=online_streams, args=(url, 6, online))
-            before.start()
+            # kill -9 of vLLM at the job's first results, with its other shards in flight: the
+            # pod runner restarts it, the shards resume. Killing at the first results, not at
+            # a time, keeps most of the job ahead of the kill on a host of any speed.
+            eventually("offline results before the kill",
+                       lambda: True if progress() > 0 else None, 300, 0.2)
+            proc = pod.processes[0]
+            before_kill = progress()
+            assert proc.popen is not None and before_kill < len(ids)
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            eventually("vLLM back after SIGKILL",
+                       lambda: True if proc.restarts >= 1 and http_ok(
+                           f"http://{pod.ip}:{pod.engine_port}/health") else None, 600, 1.0)
+            eventually("the restarted engine core at the lowest priority",
+                       lambda: engine_core_niced(proc), 30, 0.5)
 
-            eventually("offline results before the burst",
-                       lambda: True if progress() > 0 else None, 300, 1.0)
-            # A burst of 256 concurrent online requests straight to vLLM, from vLLM's own load
-            # generator, while the job runs: none fails, and the job goes on beside it.
+            # A burst of 256 concurrent online requests straight to the restarted vLLM, from
+            # vLLM's own load generator, while the resumed job runs: none fails.
+            before_burst = progress()
+            assert before_burst < len(ids), "the job finished before the burst"
             burst = bench.run(workload.argv(url, concurrency=BURST, num_prompts=2 * BURST,
                                             result_file=tmp_path / "burst.json", label="burst"),
                               tmp_path / "burst.json")
         finally:
             bench.close()
         assert (burst.completed, burst.failed) == (2 * BURST, 0), burst.errors[:5]
-        done_after_burst = progress()
-        assert done_after_burst < len(ids), "the job finished during the burst, not beside it"
-        print(f"burst of {BURST} concurrent: {burst.completed} completed in "
+        print(f"killed at {before_kill}/{len(ids)}; burst of {BURST} concurrent from "
+              f"{before_burst}/{len(ids)}: {burst.completed} completed in "
               f"{burst.duration_s:.1f} s, TTFT p99 {burst.p99_ttft_ms:.0f} ms; the job at "
-              f"{done_after_burst}/{len(ids)}")
-        eventually("the plugin running the sidecar's control document", plugin_configured, 120, 1.0)
-        before.join(timeout=300)
-        assert online and all(r["ok"] for r in online), online
-
-        # kill -9 of vLLM mid-job: the pod runner restarts it, the shards resume.
-        proc = pod.processes[0]
-        assert proc.popen is not None and progress() < len(ids)
-        os.killpg(proc.popen.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        eventually("vLLM back after SIGKILL",
-                   lambda: True if proc.restarts >= 1 and http_ok(
-                       f"http://{pod.ip}:{pod.engine_port}/health") else None, 600, 1.0)
-        eventually("the restarted engine core at the lowest priority",
-                   lambda: engine_core_niced(proc), 30, 0.5)
+              f"{progress()}/{len(ids)} after it")
         after: list[dict[str, Any]] = []
         online_streams(url, 6, after)
         assert all(r["ok"] for r in after), after
