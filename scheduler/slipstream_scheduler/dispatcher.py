@@ -45,14 +45,19 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 from sortedcontainers import SortedList
 
-from slipstream_scheduler.ordering import KeyedQueue, Ordering, RequestView
+from slipstream_scheduler.ordering import (
+    GlobalFallback,
+    KeyedQueue,
+    Ordering,
+    RequestView,
+)
 from slipstream_scheduler.planner import InFlight, PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.protocols import LengthPredictor, Planner
 from slipstream_scheduler.psm import PsmQueue
@@ -286,18 +291,6 @@ class PsmOfflineQueue:
         return len(self._q)
 
 
-@runtime_checkable
-class PriorSampler(Protocol):
-    """A length predictor that can also give its global (prior) output-length distribution.
-
-    ``prior_sample(k)`` returns at most ``k`` ascending, equally likely output
-    lengths (tokens) summarising every request the predictor has seen (the
-    core's history predictors and the sidecar's ``PromptLengths`` have it).
-    """
-
-    def prior_sample(self, k: int) -> npt.NDArray[np.float64]: ...
-
-
 class OrderingQueue:
     """The online queue in a core :class:`~slipstream_scheduler.ordering.Ordering`'s order.
 
@@ -341,8 +334,6 @@ class OrderingQueue:
         fallback_samples: int = 256,
         fallback_refresh_every: int = 64,
     ) -> None:
-        if fallback_samples < 0 or fallback_refresh_every < 1:
-            raise ValueError("fallback_samples must be >= 0, fallback_refresh_every >= 1")
         self.ordering = ordering
         self._predictor = predictor
         self._q = KeyedQueue()
@@ -358,12 +349,9 @@ class OrderingQueue:
         self._lone: Incoming | None = None
         # Taken while lone by a preemptive ordering, no running view yet: id -> tokens at take.
         self._unviewed: dict[str, int] = {}
-        self._fb_k = fallback_samples
-        self._fb_every = fallback_refresh_every
-        self._fb_sampler = predictor if isinstance(predictor, PriorSampler) else None
-        self._fallback: npt.NDArray[np.float64] = np.empty(0, dtype=np.float64)
-        self._observed = 0  # finished requests reported by observed()
-        self._fb_at = -1  # _observed when the fallback was last read (-1: never)
+        self._fallback = GlobalFallback(
+            predictor, samples=fallback_samples, refresh_every=fallback_refresh_every
+        )
         # The tail guard's view of the keyed queue: (arrival, seq, id), lazily deleted (an
         # entry is live while its id is queued with that seq). Kept only under a guard.
         self._by_arrival: list[tuple[float, int, str]] = []
@@ -373,18 +361,11 @@ class OrderingQueue:
     @property
     def fallback(self) -> npt.NDArray[np.float64]:
         """The cached global distribution views fall back on (ascending; empty: none)."""
-        at = self._fb_at
-        if self._fb_sampler is not None and (
-            at < 0 or self._observed - at >= min(self._fb_every, max(at, 1))
-        ):
-            sample = np.asarray(self._fb_sampler.prior_sample(self._fb_k), dtype=np.float64)
-            self._fallback = np.sort(sample)
-            self._fb_at = self._observed
-        return self._fallback
+        return self._fallback.lengths
 
     def observed(self) -> None:
         """A request finished and was fed to the predictor: the fallback may be stale."""
-        self._observed += 1
+        self._fallback.observed()
 
     def _sample(self, req: Incoming) -> npt.NDArray[np.float64]:
         rid = req.request_id

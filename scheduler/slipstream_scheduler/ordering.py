@@ -31,9 +31,9 @@ the non-preemptive ones level (``docs/benchmarks/ordering.md``; the 100-token
 re-key interval measured no better than 200, so that default stays).
 
 A request that outlived its predicted sample is handled by the outliving rule
-of ``gittins.surviving_lengths`` (fallback sample, else ``O = 2·o``); the
-dispatcher's ``OrderingQueue`` passes the predictor's global distribution as
-the fallback.
+of ``gittins.surviving_lengths`` (fallback sample, else ``O = 2·o``). The
+fallback is the predictor's global distribution, kept by :class:`GlobalFallback`:
+one rule for the sidecar's ``OrderingQueue`` and the engine plugin.
 
 Errors::
 
@@ -422,6 +422,63 @@ def make_ordering(name: str, params: dict[str, object] | BaseModel | None = None
     else:
         validated = model.model_validate(params or {})
     return factory(validated)
+
+
+# --------------------------------------------------------------------------- fallback
+
+
+@runtime_checkable
+class PriorSampler(Protocol):
+    """A length predictor that can also give its global (prior) output-length distribution.
+
+    ``prior_sample(k)`` returns at most ``k`` ascending, equally likely output
+    lengths (tokens) summarising every request the predictor has seen (the
+    core's history predictors and the sidecar's ``PromptLengths`` have it).
+    """
+
+    def prior_sample(self, k: int) -> npt.NDArray[np.float64]: ...
+
+
+class GlobalFallback:
+    """The outliving rule's fallback: the predictor's global distribution, cached.
+
+    :attr:`lengths` is ``prior_sample(samples)``, sorted, read again only after
+    ``refresh_every`` finished requests (fewer while the history is small: after
+    1, 2, 4, ... of them), never per request; the owner calls :meth:`observed`
+    for each finished request it fed the predictor. Without a sampler (a
+    predictor with no global distribution) or with ``samples=0`` it is empty,
+    and the outliving rule falls back on the point ``O = 2·o``.
+    """
+
+    __slots__ = ("_at", "_every", "_k", "_lengths", "_observed", "_sampler")
+
+    def __init__(
+        self, sampler: object, *, samples: int = 256, refresh_every: int = 64
+    ) -> None:
+        if samples < 0 or refresh_every < 1:
+            raise ValueError("fallback samples must be >= 0, fallback refresh_every >= 1")
+        self._sampler = sampler if isinstance(sampler, PriorSampler) and samples else None
+        self._k = samples
+        self._every = refresh_every
+        self._lengths: npt.NDArray[np.float64] = np.empty(0, dtype=np.float64)
+        self._observed = 0  # finished requests reported by observed()
+        self._at = -1  # _observed when the distribution was last read (-1: never)
+
+    def observed(self) -> None:
+        """A request finished and was fed to the predictor: the distribution may be stale."""
+        self._observed += 1
+
+    @property
+    def lengths(self) -> npt.NDArray[np.float64]:
+        """The global distribution, ascending (empty: none)."""
+        at = self._at
+        if self._sampler is not None and (
+            at < 0 or self._observed - at >= min(self._every, max(at, 1))
+        ):
+            sample = np.asarray(self._sampler.prior_sample(self._k), dtype=np.float64)
+            self._lengths = np.sort(sample)
+            self._at = self._observed
+        return self._lengths
 
 
 # --------------------------------------------------------------------------- queue

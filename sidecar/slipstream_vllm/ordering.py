@@ -41,9 +41,6 @@ from slipstream_vllm.state import _OFFLINE, _ONLINE, _Meta, _State
 # The plugin logs under one name, whichever of its modules speaks.
 logger = logging.getLogger("slipstream_vllm.scheduler")
 
-FALLBACK_EVERY = 64
-"""The outliving fallback (the global length distribution) is refreshed every this many
-finishes."""
 PSM_ORDER_TTL_S = 0.5
 """How long an unchanged PSM queue's order is reused (the fairness rule ages in minutes)."""
 
@@ -109,12 +106,8 @@ class OrderingMixin(_State):
         return self._global_fallback()
 
     def _global_fallback(self) -> Any:
-        """The global length distribution, sorted, refreshed every ``FALLBACK_EVERY`` finishes."""
-        n = self._global_finished
-        if self._fallback is None or n - self._fallback[0] >= FALLBACK_EVERY:
-            sample = np.asarray(self._global.predict(None, 0), dtype=np.float64)
-            self._fallback = (n, np.sort(sample))
-        return self._fallback[1]
+        """The global length distribution, sorted (the core's ``GlobalFallback`` rule)."""
+        return self._fallback.lengths
 
     def _online_key(self, req: Request, meta: _Meta) -> float:
         """The request's ordering key, recomputed only when the ordering asks (a new request,

@@ -83,7 +83,7 @@ from slipstream_scheduler.lengths import (
     HashingEmbedder,
     SemanticHistoryPredictor,
 )
-from slipstream_scheduler.ordering import Ordering, make_ordering
+from slipstream_scheduler.ordering import GlobalFallback, Ordering, make_ordering
 from slipstream_scheduler.planner import PlannerMode, TwoPhasePlanner
 from slipstream_scheduler.psm import PsmParams, PsmQueue
 from slipstream_scheduler.types import EngineLimits, StepPlan
@@ -100,7 +100,7 @@ from slipstream_vllm.channel import (
     write_control,
 )
 from slipstream_vllm.failsafe import FaultGuard
-from slipstream_vllm.ordering import FALLBACK_EVERY, PSM_ORDER_TTL_S, OrderingMixin
+from slipstream_vllm.ordering import PSM_ORDER_TTL_S, OrderingMixin
 from slipstream_vllm.snapshot import SnapshotMixin
 from slipstream_vllm.state import _OFFLINE, _ONLINE, _Meta
 from slipstream_vllm.stats import LATENCY_WINDOW, StatsMixin, _ClassStats, _vllm_version, _Window
@@ -115,7 +115,6 @@ __all__ = [
     "CHANNEL_JOIN_S",
     "CONTROL_POLL_S",
     "EMBED_TOKENS",
-    "FALLBACK_EVERY",
     "LATENCY_WINDOW",
     "OFFLINE_PRIORITY",
     "PSM_ORDER_TTL_S",
@@ -218,8 +217,7 @@ class _Slipstream(
         self._embedder = HashingEmbedder()
         self._predictor = SemanticHistoryPredictor(self._embedder.dim)
         self._global = GlobalDistributionPredictor()
-        self._global_finished = 0
-        self._fallback: tuple[int, Any] | None = None
+        self._fallback = GlobalFallback(self._global)
         self._psm = PsmQueue(PsmParams(block_size=self.block_size))
         self._psm_cache: tuple[tuple[int, int, int], float, tuple[str, ...]] | None = None
 

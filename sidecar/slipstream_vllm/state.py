@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         HashingEmbedder,
         SemanticHistoryPredictor,
     )
-    from slipstream_scheduler.ordering import Ordering
+    from slipstream_scheduler.ordering import GlobalFallback, Ordering
     from slipstream_scheduler.planner import TwoPhasePlanner
     from slipstream_scheduler.psm import PsmQueue
     from slipstream_scheduler.types import StepPlan
@@ -78,8 +78,7 @@ class _State(_Base):  # type: ignore[misc]
     _embedder: HashingEmbedder
     _predictor: SemanticHistoryPredictor
     _global: GlobalDistributionPredictor
-    _global_finished: int
-    _fallback: tuple[int, Any] | None
+    _fallback: GlobalFallback
     _psm: PsmQueue
     _psm_cache: tuple[tuple[int, int, int], float, tuple[str, ...]] | None
     _token: str | None

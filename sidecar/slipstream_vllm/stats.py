@@ -246,7 +246,7 @@ class StatsMixin(_State):
             with self._guard.part("predictor"):
                 self._predictor.observe(meta.vector, inp, meta.seen_tokens)
         self._global.observe(None, inp, meta.seen_tokens)
-        self._global_finished += 1
+        self._fallback.observed()
 
     # ------------------------------------------------------------------ report
 

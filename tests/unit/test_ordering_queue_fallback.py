@@ -21,10 +21,9 @@ from slipstream_scheduler.dispatcher import (
     DispatcherConfig,
     Incoming,
     OrderingQueue,
-    PriorSampler,
 )
-from slipstream_scheduler.lengths import InputLengthHistoryPredictor
-from slipstream_scheduler.ordering import make_ordering
+from slipstream_scheduler.lengths import GlobalDistributionPredictor, InputLengthHistoryPredictor
+from slipstream_scheduler.ordering import GlobalFallback, PriorSampler, make_ordering
 from slipstream_scheduler.planner import PlannerMode
 from slipstream_scheduler.types import RequestClass
 
@@ -148,3 +147,19 @@ def test_zero_fallback_samples_disables_the_fallback() -> None:
     assert q.fallback.shape == (0,)
     with pytest.raises(ValueError, match="fallback"):
         OrderingQueue(make_ordering("gittins"), _fed_predictor(), fallback_refresh_every=0)
+
+
+def test_the_plugins_fallback_follows_the_same_rule() -> None:
+    """The engine plugin keeps its fallback with the same class over the global predictor."""
+    pred = GlobalDistributionPredictor()
+    fb = GlobalFallback(pred)
+    np.testing.assert_array_equal(fb.lengths, [256.0])  # no history: the default length
+    reads = [fb.lengths]
+    for n in range(1, 129):
+        pred.observe(None, 100, n)
+        fb.observed()
+        reads.append(fb.lengths)
+    changed = [i for i in range(1, len(reads)) if reads[i] is not reads[i - 1]]
+    assert changed == [1, 2, 4, 8, 16, 32, 64, 128]  # after 1, 2, 4, ... 64 finishes, then 64
+    assert reads[-1][-1] == 128.0 and np.all(np.diff(reads[-1]) >= 0)
+    assert GlobalFallback(object()).lengths.shape == (0,)  # no global distribution: none

@@ -1,4 +1,5 @@
-"""vLLM's own v1 scheduler, stepped in-process (slipstream_vllm.inprocess), beside the engine model.
+"""vLLM's own v1 scheduler, stepped in-process (``slipstream_testbed.vllm.inprocess``), beside
+the engine model.
 
 The same request stream goes to both: they must finish every request, and vLLM's priority
 policy must serve a better priority first, as the engine model does.
@@ -36,7 +37,7 @@ def _run(engine: object, reqs: list[EngineRequest]) -> tuple[list[str], int]:
 
 
 def test_vllm_scheduler_serves_the_stream_like_the_engine_model(tiny_model: object) -> None:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, num_gpu_blocks=64, noise_cv=0.0)
     reqs = _requests(12)
@@ -54,7 +55,7 @@ def test_vllm_scheduler_serves_the_stream_like_the_engine_model(tiny_model: obje
 
 
 def test_vllm_scheduler_preempts_under_kv_pressure(tiny_model: object) -> None:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_gpu_blocks=24,
                        noise_cv=0.0)
@@ -73,7 +74,7 @@ def test_without_a_cap_the_kv_cache_bounds_a_prompt_as_in_the_engine_model(
     """Long-context traces (Mooncake's prompts pass 80k tokens): with no max_model_len
     configured both engines take any prompt the KV cache holds, and refuse the same ones."""
     from slipstream_scheduler.engine.errors import RequestError
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=8192, num_gpu_blocks=3000,
                        noise_cv=0.0)

@@ -44,7 +44,7 @@ def _control(channel: Path, model: LinearLatencyModel) -> None:
 
 
 def _engine(cfg: EngineConfig, cls: str | None) -> Any:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     return VllmEngine(cfg, scheduler_cls=cls, async_scheduling=True)
 
@@ -159,7 +159,7 @@ def test_the_synchronous_class_for_vllm_with_async_scheduling_off(
 ) -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     _control(channel, model)
     eng = VllmEngine(TIGHT, scheduler_cls="slipstream_vllm.scheduler.SlipstreamSyncScheduler")

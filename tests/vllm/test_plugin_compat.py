@@ -19,7 +19,7 @@ CFG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, num_gpu_blocks=64
 
 
 def _scheduler(cls: str | None = None) -> Any:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     return VllmEngine(CFG, scheduler_cls=cls).scheduler
 

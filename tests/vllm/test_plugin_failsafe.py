@@ -52,7 +52,7 @@ def _control(
 
 
 def _engine(channel: Path, *, online: bool = True) -> Any:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     eng = VllmEngine(CFG, scheduler_cls=PLUGIN)
     if online:

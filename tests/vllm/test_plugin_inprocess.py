@@ -40,7 +40,7 @@ def _control(channel: Path, **kw: Any) -> EngineControl:
 
 
 def _engine(cfg: EngineConfig = CFG) -> Any:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     return VllmEngine(cfg, scheduler_cls=PLUGIN)
 
@@ -147,7 +147,7 @@ def test_online_never_waits_behind_offline(channel: Path, model: LinearLatencyMo
 
 
 def test_preempted_offline_request_resumes_with_every_token(channel: Path) -> None:
-    from slipstream_vllm.inprocess import output_token
+    from slipstream_testbed.vllm.inprocess import output_token
 
     _control(channel, generation=1, policy="naive")
     token = _token(channel)

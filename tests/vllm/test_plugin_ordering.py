@@ -20,7 +20,7 @@ OFFLINE_PRIORITY = 1 << 20
 
 
 def _engine(cfg: EngineConfig, ordering: str, params: dict[str, Any], *, oracle: bool) -> Any:
-    from slipstream_vllm.simplugin import PluginEngine
+    from slipstream_testbed.vllm.simplugin import PluginEngine
 
     control = EngineControl(
         generation=1, policy="naive", ordering=ordering, ordering_params=params
@@ -174,7 +174,7 @@ def test_when_kv_runs_out_vllm_preempts_the_orderings_last(ordering: str, victim
 def test_the_plugins_predictor_tells_templates_apart_and_the_global_one_does_not(
     global_lengths: bool, expected: list[str]
 ) -> None:
-    from slipstream_vllm.simplugin import PluginEngine
+    from slipstream_testbed.vllm.simplugin import PluginEngine
 
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, num_gpu_blocks=400,
                        noise_cv=0.0)

@@ -37,7 +37,7 @@ def _add(eng: Any, rid: str, prompt: int, out: int, xargs: dict[str, str] | None
 def test_the_plugin_applies_the_sidecars_document_and_trusts_only_its_token(
     channel: EngineChannel,
 ) -> None:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     model = profile_latency_model(CFG, samples=200)
     channel.write(control_document(generation=4, budget_s=0.05, idle_budget_s=float("inf"),

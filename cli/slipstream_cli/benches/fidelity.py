@@ -3,7 +3,7 @@
 The same request stream (prompts as prefix block keys, which :class:`TokenSynth` turns into
 the token ids vLLM sees; output lengths; priorities; arrival steps) goes to the engine model
 and to vLLM's real v1 ``Scheduler`` and ``KVCacheManager`` stepped in-process
-(:class:`slipstream_vllm.inprocess.VllmEngine`), with the same block size, KV blocks,
+(:class:`slipstream_testbed.vllm.inprocess.VllmEngine`), with the same block size, KV blocks,
 ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_token_threshold`` and prefix
 caching on. Both are stepped in lockstep; a request joins both at the start of its arrival
 step, and steps with nothing to do are skipped in both.
@@ -216,7 +216,7 @@ def run_model(config: EngineConfig, stream: Sequence[Arrival], max_steps: int) -
 
 
 def run_vllm(config: EngineConfig, stream: Sequence[Arrival], max_steps: int) -> list[Step]:
-    from slipstream_vllm.inprocess import StepRecord, VllmEngine
+    from slipstream_testbed.vllm.inprocess import StepRecord, VllmEngine
 
     engine = VllmEngine(config)
     engine.records = []

@@ -6,7 +6,7 @@ from an interpreter without it re-executes itself under the one
 :func:`slipstream_testbed.vllm.server.vllm_python` names; with none, it is a usage error.
 
 Nothing here imports vllm at module level: :func:`vllm_engine_factory` imports
-:mod:`slipstream_vllm.inprocess` (the only package that imports vllm) when called.
+:mod:`slipstream_testbed.vllm.inprocess` (the testbed's in-process vLLM harness) when called.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def slipstream_argv(prefix: Sequence[str]) -> list[str]:
 
 def vllm_engine_factory() -> Callable[[EngineConfig, int], Any]:
     """``(EngineConfig, seed) -> VllmEngine``: vLLM's scheduler choosing every batch."""
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     def make(config: EngineConfig, seed: int) -> Any:
         return VllmEngine(config, seed)

@@ -28,7 +28,7 @@ from slipstream_scheduler.engine.model import EngineConfig
 __all__ = ["long_prompt_ids", "plugin_ordering_factory", "text_token_ids"]
 
 VOCAB_LOW, VOCAB_HIGH = 8, 1000
-"""The tiny model's vocabulary clear of its specials (``slipstream_vllm.inprocess``)."""
+"""The tiny model's vocabulary clear of its specials (``slipstream_testbed.vllm.inprocess``)."""
 
 
 def text_token_ids(text: str) -> list[int]:
@@ -61,7 +61,7 @@ def plugin_ordering_factory(
     """``(EngineConfig, seed) -> PluginEngine`` ordering online requests with ``ordering``
     (the control document a sidecar would write: naive policy, no offline budget)."""
     from slipstream_scheduler.enginecontrol import EngineControl
-    from slipstream_vllm.simplugin import PluginEngine
+    from slipstream_testbed.vllm.simplugin import PluginEngine
 
     control = EngineControl(
         generation=1, policy="naive", ordering=ordering, ordering_params=dict(params)

@@ -1,11 +1,12 @@
 """``slipstream bench plugin-overhead``: the CPU time Slipstream's plugin adds to vLLM's step.
 
-vLLM's real v1 scheduler is stepped in-process (:class:`slipstream_vllm.inprocess.VllmEngine`)
-with N requests decoding (16, 64 and 256 by default: every one running, long outputs, no
-offline work), once as stock vLLM (``AsyncScheduler``) and once per plugin configuration
-(``SlipstreamScheduler`` with the ``naive`` policy and FCFS ordering: the plugin's machinery
-alone; with Gittins ordering over predicted lengths: the shipped online ordering; with the
-``budget`` policy and a latency model: planning every step). Each step's ``schedule()`` and
+vLLM's real v1 scheduler is stepped in-process
+(:class:`slipstream_testbed.vllm.inprocess.VllmEngine`) with N requests decoding (16, 64 and
+256 by default: every one running, long outputs, no offline work), once as stock vLLM
+(``AsyncScheduler``) and once per plugin configuration (``SlipstreamScheduler`` with the
+``naive`` policy and FCFS ordering: the plugin's machinery alone; with Gittins ordering over
+predicted lengths: the shipped online ordering; with the ``budget`` policy and a latency
+model: planning every step). Each step's ``schedule()`` and
 ``update_from_output()`` are timed with the calling thread's CPU clock
 (``time.thread_time_ns``), which other processes on the host do not inflate. Rounds
 alternate stock and plugin; the report gives, per N and configuration, the median CPU time per
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine(n: int, channel: Path | None, control: dict[str, Any] | None) -> Any:
-    from slipstream_vllm.inprocess import VllmEngine
+    from slipstream_testbed.vllm.inprocess import VllmEngine
 
     cfg = EngineConfig(max_num_seqs=max(n, 16), max_num_batched_tokens=max(2 * n, 512),
                        num_gpu_blocks=n * 24 + 64, noise_cv=0.0)

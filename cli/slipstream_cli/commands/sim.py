@@ -632,7 +632,7 @@ def in_engine_factory_from_args(args: argparse.Namespace) -> InEngineFactory | N
     :func:`engine_factory_from_args`, which made sure vllm imports); None otherwise."""
     if getattr(args, "engine", "model") != "vllm":
         return None
-    from slipstream_vllm.simplugin import plugin_in_engine_factory
+    from slipstream_testbed.vllm.simplugin import plugin_in_engine_factory
 
     return cast(InEngineFactory, plugin_in_engine_factory())
 

@@ -115,7 +115,7 @@ class InEngineSpec:
 InEngineFactory = Callable[[EngineConfig, int, InEngineSpec], SimEngine]
 """``(engine config, seed, spec) -> engine`` for ``mode="in-engine"``: default the engine
 model under the planner (:class:`PlannedEngine`); ``--engine vllm`` passes vLLM's scheduler
-under Slipstream's plugin (``slipstream_vllm.simplugin.PluginEngine``)."""
+under Slipstream's plugin (``slipstream_testbed.vllm.simplugin.PluginEngine``)."""
 
 
 class SimError(Exception):

@@ -49,6 +49,7 @@ from slipstream_scheduler.engine.model import (
     StepResult,
 )
 from slipstream_scheduler.types import BatchItem, EngineLimits, Phase
+from slipstream_testbed.vllm.tiny_model import ensure
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # The model folder only lends its config: no position is ever computed, so a context longer
@@ -137,9 +138,6 @@ def default_model_dir() -> Path:
     from_env = os.environ.get("SLIPSTREAM_VLLM_MODEL_DIR")
     if from_env:
         return Path(from_env)
-    # Imported here: the testbed builds the folder; this package only needs its path.
-    from slipstream_testbed.vllm.tiny_model import ensure
-
     return ensure()
 
 

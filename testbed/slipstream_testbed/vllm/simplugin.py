@@ -1,6 +1,6 @@
 """The plugin in the simulator: vLLM's scheduler with ``SlipstreamScheduler``, stepped in-process.
 
-:class:`PluginEngine` is :class:`~slipstream_vllm.inprocess.VllmEngine` built with
+:class:`PluginEngine` is :class:`~slipstream_testbed.vllm.inprocess.VllmEngine` built with
 ``scheduler_cls`` = the plugin, configured the way the sidecar configures it in a pod (an
 :class:`~slipstream_scheduler.enginecontrol.EngineControl`, applied directly rather than through
 the channel directory), and with the simulator's offline requests (priority at or below
@@ -22,7 +22,7 @@ from vllm.v1.request import Request
 from slipstream_scheduler.engine.model import EngineConfig, StepResult
 from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, EngineControl
 from slipstream_scheduler.lengths import GlobalDistributionPredictor
-from slipstream_vllm.inprocess import VllmEngine
+from slipstream_testbed.vllm.inprocess import VllmEngine
 
 __all__ = ["PLUGIN_CLS", "PluginEngine", "plugin_in_engine_factory"]
 
