@@ -3,8 +3,10 @@
 See :mod:`.tiny_model` (``ensure()`` builds or reuses the model) and :mod:`.server`;
 :mod:`.bench_serve` runs vLLM's own load generator, ``vllm bench serve``, round after round
 (imported by name only: it is also the child process's ``__main__``).
-Nothing here imports vllm; the server runs in the real-vLLM environment
-(``make vllm-env``) as a separate process.
+These import no vllm: the server runs in the real-vLLM environment (``make vllm-env``) as a
+separate process. :mod:`.inprocess` (vLLM's scheduler stepped in-process) and
+:mod:`.simplugin` (Slipstream's plugin in it, for the simulator) do, and are imported by
+name, from that environment only.
 """
 
 from slipstream_testbed.vllm.server import (
