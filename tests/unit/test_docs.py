@@ -294,6 +294,27 @@ def test_colocation_page_figures() -> None:
             assert ("broken" in r["of offline-only"]) == (row["slo_met"] is False)
 
 
+def test_colocation_async_figures() -> None:
+    text = (BENCH / "colocation.md").read_text()
+    sync = _colocation_rows("colocation.json")
+    overlapped = _colocation_rows("colocation-async.json")
+    doc = _load("colocation-async.json")
+    assert doc["async_scheduling"] and not _load("colocation.json").get("async_scheduling")
+    step, per_seq = doc["plugin_overhead_us"]["step"], doc["plugin_overhead_us"]["per_seq"]
+    assert [float(x) for x in _after(text, "--plugin-overhead-us", 2)] == [step, per_seq]
+    table = _table(text, "## Async scheduling")
+    assert table
+    for r in table:
+        key = (_BUSY[_plain(r["busy"])], _plain(r["policy"]), _plain(r["mode"]))
+        before, after = sync[key], overlapped[key]
+        assert _plain(r["SLO, async"]) == ("met" if after["slo_met"] else "broken")
+        _shows(r["TBT p99, sync"], before["tbt_p99_s"], 1000)
+        _shows(r["TBT p99, async"], after["tbt_p99_s"], 1000)
+        _shows(r["offline tok/s, sync"], before["offline_tokens_per_s"])
+        _shows(r["offline tok/s, async"], after["offline_tokens_per_s"])
+        _shows(r["% of offline-only, async"], after["share"], 100)
+
+
 def _ordering_summary(name: str) -> dict[tuple[float, str, str], dict[str, Any]]:
     return {(s["load"], s["ordering"], s["cost"]): s for s in _load(name)["summary"]}
 

@@ -67,6 +67,13 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(duration_s=600.0, rate_scale=None)
     parser.add_argument("--json", type=Path, required=True, help="write the JSON report here")
     parser.add_argument("--target-busy", type=float, default=0.30, help="online-only busy fraction")
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="step the engine with vLLM's async scheduling, vLLM's default: a step's host "
+        "overhead overlaps the GPU's work (EngineConfig.async_scheduling; the engine model "
+        "only)",
+    )
 
 
 def load_setting(
@@ -74,7 +81,10 @@ def load_setting(
 ) -> tuple[tuple[SimRequest, ...], tuple[SimRequest, ...], EngineConfig]:
     """The online trace, the offline set and the engine that :func:`add_load_arguments` name."""
     engine = EngineConfig(
-        model=args.model, gpu=args.gpu, long_prefill_token_threshold=args.long_prefill_tokens
+        model=args.model,
+        gpu=args.gpu,
+        long_prefill_token_threshold=args.long_prefill_tokens,
+        async_scheduling=args.async_scheduling,
     )
     return load_trace(args.trace), load_offline(args.offline, args.offline_path), engine
 
@@ -119,11 +129,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its own profiled budgets): all (default), default (the target load only), none",
     )
     parser.add_argument(
+        "--plugin-overhead-us",
+        type=float,
+        nargs=2,
+        metavar=("STEP", "PER_SEQ"),
+        default=[0.0, 0.0],
+        help="host time the engine plugin adds to each in-engine step: microseconds per step "
+        "and per scheduled sequence (bench plugin-overhead measures it); default 0 0",
+    )
+    parser.add_argument(
         "--no-idle-search",
         action="store_true",
         help="budget policies: HyGen's single budget only (no idle budget searched); "
         "the 'before' configuration of docs/benchmarks/colocation.md",
     )
+
+
+def _timing_options_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--async-scheduling`` and ``--plugin-overhead-us``, if anything."""
+    step_us, per_seq_us = args.plugin_overhead_us
+    if not (0.0 <= step_us <= 1e6 and 0.0 <= per_seq_us <= 1e4):
+        return "--plugin-overhead-us takes STEP in 0..1e6 and PER_SEQ in 0..1e4 microseconds"
+    if args.engine != "model" and (args.async_scheduling or step_us or per_seq_us):
+        return ("--async-scheduling and --plugin-overhead-us time the engine model's steps; "
+                "with --engine vllm the plugin itself runs")
+    return None
 
 
 def _online(
@@ -170,6 +200,11 @@ def find_rate_scale(
 def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 140))
     t_start = time.perf_counter()
+    step_us, per_seq_us = args.plugin_overhead_us
+    problem = _timing_options_problem(args)
+    if problem:
+        print(f"slipstream bench colocation: error: {problem}", file=sys.stderr)
+        return 2
     full, offline, engine = load_setting(args)
     full, refused = servable(full, engine)
     if refused:
@@ -183,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
             args, "slipstream bench colocation", ["bench", "colocation"]
         ),
         "in_engine_factory": in_engine_factory_from_args(args),
+        "in_engine_overhead_s": (step_us * 1e-6, per_seq_us * 1e-6),
     }
     slos = tuple(parse_slo(s) for s in (args.slo or DEFAULT_SLOS))
     dur = float(args.duration_s)
@@ -297,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
         "idle_budget_s": args.idle_budget,
         "idle_search": not args.no_idle_search,
         "engine": args.engine,
+        "async_scheduling": args.async_scheduling,
+        "plugin_overhead_us": {"step": step_us, "per_seq": per_seq_us},
         "in_engine": args.in_engine,
         "row_modes": {
             "sidecar": "what the sidecar achieves (dispatcher in front of vLLM's scheduler)",

@@ -142,6 +142,18 @@ class Scenario:
     engine_factory: EngineFactory | None = None
     in_engine_factory: InEngineFactory | None = None
     """``mode="in-engine"`` on vLLM: vLLM's scheduler under Slipstream's plugin."""
+    in_engine_overhead_s: tuple[float, float] = (0.0, 0.0)
+    """``mode="in-engine"``: the host time the plugin adds per step and per scheduled
+    sequence (``EngineConfig.scheduler_overhead_s`` and ``..._per_seq_s``)."""
+
+    def engine_for(self, mode: Mode) -> EngineConfig:
+        """The engine a run of ``mode`` steps: in-engine runs carry the plugin's overhead."""
+        step_s, per_seq_s = self.in_engine_overhead_s
+        if mode != "in-engine" or (step_s == 0.0 and per_seq_s == 0.0):
+            return self.engine
+        return self.engine.model_copy(
+            update={"scheduler_overhead_s": step_s, "scheduler_overhead_per_seq_s": per_seq_s}
+        )
 
     def model(self) -> LinearLatencyModel:
         if self.latency_model is None:
@@ -183,7 +195,7 @@ class Scenario:
             if s.limit_s is not None and s.metric == "tbt":
                 tbt = s.limit_s
         cfg = SimConfig(
-            engine=self.engine,
+            engine=self.engine_for(mode),
             policy=policy,
             budget_s=budget_s,
             static_cap=static_cap,

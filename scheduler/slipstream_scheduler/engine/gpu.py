@@ -329,6 +329,25 @@ class GpuTimingModel:
             + self._c1 * num_seqs
         )
 
+    def step_parts(
+        self, num_tokens: int, num_seqs: int, prefill_pairs: float, decode_kv_tokens: int
+    ) -> tuple[float, float]:
+        """:meth:`step_time` in its two parts, ``(device, host)`` seconds: the GPU's work
+        (linear layers, LM head, all-reduces, attention) and the host overhead (the
+        per-step and per-sequence terms), which vLLM's async scheduling overlaps with the
+        device's work of the step before. An empty step is ``(0, 0)``."""
+        if num_seqs <= 0:
+            return 0.0, 0.0
+        ms = self._fwd(num_tokens) + self._lm(num_seqs)
+        if self._ar is not None:
+            ms += self._ar_per_step * self._ar(num_tokens * self._ar_bytes_per_token)
+        device = (
+            ms * 1e-3
+            + prefill_pairs * self._pre_s_per_pair
+            + decode_kv_tokens * self._dec_s_per_token
+        )
+        return device, self._c0 + self._c1 * num_seqs
+
     def predict(self, batch: Sequence[BatchItem]) -> float:
         """Seconds for one iteration over ``batch`` (the ``LatencyModel`` protocol)."""
         tokens = kv = 0

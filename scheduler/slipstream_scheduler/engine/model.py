@@ -127,6 +127,22 @@ class EngineConfig(BaseModel):
         le=0.5,
         description="log-normal step-time noise (sigma, ~coefficient of variation); 0.01",
     )
+    async_scheduling: bool = Field(
+        default=False,
+        description="vLLM's async scheduling: a step's host work (the GPU profile's per-step "
+        "and per-sequence overhead, plus scheduler_overhead_*) overlaps the device's, so a "
+        "step takes the longer of the two instead of their sum; default false (the profiles' "
+        "calibration)",
+    )
+    scheduler_overhead_s: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="host time a scheduler plugin adds to every step, seconds; default 0",
+    )
+    scheduler_overhead_per_seq_s: float = Field(
+        default=0.0, ge=0.0, le=0.01,
+        description="host time a scheduler plugin adds per scheduled sequence, seconds; "
+        "default 0",
+    )
     path: Literal["auto", "walk", "reference"] = Field(
         default="auto",
         description="step implementation: auto (aggregate plan, walk when needed; default), "
@@ -866,12 +882,20 @@ class EngineModel:
     ) -> float:
         """The step's time, noise included. ``explicit``: the items walked one by one; the
         other ``seqs - len(explicit)`` sequences are steady decoders (one token each)."""
+        c = self.config
         latency = self._latency
-        if latency is not None:
-            return self._noisy(latency.step_time(explicit, seqs, dec_kv))
-        gpu = self._gpu
-        assert gpu is not None
-        return self._noisy(gpu.step_time(tokens, seqs, pairs, dec_kv))
+        overlap = c.async_scheduling
+        extra = (c.scheduler_overhead_s + c.scheduler_overhead_per_seq_s * seqs) if seqs else 0.0
+        if latency is not None:  # no device/host split: the whole step is the device's
+            device, host = latency.step_time(explicit, seqs, dec_kv), 0.0
+        else:
+            gpu = self._gpu
+            assert gpu is not None
+            if not overlap and not extra:
+                return self._noisy(gpu.step_time(tokens, seqs, pairs, dec_kv))
+            device, host = gpu.step_parts(tokens, seqs, pairs, dec_kv)
+        host += extra
+        return self._noisy(max(device, host) if overlap else device + host)
 
     def _noisy(self, base: float) -> float:
         sigma = self.config.noise_cv
