@@ -147,8 +147,10 @@ class StatsMixin(_State):
         return out
 
     def _note_schedule(self, out: SchedulerOutput, plan: StepPlan | None) -> None:
-        for rid in out.num_scheduled_tokens:
-            self._psm_taken(rid)
+        if len(self._psm):  # what vLLM scheduled leaves the PSM queue, whichever walk ran
+            with self._guard.part("psm"):
+                for rid in out.num_scheduled_tokens:
+                    self._psm_taken(rid)
         for rid in out.preempted_req_ids or ():
             if plan is not None and rid in plan.preempted:
                 continue

@@ -170,9 +170,6 @@ class SteeringMixin(_State):
         out = self._steered_walk(
             plan, throttle, running=walk_running, queue=queue, hidden=hidden, rest=rest, cap=cap
         )
-        with self._guard.part("psm"):
-            for req in out.num_scheduled_tokens:
-                self._psm_taken(req)
         return out
 
     def _preempt_planned(self, plan: StepPlan) -> None:
