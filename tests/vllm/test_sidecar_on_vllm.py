@@ -656,43 +656,47 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
     vllm: VllmServer, stack1: Stack, kind: str
 ) -> None:
     """Every line of the shard is a completion, or every line a chat. Online requests arrive
-    while an offline line is decoding; the sidecar (one slot) aborts it mid-answer and later
-    resumes it as a continuation. Each line's output is then compared on token ids with the
-    same request asked of vLLM directly, uninterrupted."""
+    all through the shard; the sidecar (one slot) aborts the offline line decoding at each
+    arrival and later resumes it as a continuation. Each line's output is then compared on
+    token ids with the same request asked of vLLM directly, uninterrupted."""
     n = 12  # a chat prompt is longer (the chat template), and the server's context is 512
     line, max_tokens, path = ((offline_body, 480, "/v1/completions") if kind == "completion"
                               else (chat_offline_body, 440, "/v1/chat/completions"))
     bodies: list[dict[str, Any] | bytes] = [line(i, max_tokens) for i in range(n)]
     write_shard(stack1.tmp / "in.jsonl", bodies)
     sc = stack1.sidecar.url
-    assign(stack1, "burst", n)
 
-    def decoding() -> bool:
-        """An offline line is mid-answer: it has produced tokens, and has hundreds to go
-        (every finished line has exactly ``max_tokens``: ``ignore_eos``). Also true once the
-        shard has ended."""
-        for p in stack1.status().shards:
-            if p.shard_id == "burst":
-                seen.append((p.output_tokens, p.completed, p.in_flight, p.preemptions))
-                return (p.completed == n
-                        or 8 < p.output_tokens - p.completed * max_tokens < max_tokens // 2)
-        return False
-
-    # Up to three online requests, one at a time, each sent while an offline line is
-    # mid-answer (on a slow host the shard may end first).
+    # Three online requests, one after another with a pause before each, sent from the
+    # shard's start: the first arrives 0.5 s in, when a line is mid-answer (the shard holds
+    # 12 x 480 tokens of one-at-a-time decoding, seconds on any host), and each pause lets
+    # the resumed line produce tokens for the next arrival to cut.
     results: list[Streamed] = []
-    seen: list[tuple[int, int, int, int]] = []  # (tokens, completed, in flight, preemptions)
-    for i in range(3):
-        wait_until(decoding, f"an offline line decoding before online request {i}; the "
-                   f"shard's (tokens, completed, in flight, preemptions): {seen[-3:]}")
-        if seen[-1][1] == n:
-            break
-        results.append(stream(sc + "/v1/completions", {
-            **COMPLETION, "max_tokens": 16, "seed": i, "return_token_ids": True}))
-    assert results and all(r.done for r in results)
-    progress = wait_shard(stack1, "burst")
+    errors: list[BaseException] = []
+    shard_done = threading.Event()
+
+    def online() -> None:
+        for i in range(3):
+            if shard_done.wait(0.5):
+                return
+            try:
+                results.append(stream(sc + "/v1/completions", {
+                    **COMPLETION, "max_tokens": 16, "seed": i, "return_token_ids": True}))
+            except BaseException as e:  # reported by the test's thread
+                errors.append(e)
+                return
+
+    assign(stack1, "burst", n)
+    u = threading.Thread(target=online, daemon=True)
+    u.start()
+    try:
+        progress = wait_shard(stack1, "burst")
+    finally:
+        shard_done.set()
+        u.join(150)
+    assert not errors, errors
+    assert results and all(r.done for r in results), len(results)
     assert progress.state == pb.SHARD_STATE_SUCCEEDED and progress.completed == n
-    assert progress.preemptions > 0, "the online burst must abort offline work"
+    assert progress.preemptions > 0, "the online requests must abort offline work"
     assert metric(sc, "slipstream_offline_resumed_tokens_total") > 0, (
         "no offline line was resumed mid-answer")
     out = {r["custom_id"]: r for r in records(stack1.tmp / "out.jsonl")}
