@@ -656,7 +656,7 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
     vllm: VllmServer, stack1: Stack, kind: str
 ) -> None:
     """Every line of the shard is a completion, or every line a chat. Online requests arrive
-    all through the shard; the sidecar (one slot) aborts the offline line decoding at each
+    while an offline line is mid-answer; the sidecar (one slot) aborts the line at each
     arrival and later resumes it as a continuation. Each line's output is then compared on
     token ids with the same request asked of vLLM directly, uninterrupted."""
     n = 12  # a chat prompt is longer (the chat template), and the server's context is 512
@@ -666,24 +666,42 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
     write_shard(stack1.tmp / "in.jsonl", bodies)
     sc = stack1.sidecar.url
 
-    # Three online requests, one after another with a pause before each, sent from the
-    # shard's start: the first arrives 0.5 s in, when a line is mid-answer (the shard holds
-    # 12 x 480 tokens of one-at-a-time decoding, seconds on any host), and each pause lets
-    # the resumed line produce tokens for the next arrival to cut.
+    # Online requests one at a time, each sent when the Status shows an offline line
+    # mid-answer (tokens into it, most still to come), until one has cut a line that then
+    # resumed from its tokens (at most six). Watched from the shard's start by a thread that
+    # polls every 50 ms: a line is mid-answer for most of its 480 tokens, so even when a
+    # loaded host makes the sidecar's counts move in large jumps, the shard (12 lines, one at
+    # a time) cannot end before one is seen.
     results: list[Streamed] = []
     errors: list[BaseException] = []
+    seen: list[tuple[int, int, int, int]] = []  # (tokens, completed, in flight, preemptions)
+    sent_at: list[tuple[int, int, int, int]] = []  # what was seen when each request went
     shard_done = threading.Event()
 
+    def mid_answer() -> bool | None:
+        """True when a line is mid-answer, None once the shard has ended."""
+        for p in stack1.status().shards:
+            if p.shard_id == "burst":
+                seen.append((p.output_tokens, p.completed, p.in_flight, p.preemptions))
+                if p.completed + p.failed == n:
+                    return None
+                into = p.output_tokens - p.completed * max_tokens
+                return bool(p.in_flight > 0 and 8 < into < max_tokens * 3 // 4)
+        return False
+
     def online() -> None:
-        for i in range(3):
-            if shard_done.wait(0.5):
-                return
-            try:
+        try:
+            for i in range(6):
+                while not (state := mid_answer()):
+                    if state is None or shard_done.wait(0.05):
+                        return
+                sent_at.append(seen[-1])
                 results.append(stream(sc + "/v1/completions", {
                     **COMPLETION, "max_tokens": 16, "seed": i, "return_token_ids": True}))
-            except BaseException as e:  # reported by the test's thread
-                errors.append(e)
-                return
+                if metric(sc, "slipstream_offline_resumed_tokens_total") > 0:
+                    return
+        except BaseException as e:  # reported by the test's thread
+            errors.append(e)
 
     assign(stack1, "burst", n)
     u = threading.Thread(target=online, daemon=True)
@@ -694,11 +712,12 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
         shard_done.set()
         u.join(150)
     assert not errors, errors
-    assert results and all(r.done for r in results), len(results)
+    assert results and all(r.done for r in results), (len(results), seen[-5:])
     assert progress.state == pb.SHARD_STATE_SUCCEEDED and progress.completed == n
     assert progress.preemptions > 0, "the online requests must abort offline work"
     assert metric(sc, "slipstream_offline_resumed_tokens_total") > 0, (
-        "no offline line was resumed mid-answer")
+        f"no offline line was resumed mid-answer; the shard's (tokens, completed, in flight, "
+        f"preemptions) when each online request went: {sent_at}")
     out = {r["custom_id"]: r for r in records(stack1.tmp / "out.jsonl")}
     assert set(out) == {f"req-{i}" for i in range(n)} and len(out) == n
     for i in range(n):
