@@ -214,6 +214,10 @@ class _Slipstream(
         """The per-request records, the online ordering's length predictors and the offline
         PSM order (:mod:`slipstream_vllm.ordering`)."""
         self._meta: dict[str, _Meta] = {}
+        self._offline_ids: set[str] = set()
+        """Offline requests vLLM may still hold (ids are dropped when they finish or are
+        aborted; one vLLM no longer holds is found and the set cleared by
+        :meth:`_online_only`)."""
         self._embedder = HashingEmbedder()
         self._predictor = SemanticHistoryPredictor(self._embedder.dim)
         self._global = GlobalDistributionPredictor()
@@ -252,6 +256,10 @@ class _Slipstream(
         self.steps = 0
         self.fallback_steps = 0
         self.fault_steps = 0
+        self.online_only_steps = 0
+        self.online_only_path = True
+        """Steps with no offline request in the engine and none waiting go straight to
+        vLLM's walk (:meth:`_online_only_step`); off, every step is planned."""
         self._stage = "ordering"
         self._walking = False
         self.offline_deferred_chunks = 0
@@ -314,6 +322,8 @@ class _Slipstream(
                         " ".join(map(str, ids[:EMBED_TOKENS]))
                     )
             self._meta[request.request_id] = meta
+            if cls is _OFFLINE:
+                self._offline_ids.add(request.request_id)
             self._stats[cls].admitted += 1
             super().add_request(request)
             if cls is _OFFLINE and self.offline_order == "psm" and not guard.tripped:
@@ -336,6 +346,8 @@ class _Slipstream(
             return self._vllm_walk(throttle_prefills)
         self._walking = False
         try:
+            if self.online_only_path and self._online_only():
+                return self._online_only_step(throttle_prefills)
             return self._slipstream_step(throttle_prefills)
         except Exception as exc:
             if self._walking:  # vLLM's own walk raised: its fault, as without the plugin
@@ -388,6 +400,38 @@ class _Slipstream(
             _carry_notices(refused, out)
             return out
         return self._finish_schedule(out, plan)
+
+    def _online_only(self) -> bool:
+        """Nothing waits, no offline request is in the engine, and the free KV blocks cover
+        the most this walk can take (a block per running request plus the token cap in
+        blocks): then the plan is vLLM's own walk. Every running request is online, the
+        planner gives online requests their tokens first, in running order, as vLLM does, and
+        none can be preempted; only admissions, offline work and KV shortage are its choices.
+        O(1) while offline requests are live: ``any`` stops at the first one vLLM holds."""
+        if self.waiting or self.kv_holding_waiting:
+            return False
+        most = self.max_num_scheduled_tokens // self.block_size + len(self.running) + 1
+        if self.kv_cache_manager.block_pool.get_num_free_blocks() < most:
+            return False
+        ids = self._offline_ids
+        if ids:
+            if any(rid in self.requests for rid in ids):
+                return False
+            ids.clear()
+        return True
+
+    def _online_only_step(self, throttle_prefills: bool) -> SchedulerOutput:
+        """A step with only online requests in the engine, none waiting and KV to spare
+        (:meth:`_online_only`): vLLM's walk, without building the snapshot or planning."""
+        self._stage = "steer"
+        self.steps += 1
+        self.online_only_steps += 1
+        self._queue_counts = (0, 0, len(self.running), 0)
+        self._budget_in_force = self.budget_s if self.running else self._idle_budget()
+        self._walking = True
+        out = super().schedule(throttle_prefills)
+        self._walking = False
+        return self._finish_schedule(out, None)
 
     def _own_walk(self, throttle_prefills: bool) -> SchedulerOutput:
         """vLLM's own walk for this step, running online requests ranked by the ordering."""
@@ -447,6 +491,7 @@ class _Slipstream(
                     self._psm.remove(rid)
         for rid in ids:
             self._meta.pop(rid, None)
+            self._offline_ids.discard(rid)
         return out
 
     def shutdown(self) -> None:

@@ -68,14 +68,21 @@ class SnapshotMixin(_State):
             already_generated=r.num_output_tokens,
         )
 
+    def _idle_budget(self) -> float | None:
+        """The budget with no online request in the engine: the idle budget when one is set
+        (infinite: none), else the service's."""
+        if not self.idle_budget_s:
+            return self.budget_s
+        return None if math.isinf(self.idle_budget_s) else self.idle_budget_s
+
     def _snapshot(self, online_q: list[Request], offline_q: list[Request]) -> Snapshot:
         running = tuple(self._running_view(r, self._class_of(r)) for r in self.running)
         window = self.planner.rules.queue_window
         online = tuple(self._queued_view(r, _ONLINE) for r in online_q[:window])
         offline = tuple(self._queued_view(r, _OFFLINE) for r in offline_q[:window])
         budget = self.budget_s
-        if not online and all(q.cls is _OFFLINE for q in running) and self.idle_budget_s:
-            budget = None if math.isinf(self.idle_budget_s) else self.idle_budget_s
+        if not online and all(q.cls is _OFFLINE for q in running):
+            budget = self._idle_budget()
         self._budget_in_force = budget
         return Snapshot(
             time.time(),

@@ -75,6 +75,9 @@ class _State(_Base):  # type: ignore[misc]
     _guard: FaultGuard
     clock: Callable[[], float]
     _meta: dict[str, _Meta]
+    _offline_ids: set[str]
+    online_only_path: bool
+    online_only_steps: int
     _embedder: HashingEmbedder
     _predictor: SemanticHistoryPredictor
     _global: GlobalDistributionPredictor

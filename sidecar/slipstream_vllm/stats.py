@@ -29,8 +29,8 @@ from slipstream_scheduler.enginecontrol import (
     CumulativeHistogram,
     EngineReport,
 )
-from slipstream_scheduler.types import StepPlan
-from slipstream_vllm.state import _OFFLINE, _ONLINE, _Meta, _State
+from slipstream_scheduler.types import RequestClass, StepPlan
+from slipstream_vllm.state import _OFFLINE, _ONLINE, _State
 from slipstream_vllm.steps import Counts, StepRecorder
 
 LATENCY_WINDOW = 2048
@@ -55,8 +55,11 @@ class _Window:
 
     values: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
-    def add(self, v: float) -> None:
-        self.values.append(v)
+    def add(self, v: float, count: int = 1) -> None:
+        if count == 1:
+            self.values.append(v)
+        else:
+            self.values.extend(itertools.repeat(v, count))
 
     # The channel thread reads while the scheduling thread appends: tuple() copies the deque
     # in one step under the GIL.
@@ -78,10 +81,10 @@ class _Cumulative:
         self.sum = 0.0
         self.count = 0
 
-    def add(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, v)] += 1
-        self.sum += v
-        self.count += 1
+    def add(self, v: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += count
+        self.sum += v * count
+        self.count += count
 
     def snapshot(self) -> CumulativeHistogram:
         return CumulativeHistogram(
@@ -200,10 +203,7 @@ class StatsMixin(_State):
     ) -> bool:
         """Token times and finishes of one step's outputs; True if a request finished."""
         now = time.time()
-        for req in reqs.values():
-            meta = self._meta.get(req.request_id)
-            if meta is not None:
-                self._note_tokens(req, meta, now)
+        self._note_tokens(reqs, now)
         finished = False
         for eco in outputs.values():
             for o in eco.outputs:
@@ -215,26 +215,48 @@ class StatsMixin(_State):
             self._meta = {k: v for k, v in self._meta.items() if k in self.requests}
         return finished
 
-    def _note_tokens(self, req: Request, meta: _Meta, now: float) -> None:
-        n = req.num_output_tokens
-        if n <= meta.seen_tokens:
-            return
-        stats = self._stats[meta.cls]
-        stats.tokens += n - meta.seen_tokens
-        if meta.first_token_s is None:
-            meta.first_token_s = now
-            ttft = max(now - req.arrival_time, 0.0)
-            stats.ttft.add(ttft)
-            stats.ttft_hist.add(ttft)
-        elif meta.last_token_s is not None:
-            tbt = (now - meta.last_token_s) / (n - meta.seen_tokens)
-            stats.tbt.add(tbt)
-            stats.tbt_hist.add(tbt)
-        meta.last_token_s = now
-        meta.seen_tokens = n
+    def _note_tokens(self, reqs: dict[str, Request], now: float) -> None:
+        """Each request's new tokens: its first token's TTFT, or the gap since its last
+        token, per new token (TBT). One pass, no allocation per request: requests whose last
+        tokens came out at the same time, as many new tokens each (a step's decodes, nearly
+        always), share one gap, added to the window and histogram once with its count."""
+        meta_get = self._meta.get
+        gaps: dict[tuple[RequestClass, float, int], int] = {}
+        tokens = [0, 0]  # per class (RequestClass is 0 or 1)
+        for rid, req in reqs.items():
+            meta = meta_get(rid)
+            if meta is None:
+                continue
+            n = req.num_output_tokens
+            new = n - meta.seen_tokens
+            if new <= 0:
+                continue
+            tokens[meta.cls] += new
+            last = meta.last_token_s
+            if meta.first_token_s is None:
+                meta.first_token_s = now
+                stats = self._stats[meta.cls]
+                ttft = max(now - req.arrival_time, 0.0)
+                stats.ttft.add(ttft)
+                stats.ttft_hist.add(ttft)
+            elif last is not None:
+                key = (meta.cls, last, new)
+                gaps[key] = gaps.get(key, 0) + 1
+            meta.last_token_s = now
+            meta.seen_tokens = n
+        for (cls, last, new), count in gaps.items():
+            stats = self._stats[cls]
+            tbt = (now - last) / new
+            stats.tbt.add(tbt, count)
+            stats.tbt_hist.add(tbt, count)
+        if tokens[0]:
+            self._stats[_ONLINE].tokens += tokens[0]
+        if tokens[1]:
+            self._stats[_OFFLINE].tokens += tokens[1]
 
     def _finished(self, request_id: str, reqs: dict[str, Request], *, ok: bool) -> None:
         meta = self._meta.pop(request_id, None)
+        self._offline_ids.discard(request_id)
         with self._guard.part("psm"):
             if request_id in self._psm:
                 self._psm.remove(request_id)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -42,7 +43,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "naive-fcfs": {"policy": "naive", "ordering": "fcfs"},
     "naive-gittins": {"policy": "naive", "ordering": "gittins"},
     "budget-gittins": {"policy": "budget", "ordering": "gittins", "budget_s": 1.0},
+    "budget-gittins-mixed": {"policy": "budget", "ordering": "gittins", "budget_s": 1.0},
 }
+MIXED = frozenset({"budget-gittins-mixed"})
+"""Configurations where every other running request is offline (the pod's token): the
+plugin plans every step. In the others every request is online and nothing waits, so the
+plugin's steps are vLLM's walk without a plan (``_online_only``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,23 +63,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the JSON report here")
 
 
-def _engine(n: int, channel: Path | None, control: dict[str, Any] | None) -> Any:
+PROMPT_MAX = 128 + 6 * 16
+"""The longest prompt the bench gives a request (128 to 224 tokens)."""
+WARMUP_STEPS = 20
+
+
+def _engine(
+    n: int, channel: Path | None, control: dict[str, Any] | None, timed_steps: int,
+    *, mixed: bool = False,
+) -> Any:
+    """vLLM's scheduler with ``n`` requests decoding (``mixed``: every other one offline, with
+    the pod's token; stock vLLM gets the same requests), and KV blocks enough for each to
+    decode every step of the run (prefill and warm-up included): the regime cannot drift into
+    KV pressure, preemptions and a waiting queue halfway through."""
+    from slipstream_scheduler.enginecontrol import OFFLINE_TOKEN_ARG, OFFLINE_TOKEN_FILE
     from slipstream_testbed.vllm.inprocess import VllmEngine
 
+    bs = EngineConfig().block_size
+    tokens = PROMPT_MAX + 2 * WARMUP_STEPS + timed_steps + n  # n: prefill steps, generously
     cfg = EngineConfig(max_num_seqs=max(n, 16), max_num_batched_tokens=max(2 * n, 512),
-                       num_gpu_blocks=n * 24 + 64, noise_cv=0.0)
+                       num_gpu_blocks=n * -(-tokens // bs) + 64, noise_cv=0.0)
+    token = "bench-offline-token"
     if channel is not None and control is not None:
+        (channel / OFFLINE_TOKEN_FILE).write_text(token)
         _write_control(channel, control, cfg)
         os.environ["SLIPSTREAM_CHANNEL_DIR"] = str(channel)
     eng = VllmEngine(cfg, scheduler_cls=PLUGIN if channel is not None else STOCK)
     os.environ.pop("SLIPSTREAM_CHANNEL_DIR", None)
     for i in range(n):
-        eng.add_tokens(f"r{i}", eng.synth.prompt(f"r{i}", 128 + (i % 7) * 16, ()), 100_000)
+        extra = {OFFLINE_TOKEN_ARG: token} if mixed and i % 2 else None
+        eng.add_tokens(f"r{i}", eng.synth.prompt(f"r{i}", 128 + (i % 7) * 16, ()), 100_000,
+                       extra_args=extra)
     while eng.stats().running < n or any(  # until every request decodes
         r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running
     ):
         eng.step()
     return eng
+
+
+def _regime(eng: Any) -> tuple[int, int]:
+    """(preemptions so far, requests waiting now): both 0 in the steady state measured."""
+    st = eng.stats()
+    return int(st.preemptions), int(st.waiting)
 
 
 def _write_control(channel: Path, control: dict[str, Any], cfg: EngineConfig) -> None:
@@ -114,16 +145,34 @@ def _timed_steps(eng: Any, steps: int) -> list[int]:
     return spent
 
 
+def _measure_apart(n: int, config: str, steps: int, rounds: int) -> dict[str, Any]:
+    """:func:`measure` in a process of its own, forked for this row: engines built for one
+    row (and the garbage they leave) cannot slow the rows after it."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        row: dict[str, Any] = pool.apply(measure, (n, config, steps, rounds))
+    return row
+
+
 def measure(n: int, config: str, steps: int, rounds: int) -> dict[str, Any]:
     stock: list[int] = []
     plugin: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
         channel = Path(tmp)
-        engines = (_engine(n, None, None), _engine(n, channel, CONFIGS[config]))
+        mixed = config in MIXED
+        engines = (_engine(n, None, None, steps * rounds, mixed=mixed),
+                   _engine(n, channel, CONFIGS[config], steps * rounds, mixed=mixed))
+        for eng in engines:
+            _timed_steps(eng, WARMUP_STEPS)
         for _ in range(rounds):
             stock += _timed_steps(engines[0], steps)
             plugin += _timed_steps(engines[1], steps)
-        engines[1].scheduler.shutdown()
+        regimes = [_regime(e) for e in engines]
+        sched = engines[1].scheduler
+        online_only = sched.online_only_steps / max(sched.steps, 1)
+        sched.shutdown()
+    if any(regimes[0]) or any(regimes[1]):
+        raise RuntimeError(f"the steady state drifted: (preemptions, waiting) stock "
+                           f"{regimes[0]}, plugin {regimes[1]}")
     s_med, p_med = statistics.median(stock), statistics.median(plugin)
     return {
         "running": n,
@@ -133,6 +182,7 @@ def measure(n: int, config: str, steps: int, rounds: int) -> dict[str, Any]:
         "plugin_median_us": p_med / 1e3,
         "added_median_us": (p_med - s_med) / 1e3,
         "ratio": p_med / s_med,
+        "online_only_share": online_only,
         "stock_p90_us": statistics.quantiles(stock, n=10)[-1] / 1e3,
         "plugin_p90_us": statistics.quantiles(plugin, n=10)[-1] / 1e3,
     }
@@ -148,10 +198,12 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(width=max(Console().width, 110))
     rows = []
+    import slipstream_testbed.vllm.inprocess  # noqa: F401 - imported once, before the forks
+
     for n in args.running:
         for config in args.config:
             with console.status(f"plugin overhead: {n} running, {config}"):
-                rows.append(measure(n, config, args.steps, args.rounds))
+                rows.append(_measure_apart(n, config, args.steps, args.rounds))
     table = Table(title=f"CPU time per step, vLLM {version} in-process (median, µs)")
     for col in ("running", "plugin config", "stock", "plugin", "added", "ratio"):
         table.add_column(col, justify="left" if col == "plugin config" else "right")
