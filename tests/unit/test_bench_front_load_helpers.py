@@ -13,9 +13,9 @@ from slipstream_cli.benches.front_load import (
     FIGURES,
     Round,
     _explained,
-    _order,
     burner,
     group_cpu_s,
+    round_order,
     summarise,
 )
 from slipstream_testbed.vllm.bench_serve import RandomWorkload, RoundResult, require_loopback
@@ -93,10 +93,10 @@ def test_the_control_explains_only_what_the_run_resolves() -> None:
 
 def test_the_first_repeat_runs_front_before_control() -> None:
     paths = ("direct", "front", "control", "front_estimate")
-    order = _order(paths, 0)
+    order = round_order(paths, 0)
     assert order.index("front") < order.index("control")
     for rep in range(4):
-        assert sorted(_order(paths, rep)) == sorted(paths)
+        assert sorted(round_order(paths, rep)) == sorted(paths)
 
 
 def test_the_burner_uses_the_cpu_it_is_asked_for() -> None:

@@ -50,7 +50,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,7 +223,7 @@ class Round:
     burner_rate: float
 
 
-def _order(paths: tuple[str, ...], repeat: int) -> list[str]:
+def round_order(paths: tuple[str, ...], repeat: int) -> list[str]:
     """Repeat ``repeat``'s order of ``paths`` (a row of a Williams design, as ``bench
     sidecar`` orders its blocks); in the first row ``front`` comes before ``control``, whose
     burner takes its rate from the last front round."""
@@ -318,6 +318,15 @@ def run(args: argparse.Namespace) -> int:
     add_arguments(parser)
     if args.repeats < 1 or min(args.concurrency) < 1 or args.max_num_seqs < 1:
         parser.error("--repeats, --concurrency and --max-num-seqs must be >= 1")
+    return run_in_work_dir(parser, args, _run, "slipstream-front-load-")
+
+
+def run_in_work_dir(
+    parser: argparse.ArgumentParser, args: argparse.Namespace,
+    body: Callable[[argparse.Namespace, Path], int], prefix: str,
+) -> int:
+    """A bench on real ``vllm serve``: a usage error if there is no vLLM environment, then
+    ``body`` in ``--work-dir`` (kept) or in a temporary folder (removed)."""
     from slipstream_testbed.vllm import VllmUnavailableError, vllm_python
 
     try:
@@ -326,9 +335,9 @@ def run(args: argparse.Namespace) -> int:
         parser.error(str(err))
     if args.work_dir is not None:
         args.work_dir.mkdir(parents=True, exist_ok=True)
-        return _run(args, args.work_dir)
-    with tempfile.TemporaryDirectory(prefix="slipstream-front-load-") as tmp:
-        return _run(args, Path(tmp))
+        return body(args, args.work_dir)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        return body(args, Path(tmp))
 
 
 def _run(args: argparse.Namespace, work: Path) -> int:
@@ -350,12 +359,12 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     paths = tuple(p for p in PATHS if (p != "control" or args.control)
                   and (p != "front_estimate" or args.estimate))
     results: dict[str, Any] = {}
-    started, load_start = time.monotonic(), _loadavg()
+    started, load_start = time.monotonic(), loadavg()
     with contextlib.ExitStack() as stack:
         with console.status("starting vllm serve and the sidecar"):
             srv = stack.enter_context(VllmServer(opts))
             block_size, kv_blocks = cache_shape(srv.url)
-            version = _version(srv.url)
+            version = engine_version(srv.url)
             urls = {"direct": srv.url, "control": srv.url}
             groups = {"vllm": srv.pid}
             for name, group, extra in (
@@ -395,7 +404,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
             rounds: list[Round] = []
             rate = 0.0
             for rep in range(args.repeats):
-                for path in _order(paths, rep):
+                for path in round_order(paths, rep):
                     with console.status(f"{c} concurrent, repeat {rep + 1}, {path}"):
                         r = one(path, c, n, rep, rate if path == "control" else 0.0)
                     if path == "front":
@@ -422,7 +431,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
             "paths": list(paths),
             "wall_s": time.monotonic() - started,
             "loadavg_start": load_start,
-            "loadavg_end": _loadavg(),
+            "loadavg_end": loadavg(),
         },
         "concurrency": results,
     }
@@ -434,12 +443,12 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     return 0
 
 
-def _loadavg() -> list[float]:
+def loadavg() -> list[float]:
     """The host's 1, 5 and 15 minute load averages (other work shares this host)."""
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
-def _version(url: str) -> str:
+def engine_version(url: str) -> str:
     with urllib.request.urlopen(url + "/version", timeout=30) as resp:
         return str(json.loads(resp.read())["version"])
 

@@ -2,16 +2,17 @@
 
 vLLM's real v1 scheduler is stepped in-process
 (:class:`slipstream_testbed.vllm.inprocess.VllmEngine`) with N requests decoding (16, 64 and
-256 by default: every one running, long outputs, no offline work), once as stock vLLM
-(``AsyncScheduler``) and once per plugin configuration (``SlipstreamScheduler`` with the
-``naive`` policy and FCFS ordering: the plugin's machinery alone; with Gittins ordering over
-predicted lengths: the shipped online ordering; with the ``budget`` policy and a latency
-model: planning every step). Each step's ``schedule()`` and
-``update_from_output()`` are timed with the calling thread's CPU clock
-(``time.thread_time_ns``), which other processes on the host do not inflate. Rounds
-alternate stock and plugin; the report gives, per N and configuration, the median CPU time per
-step of each, the plugin's added microseconds and the ratio to stock, measured in the same
-run.
+256 by default: every one running, long outputs, KV blocks enough for the whole run), once as
+stock vLLM (``AsyncScheduler``) and once per plugin configuration (``SlipstreamScheduler``
+with the ``naive`` policy and FCFS ordering: the plugin's machinery alone; with Gittins
+ordering over predicted lengths: the shipped online ordering; with the ``budget`` policy and a
+latency model; and the last with every other request offline, so that every step is planned).
+Each step's ``schedule()`` and ``update_from_output()`` are timed with the calling thread's
+CPU clock (``time.thread_time_ns``), which other processes on the host do not inflate. Rounds
+alternate stock and plugin; each row runs in a forked process of its own. The report gives, per
+N and configuration, the median CPU time per step of each, the plugin's added microseconds,
+the ratio to stock, measured in the same run, and the share of the plugin's steps that were
+online-only (vLLM's walk without a plan).
 
 Deliberately left out: the GPU (no model runs; the step's own time is not part of this) and
 ``vllm serve`` throughput (the HTTP server and tokenizer dominate on this CPU).

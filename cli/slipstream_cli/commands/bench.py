@@ -32,6 +32,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fidelity": ("slipstream_cli.benches.fidelity", "the engine model vs vLLM's own scheduler"),
     "plugin-overhead": ("slipstream_cli.benches.plugin_overhead",
                         "CPU time the vLLM plugin adds per step"),
+    "plugin-serve": ("slipstream_cli.benches.plugin_serve",
+                     "vllm serve with the plugin against stock, by vllm bench serve"),
     "learning": ("slipstream_cli.benches.learning",
                  "the latency model learned from engine steps: error, fit time, cost"),
 }
