@@ -346,6 +346,7 @@ class _Slipstream(
             return self._vllm_walk(throttle_prefills)
         self._walking = False
         try:
+            self._stage = "steer"
             if self.online_only_path and self._online_only():
                 return self._online_only_step(throttle_prefills)
             return self._slipstream_step(throttle_prefills)
@@ -423,7 +424,6 @@ class _Slipstream(
     def _online_only_step(self, throttle_prefills: bool) -> SchedulerOutput:
         """A step with only online requests in the engine, none waiting and KV to spare
         (:meth:`_online_only`): vLLM's walk, without building the snapshot or planning."""
-        self._stage = "steer"
         self.steps += 1
         self.online_only_steps += 1
         self._queue_counts = (0, 0, len(self.running), 0)
