@@ -15,7 +15,7 @@ the ratio to stock, measured in the same run, and the share of the plugin's step
 online-only (vLLM's walk without a plan).
 
 Deliberately left out: the GPU (no model runs; the step's own time is not part of this) and
-``vllm serve`` throughput (the HTTP server and tokenizer dominate on this CPU).
+``vllm serve`` throughput (``bench plugin-serve``).
 """
 
 from __future__ import annotations
