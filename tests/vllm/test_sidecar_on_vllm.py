@@ -600,9 +600,15 @@ def test_vllm_serves_in_the_priority_the_sidecar_assigns(long_stack4: Stack) -> 
 
     def shown() -> str:
         status = stack.status()
+        shards = [(p.shard_id, p.state, p.completed, p.in_flight, p.message)
+                  for p in status.shards]
+        log = stack.sidecar.log_path
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
         return (f"(sidecar: engine ready {status.engine_ready}, offline queued "
                 f"{status.offline.queued} in flight {status.offline.in_flight}, online in flight "
-                f"{status.online.in_flight}; read: {seen[-5:]}; blockers: {blockers.timeline()})")
+                f"{status.online.in_flight}; shards (id, state, completed, in flight, message) "
+                f"{shards}; read: {seen[-5:]}; blockers: {blockers.timeline()}; the sidecar's "
+                f"log ends:\n" + "\n".join(tail) + ")")
 
     try:
         # One blocker running and the rest queued behind it: the slot is never free (vLLM
