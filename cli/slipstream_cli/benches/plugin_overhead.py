@@ -64,8 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the JSON report here")
 
 
-PROMPT_MAX = 128 + 6 * 16
-"""The longest prompt the bench gives a request (128 to 224 tokens)."""
+def _prompt_len(i: int) -> int:
+    """Request ``i``'s prompt: 128 to 224 tokens, in steps of 16."""
+    return 128 + (i % 7) * 16
+
+
+PROMPT_MAX = max(_prompt_len(i) for i in range(7))
 WARMUP_STEPS = 20
 
 
@@ -93,7 +97,7 @@ def _engine(
     os.environ.pop("SLIPSTREAM_CHANNEL_DIR", None)
     for i in range(n):
         extra = {OFFLINE_TOKEN_ARG: token} if mixed and i % 2 else None
-        eng.add_tokens(f"r{i}", eng.synth.prompt(f"r{i}", 128 + (i % 7) * 16, ()), 100_000,
+        eng.add_tokens(f"r{i}", eng.synth.prompt(f"r{i}", _prompt_len(i), ()), 100_000,
                        extra_args=extra)
     while eng.stats().running < n or any(  # until every request decodes
         r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running
