@@ -21,7 +21,7 @@ INPROCESS_TESTS := tests/vllm/test_inprocess_scheduler.py tests/vllm/test_plugin
   tests/vllm/test_plugin_sidecar_channel.py tests/vllm/test_sim_plugin.py \
   tests/vllm/test_sim_vllm.py tests/vllm/test_fidelity.py tests/vllm/test_plugin_ordering.py \
   tests/vllm/test_plugin_failsafe.py tests/vllm/test_plugin_compat.py tests/vllm/test_plugin_async.py \
-  tests/vllm/test_plugin_online_only.py
+  tests/vllm/test_plugin_online_only.py tests/vllm/test_plugin_bookkeeping.py
 PYTEST_ARGS ?=
 # Each tier's slowest tests in its log: where `make test`'s minutes go (docs/development.md).
 DURATIONS := --durations=15 --durations-min=5

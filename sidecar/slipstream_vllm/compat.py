@@ -4,10 +4,10 @@ vLLM's scheduler interface is not public; the plugin reads and rearranges vLLM's
 calls a few private methods. A renamed attribute or a changed signature would otherwise fail at
 the first step that touches it, possibly hours into serving, or, for the prefix-cache lookup,
 silently assume no hits. :func:`check` lists every difference between what the plugin needs
-(:data:`SCHEDULER_ATTRS`, :data:`SIGNATURES`, :data:`REQUEST_FIELDS`) and the vLLM it runs
-in; the plugin refuses to start with one message naming the vLLM version and each difference
-(:class:`IncompatibleVllmError`). A version outside :data:`TESTED_VERSIONS` whose internals all
-match starts with a warning.
+(:data:`SCHEDULER_ATTRS`, :data:`SIGNATURES`, :data:`REQUEST_FIELDS`, :data:`OUTPUT_FIELDS`)
+and the vLLM it runs in; the plugin refuses to start with one message naming the vLLM version
+and each difference (:class:`IncompatibleVllmError`). A version outside
+:data:`TESTED_VERSIONS` whose internals all match starts with a warning.
 
 Leaves out: behaviour. A method with the same name and parameters that does something else is
 caught only by the ``vllm`` test tier run against that version (docs/plugin.md).
@@ -15,12 +15,15 @@ caught only by the ``vllm`` test tier run against that version (docs/plugin.md).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "OUTPUT_FIELDS",
     "REQUEST_FIELDS",
     "SCHEDULER_ATTRS",
     "SIGNATURES",
@@ -81,6 +84,18 @@ REQUEST_FIELDS = (
     "is_finished",
 )
 """What the plugin reads of vLLM's ``Request``: set in its ``__init__`` or defined on it."""
+
+
+OUTPUT_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("vllm.v1.core.sched.output.SchedulerOutput", (
+        "num_scheduled_tokens", "total_num_scheduled_tokens", "preempted_req_ids",
+        "finished_req_ids", "free_encoder_mm_hashes",
+    )),
+    ("vllm.v1.engine.EngineCoreOutput", ("request_id", "new_token_ids", "finish_reason")),
+)
+"""Fields the plugin reads of what a step produces: the scheduler output vLLM's walk builds
+and the engine-core outputs its ``update_from_output`` returns (a dataclass and a msgspec
+struct; their declared fields are compared)."""
 
 
 class IncompatibleVllmError(RuntimeError):
@@ -145,6 +160,30 @@ def _request_problems(request_cls: type) -> list[str]:
     ]
 
 
+def _declared_fields(cls: type) -> set[str] | None:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    names = getattr(cls, "__struct_fields__", None)  # a msgspec struct
+    return set(names) if names is not None else None
+
+
+def output_problems(classes: dict[str, type] | None = None) -> list[str]:
+    """Every field of :data:`OUTPUT_FIELDS` the given classes (by dotted name; default:
+    imported from this vLLM) do not declare."""
+    problems = []
+    for path, names in OUTPUT_FIELDS:
+        module, _, name = path.rpartition(".")
+        cls = (classes or {}).get(path) or getattr(importlib.import_module(module), name, None)
+        if cls is None:
+            problems.append(f"{path} is missing")
+            continue
+        declared = _declared_fields(cls)
+        if declared is None:
+            continue  # neither a dataclass nor a struct: nothing to compare
+        problems += [f"{name}.{field} is missing" for field in names if field not in declared]
+    return problems
+
+
 def check(scheduler: Any, request_cls: type) -> list[str]:
     """Every difference between what the plugin needs and this scheduler; empty when none."""
     problems = [
@@ -157,4 +196,5 @@ def check(scheduler: Any, request_cls: type) -> list[str]:
         if problem is not None:
             problems.append(problem)
     problems += _request_problems(request_cls)
+    problems += output_problems()
     return problems

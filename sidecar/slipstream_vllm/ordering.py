@@ -143,7 +143,7 @@ class OrderingMixin(_State):
             meta = self._meta.get(req.request_id)
             if meta is None or meta.cls is _ONLINE:
                 if meta is None:
-                    meta = self._meta[req.request_id] = _Meta(_ONLINE)
+                    meta = self._meta[req.request_id] = _Meta(_ONLINE, request=req)
                 online.append((self._rank(req, meta, now), req))
             else:
                 offline.append(req)

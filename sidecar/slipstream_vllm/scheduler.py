@@ -281,6 +281,12 @@ class _Slipstream(
         """Each step's composition and measured time, for the sidecar to learn from."""
         self._last_output_s = 0.0
         self._last_predicted: float | None = None
+        self._prev_tokens: frozenset[str] = frozenset()
+        """The requests with a token in the last step's outputs, which came out at
+        ``_prev_tokens_s`` (:meth:`~slipstream_vllm.stats.StatsMixin._note_tokens`)."""
+        self._prev_tokens_s = 0.0
+        self._prev_token_ids: list[str] = []
+        """``_prev_tokens`` in the outputs' order."""
 
     def _start_channel_thread(self) -> None:
         """The channel thread (:func:`~slipstream_vllm.channel._channel_main`), when there is
@@ -314,7 +320,7 @@ class _Slipstream(
                 request.priority = max(int(request.priority), 0) + OFFLINE_PRIORITY
             else:
                 request.priority = min(int(request.priority), OFFLINE_PRIORITY - 1)
-            meta = _Meta(cls)
+            meta = _Meta(cls, request=request)
             ids = request.prompt_token_ids or []
             if cls is _ONLINE and not guard.tripped:
                 with guard.part("predictor"):
@@ -459,16 +465,10 @@ class _Slipstream(
     ) -> dict[int, EngineCoreOutputs]:
         with self._guard.part("bookkeeping"):
             self._time_step(id(scheduler_output))
-        # Finished requests leave self.requests inside vLLM's update: look them up first.
-        reqs = {
-            rid: req
-            for rid in scheduler_output.num_scheduled_tokens
-            if (req := self.requests.get(rid)) is not None
-        }
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         finished = False
         with self._guard.part("bookkeeping"):
-            finished = self._note_outputs(reqs, outputs)
+            finished = self._note_outputs(outputs)
         if finished:  # a finish may leave the engine idle: the channel thread reports it next
             if not self.requests:
                 self._queue_counts = (0, 0, 0, 0)

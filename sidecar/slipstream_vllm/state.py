@@ -55,9 +55,12 @@ class _Meta:
     key: float = 0.0
     keyed_at: int = -1
     lengths: Any = None
+    request: Request | None = None
+    """vLLM's request (its counts are read after vLLM has let it go, at its finish)."""
     first_token_s: float | None = None
     last_token_s: float | None = None
-    seen_tokens: int = 0
+    """When its last token came out, written only when it misses a step's outputs: while it
+    has a token in each step's, that time is the last step's (``_State._prev_tokens_s``)."""
 
 
 class _State(_Base):  # type: ignore[misc]
@@ -120,3 +123,6 @@ class _State(_Base):  # type: ignore[misc]
     step_records: StepRecorder
     _last_output_s: float
     _last_predicted: float | None
+    _prev_tokens: frozenset[str]
+    _prev_tokens_s: float
+    _prev_token_ids: list[str]

@@ -14,12 +14,12 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.request import Request
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
 from slipstream_scheduler.enginecontrol import (
     TBT_BUCKETS_S,
@@ -29,9 +29,9 @@ from slipstream_scheduler.enginecontrol import (
     CumulativeHistogram,
     EngineReport,
 )
-from slipstream_scheduler.types import RequestClass, StepPlan
+from slipstream_scheduler.types import StepPlan
 from slipstream_vllm.state import _OFFLINE, _ONLINE, _State
-from slipstream_vllm.steps import Counts, StepRecorder
+from slipstream_vllm.steps import Counts
 
 LATENCY_WINDOW = 2048
 """Samples kept per class and metric for the report's mean and p99."""
@@ -145,7 +145,10 @@ class StatsMixin(_State):
         counts: Counts = _NO_COUNTS
         with self._guard.part("bookkeeping"):
             self._note_schedule(out, plan)
-            counts = StepRecorder.compose(out.num_scheduled_tokens, self.requests)
+            counts = self.step_records.compose_step(
+                out.num_scheduled_tokens, out.total_num_scheduled_tokens,
+                bool(out.preempted_req_ids), self.requests,
+            )
         self._inflight.append((id(out), time.monotonic(), self._last_predicted, counts))
         return out
 
@@ -198,78 +201,103 @@ class StatsMixin(_State):
             break
         self._last_output_s = now
 
-    def _note_outputs(
-        self, reqs: dict[str, Request], outputs: dict[int, EngineCoreOutputs]
-    ) -> bool:
+    def _note_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> bool:
         """Token times and finishes of one step's outputs; True if a request finished."""
         now = time.time()
-        self._note_tokens(reqs, now)
-        finished = False
-        for eco in outputs.values():
-            for o in eco.outputs:
+        outs = [o for eco in outputs.values() for o in eco.outputs]
+        finished = [o.finish_reason for o in outs].count(None) != len(outs)
+        self._note_tokens(outs, now)
+        if finished:
+            for o in outs:
                 if o.finish_reason is not None:
-                    finished = True
                     ok = getattr(o.finish_reason, "name", "") in ("STOP", "LENGTH")
-                    self._finished(o.request_id, reqs, ok=ok)
+                    self._finished(o.request_id, ok=ok)
         if len(self._meta) > 2 * len(self.requests) + 256:
             self._meta = {k: v for k, v in self._meta.items() if k in self.requests}
         return finished
 
-    def _note_tokens(self, reqs: dict[str, Request], now: float) -> None:
-        """Each request's new tokens: its first token's TTFT, or the gap since its last
-        token, per new token (TBT). One pass, no allocation per request: requests whose last
-        tokens came out at the same time, as many new tokens each (a step's decodes, nearly
-        always), share one gap, added to the window and histogram once with its count."""
+    def _note_tokens(self, outs: list[EngineCoreOutput], now: float) -> None:
+        """Each output's new tokens: a request's first token's TTFT, or the gap since its last
+        token, per new token (TBT).
+
+        Without a per-request pass in the usual step: when every output carries one token,
+        the requests that also had one in the last step's outputs (nearly all of a decoding
+        batch, and often all of it, in the same order) share one gap, ``now`` minus that
+        step's time, counted per class with set operations; only the others (a first token,
+        a request back after missing steps) and the requests that missed this step (their
+        last token's time is written down) are visited one by one."""
+        # Comprehensions, not map(attrgetter): faster over vLLM's msgspec structs.
+        ids = [o.request_id for o in outs]
+        counts = [len(o.new_token_ids) for o in outs]
+        prev, prev_s = self._prev_tokens, self._prev_tokens_s
+        offline = self._offline_ids
+        stats_on, stats_off = self._stats[_ONLINE], self._stats[_OFFLINE]
+        others: Iterable[tuple[str, int]] = ()
+        missed: Iterable[str] = ()
+        if counts.count(1) == len(counts):  # one token each: the usual step
+            if ids == self._prev_token_ids:  # the last step's batch, in its order
+                got = common = prev
+            else:
+                got = frozenset(ids)
+                common = got & prev
+                others = ((rid, 1) for rid in got - common)
+                missed = prev - got
+            off = len(got & offline) if offline else 0
+            stats_off.tokens += off
+            stats_on.tokens += len(got) - off
+            if common:
+                tbt = now - prev_s
+                off = len(common & offline) if offline else 0
+                for stats, count in ((stats_off, off), (stats_on, len(common) - off)):
+                    if count:
+                        stats.tbt.add(tbt, count)
+                        stats.tbt_hist.add(tbt, count)
+        else:
+            got = frozenset(rid for rid, n in zip(ids, counts, strict=True) if n > 0)
+            others = [(rid, n) for rid, n in zip(ids, counts, strict=True) if n > 0]
+            missed = prev - got
+            for rid, n in others:
+                (stats_off if rid in offline else stats_on).tokens += n
         meta_get = self._meta.get
-        gaps: dict[tuple[RequestClass, float, int], int] = {}
-        tokens = [0, 0]  # per class (RequestClass is 0 or 1)
-        for rid, req in reqs.items():
+        for rid in missed:  # no token this step: its last came out at prev_s
+            meta = meta_get(rid)
+            if meta is not None:
+                meta.last_token_s = prev_s
+        for rid, n in others:
             meta = meta_get(rid)
             if meta is None:
                 continue
-            n = req.num_output_tokens
-            new = n - meta.seen_tokens
-            if new <= 0:
-                continue
-            tokens[meta.cls] += new
-            last = meta.last_token_s
+            stats = self._stats[meta.cls]
+            last = prev_s if rid in prev else meta.last_token_s
             if meta.first_token_s is None:
                 meta.first_token_s = now
-                stats = self._stats[meta.cls]
-                ttft = max(now - req.arrival_time, 0.0)
+                req = meta.request
+                ttft = max(now - req.arrival_time, 0.0) if req is not None else 0.0
                 stats.ttft.add(ttft)
                 stats.ttft_hist.add(ttft)
             elif last is not None:
-                key = (meta.cls, last, new)
-                gaps[key] = gaps.get(key, 0) + 1
+                tbt = (now - last) / n
+                stats.tbt.add(tbt, n)
+                stats.tbt_hist.add(tbt, n)
             meta.last_token_s = now
-            meta.seen_tokens = n
-        for (cls, last, new), count in gaps.items():
-            stats = self._stats[cls]
-            tbt = (now - last) / new
-            stats.tbt.add(tbt, count)
-            stats.tbt_hist.add(tbt, count)
-        if tokens[0]:
-            self._stats[_ONLINE].tokens += tokens[0]
-        if tokens[1]:
-            self._stats[_OFFLINE].tokens += tokens[1]
+        self._prev_tokens, self._prev_tokens_s, self._prev_token_ids = got, now, ids
 
-    def _finished(self, request_id: str, reqs: dict[str, Request], *, ok: bool) -> None:
+    def _finished(self, request_id: str, *, ok: bool) -> None:
         meta = self._meta.pop(request_id, None)
         self._offline_ids.discard(request_id)
         with self._guard.part("psm"):
             if request_id in self._psm:
                 self._psm.remove(request_id)
-        if meta is None or meta.seen_tokens <= 0:
+        req = meta.request if meta is not None else None
+        if meta is None or req is None or req.num_output_tokens <= 0:
             return
         if ok:
             self._stats[meta.cls].finished_ok += 1
-        req = reqs.get(request_id)
-        inp = req.num_prompt_tokens if req is not None else 0
+        inp, out = req.num_prompt_tokens, req.num_output_tokens
         if meta.vector is not None:
             with self._guard.part("predictor"):
-                self._predictor.observe(meta.vector, inp, meta.seen_tokens)
-        self._global.observe(None, inp, meta.seen_tokens)
+                self._predictor.observe(meta.vector, inp, out)
+        self._global.observe(None, inp, out)
         self._fallback.observed()
 
     # ------------------------------------------------------------------ report

@@ -1,9 +1,12 @@
 """The plugin's step records: each step's composition and measured time, for learning.
 
-On vLLM's scheduling thread, :meth:`StepRecorder.compose` sums one scheduler output into
-the seven counts of a :class:`~slipstream_scheduler.learning.StepRecord` (one pass over the
-scheduled requests, integer adds only) and :meth:`StepRecorder.record` appends the counts
-with the step's measured time to a bounded deque: no allocation beyond one tuple, no I/O.
+On vLLM's scheduling thread, :meth:`StepRecorder.compose_step` sums one scheduler output
+into the seven counts of a :class:`~slipstream_scheduler.learning.StepRecord` and
+:meth:`StepRecorder.record` appends the counts with the step's measured time to a bounded
+deque: no allocation beyond one tuple, no I/O. A step that decodes the very batch the step
+before it decoded (the steady state of a decoding batch) is counted from that step's counts
+without visiting a request; any other step takes one pass over the scheduled requests,
+integer adds only (:meth:`StepRecorder.compose`).
 
 The plugin's channel thread calls :meth:`StepRecorder.flush`, which drains the deque and
 writes the records as one JSON-lines segment ``steps/<unix ms>-<seq>.jsonl`` in the
@@ -47,6 +50,32 @@ class StepRecorder:
         self._seq = 0
         self.recorded = 0
         self.written = 0
+        self._last: Counts = (0, 0, 0, 0, 0, 0, 0)
+        self._last_ids: list[str] = []
+
+    def compose_step(
+        self, scheduled: Mapping[str, int], total_tokens: int, preempted: bool,
+        requests: Mapping[str, Any],
+    ) -> Counts:
+        """This step's counts (:meth:`compose`), called once per ``schedule()`` with its
+        scheduler output's ``num_scheduled_tokens``, ``total_num_scheduled_tokens`` and
+        whether it preempted a request.
+
+        When every scheduled request gets one token (``total_tokens`` is their number), the
+        step before was all decodes of the same requests in the same order, and nothing was
+        preempted, each of them has exactly one more token of context than then (a request's
+        context only shrinks when it is preempted): this step is those decodes with the last
+        step's decode context plus one per request, and no request is visited."""
+        n = len(scheduled)
+        last = self._last
+        ids = list(scheduled)
+        if (n and total_tokens == n and not preempted and last[0] == 0 and last[4] == n
+                and ids == self._last_ids):
+            counts: Counts = (0, 0, 0, 0, n, n, last[6] + n)
+        else:
+            counts = self.compose(scheduled, requests)
+        self._last, self._last_ids = counts, ids
+        return counts
 
     @staticmethod
     def compose(scheduled: Mapping[str, int], requests: Mapping[str, Any]) -> Counts:

@@ -43,6 +43,32 @@ def test_compose_tells_decodes_from_prefill_chunks() -> None:
     assert counts == (3, 457, 0 + 400 + 49, 200 * 400 + 49, 1, 1, 100)
 
 
+def test_a_step_that_decodes_the_last_steps_batch_is_counted_from_it() -> None:
+    """compose_step carries the last step's counts only for the same decoding batch, in the
+    same order, with nothing preempted; any other step is a pass over its requests."""
+    requests = {rid: Req(num_computed_tokens=100 + 10 * i, num_prompt_tokens=50)
+                for i, rid in enumerate("abcd")}
+    rec = StepRecorder()
+
+    def step(scheduled: dict[str, int], preempted: bool = False) -> tuple[int, ...]:
+        for rid, n in scheduled.items():  # schedule() advances each scheduled request
+            requests[rid].num_computed_tokens += n
+        got = rec.compose_step(scheduled, sum(scheduled.values()), preempted, requests)
+        assert got == StepRecorder.compose(scheduled, requests), scheduled
+        return got
+
+    assert step({"a": 1, "b": 1}) == (0, 0, 0, 0, 2, 2, 100 + 110)
+    assert step({"a": 1, "b": 1}) == (0, 0, 0, 0, 2, 2, 101 + 111)
+    step({"a": 1, "c": 1})  # the same size, another request: counted from the requests
+    step({"c": 1, "a": 1})  # the same requests in another order: counted from them too
+    step({"c": 1, "a": 1})
+    requests["a"].num_computed_tokens = 0  # preempted (recompute) and back in one token
+    step({"c": 1, "a": 1}, preempted=True)
+    requests["d"].num_computed_tokens = 49  # the last token of d's prompt
+    step({"c": 1, "d": 1})
+    step({"c": 1, "d": 1})
+
+
 def _flush_engine_steps(channel: Path, n: int) -> None:
     rec = StepRecorder()
     for batch, t in engine_run_rows(EngineConfig(), 5, n, 4096):

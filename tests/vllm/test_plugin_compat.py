@@ -76,3 +76,18 @@ def test_a_changed_signature_stops_the_plugin_at_load_with_the_version(
     message = str(err.value)
     assert f"vLLM {__version__}" in message
     assert "_preempt_request() takes (req, now), the plugin passes (request, timestamp)" in message
+
+
+def test_an_output_field_vllm_renamed_is_named() -> None:
+    import msgspec
+
+    from slipstream_vllm import compat
+
+    class EngineCoreOutput(msgspec.Struct):  # a vLLM that renamed new_token_ids
+        request_id: str
+        token_ids: list[int]
+        finish_reason: int | None = None
+
+    assert compat.output_problems({"vllm.v1.engine.EngineCoreOutput": EngineCoreOutput}) == [
+        "EngineCoreOutput.new_token_ids is missing"
+    ]
