@@ -571,6 +571,18 @@ class GlobalDistributionPredictor(_HistoryPredictor):
 _WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 
 
+_ONE = np.uint64(1)
+_SHIFT32 = np.uint64(32)
+
+
+def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser, elementwise (uint64 arithmetic wraps, as it must)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class HashingEmbedder:
     """Signed feature hashing of word uni- and bigrams into ``dim`` buckets, L2-normalised.
 
@@ -604,6 +616,28 @@ class HashingEmbedder:
         # than 60 us per Alpaca prompt (the sidecar embeds every finished online request).
         # The vectors are bit-identical to the per-feature loop's (checked on 4,004 texts).
         index = slots[:, 0].astype(np.intp)
+        v = np.bincount(index, weights=weight, minlength=self._dim).astype(np.float32)
+        norm = float(np.linalg.norm(v))
+        if norm > 0:
+            v /= norm
+        return v
+
+    def embed_ids(self, ids: Sequence[int]) -> Vector:
+        """The same signed feature hashing over a prompt's token ids, for a caller that
+        has ids and no text (the vLLM plugin): id unigrams and bigrams, hashed with
+        splitmix64's mixer in one vectorised pass (about 15 us for 512 ids, where the text
+        route over their decimal strings takes 300). Deterministic across processes; its
+        vectors live in their own space (compare them only with other ``embed_ids``
+        vectors). No ids map to the zero vector."""
+        if len(ids) == 0:
+            return np.zeros(self._dim, dtype=np.float32)
+        uni = np.fromiter(ids, dtype=np.uint64, count=len(ids))
+        # A bigram is the pair (a + 1, b) in the high and low 32 bits: never a unigram's key.
+        bi = ((uni[:-1] + _ONE) << _SHIFT32) | uni[1:]
+        h = _mix64(np.concatenate((uni, bi)))
+        weight = np.where(h & _ONE, 1.0, -1.0)
+        weight[uni.shape[0]:] *= self._bigram_weight
+        index = ((h >> _ONE) % np.uint64(self._dim)).astype(np.intp)
         v = np.bincount(index, weights=weight, minlength=self._dim).astype(np.float32)
         norm = float(np.linalg.norm(v))
         if norm > 0:

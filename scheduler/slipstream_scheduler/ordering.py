@@ -165,10 +165,13 @@ class Ordering(Protocol):
     ``waiting_key`` may displace ``running`` (whose current key is
     ``running_key``). ``guard`` (``tailguard.py``): the deadline past which a waiting
     request is served in deadline order; ``None``: none. The queue applies it, not ``key``.
+    ``needs_lengths``: whether ``key`` and ``may_preempt`` read the view's predicted
+    ``lengths`` (a caller may skip predicting them when not).
     """
 
     name: str
     preemptive: bool
+    needs_lengths: bool
     guard: TailGuard | None
 
     def key(self, view: RequestView) -> float: ...
@@ -200,6 +203,7 @@ class FcfsParams(BaseModel):
 class FcfsOrdering:
     name = "fcfs"
     preemptive = False
+    needs_lengths = False
     guard: TailGuard | None = None  # arrival order is deadline order already
 
     def __init__(self, params: FcfsParams | None = None) -> None:
@@ -243,6 +247,7 @@ class SjfParams(BaseModel):
 class SjfOrdering:
     name = "sjf"
     preemptive = False
+    needs_lengths = True
 
     def __init__(self, params: SjfParams | None = None) -> None:
         self.params = params if params is not None else SjfParams()
@@ -316,6 +321,7 @@ class TrailParams(BaseModel):
 class TrailOrdering:
     name = "trail"
     preemptive = True
+    needs_lengths = True
 
     def __init__(self, params: TrailParams | None = None) -> None:
         self.params = params if params is not None else TrailParams()
@@ -380,6 +386,7 @@ class GittinsParams(BaseModel):
 class GittinsOrdering:
     name = "gittins"
     preemptive = True
+    needs_lengths = True
 
     def __init__(self, params: GittinsParams | None = None) -> None:
         self.params = params if params is not None else GittinsParams()

@@ -16,10 +16,10 @@ deadline, in deadline order ahead of the ranked ones, ``slipstream_scheduler.tai
 offline waiting queue in PSM order over token-id blocks.
 
 The predictor. The scheduler sees token ids, not text, so the online length predictor embeds
-the prompt's token ids: the core's ``HashingEmbedder`` over the decimal ids (signed hashing of
-id unigrams and bigrams, first :data:`~slipstream_vllm.scheduler.EMBED_TOKENS` ids), which
-makes prompts that share a template or system prompt neighbours. It is fed by every request
-that finishes in the engine.
+the prompt's token ids: the core's ``HashingEmbedder.embed_ids`` (signed hashing of id
+unigrams and bigrams, first :data:`~slipstream_vllm.scheduler.EMBED_TOKENS` ids, in one
+vectorised pass), which makes prompts that share a template or system prompt neighbours. It
+is fed by every request that finishes in the engine.
 """
 
 from __future__ import annotations
@@ -80,8 +80,13 @@ class OrderingMixin(_State):
 
     def _online_view(self, req: Request, meta: _Meta) -> RequestView:
         """What the ordering sees of an online request now (its predicted lengths are drawn
-        once, on first sight; the outliving fallback is the global distribution)."""
+        once, on first sight, for an ordering that reads them; the outliving fallback is the
+        global distribution)."""
         if meta.lengths is None:
+            if not self.ordering.needs_lengths:
+                return RequestView(req.request_id, req.arrival_time, req.num_prompt_tokens,
+                                   _NO_LENGTHS, req.num_output_tokens, _NO_LENGTHS,
+                                   meta.keyed_at, int(getattr(req, "num_preemptions", 0)))
             meta.lengths = self._predict(meta, req.num_prompt_tokens)
         return RequestView(
             req.request_id,

@@ -71,6 +71,7 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
@@ -258,8 +259,8 @@ class _Slipstream(
         self.fault_steps = 0
         self.online_only_steps = 0
         self.online_only_path = True
-        """Steps with no offline request in the engine and none waiting go straight to
-        vLLM's walk (:meth:`_online_only_step`); off, every step is planned."""
+        """Steps with no offline request in the engine and KV and slots to spare go straight
+        to vLLM's walk (:meth:`_online_only_step`); off, every step is planned."""
         self._stage = "ordering"
         self._walking = False
         self.offline_deferred_chunks = 0
@@ -324,9 +325,7 @@ class _Slipstream(
             ids = request.prompt_token_ids or []
             if cls is _ONLINE and not guard.tripped:
                 with guard.part("predictor"):
-                    meta.vector = self._embedder.embed_one(
-                        " ".join(map(str, ids[:EMBED_TOKENS]))
-                    )
+                    meta.vector = self._embedder.embed_ids(ids[:EMBED_TOKENS])
             self._meta[request.request_id] = meta
             if cls is _OFFLINE:
                 self._offline_ids.add(request.request_id)
@@ -409,15 +408,25 @@ class _Slipstream(
         return self._finish_schedule(out, plan)
 
     def _online_only(self) -> bool:
-        """Nothing waits, no offline request is in the engine, and the free KV blocks cover
-        the most this walk can take (a block per running request plus the token cap in
-        blocks): then the plan is vLLM's own walk. Every running request is online, the
-        planner gives online requests their tokens first, in running order, as vLLM does, and
-        none can be preempted; only admissions, offline work and KV shortage are its choices.
-        O(1) while offline requests are live: ``any`` stops at the first one vLLM holds."""
-        if self.waiting or self.kv_holding_waiting:
+        """No offline request is in the engine, everything waiting fits the free slots, and
+        the free KV blocks cover the most this walk can take (a block per running request,
+        the token cap in blocks, and every waiting request's tokens in blocks, which covers
+        its prefix-cache hits too): then the plan is vLLM's own walk over the online waiting
+        queue in the ordering's order. Every request is online; the planner gives running
+        requests their tokens first, in running order, as vLLM does, then admits in rank
+        order up to the token cap, as vLLM's walk does over a queue in that order; with KV
+        and slots to spare nobody is preempted or displaced. Only offline work and KV or
+        slot shortage are the planner's choices. O(1) but for the waiting requests, and
+        while offline requests are live: ``any`` stops at the first one vLLM holds."""
+        if self.kv_holding_waiting:
             return False
-        most = self.max_num_scheduled_tokens // self.block_size + len(self.running) + 1
+        waiting = self.waiting
+        bs = self.block_size
+        most = self.max_num_scheduled_tokens // bs + len(self.running) + 1
+        if waiting:
+            if len(self.running) + len(waiting) > self.max_num_running_reqs:
+                return False
+            most += sum(-(-r.num_tokens // bs) + 1 for r in waiting)
         if self.kv_cache_manager.block_pool.get_num_free_blocks() < most:
             return False
         ids = self._offline_ids
@@ -428,15 +437,36 @@ class _Slipstream(
         return True
 
     def _online_only_step(self, throttle_prefills: bool) -> SchedulerOutput:
-        """A step with only online requests in the engine, none waiting and KV to spare
-        (:meth:`_online_only`): vLLM's walk, without building the snapshot or planning."""
+        """A step with only online requests in the engine and KV and slots to spare
+        (:meth:`_online_only`): vLLM's walk, without building the snapshot or planning,
+        over the waiting requests in the ordering's order."""
         self.steps += 1
         self.online_only_steps += 1
-        self._queue_counts = (0, 0, len(self.running), 0)
         self._budget_in_force = self.budget_s if self.running else self._idle_budget()
-        self._walking = True
-        out = super().schedule(throttle_prefills)
-        self._walking = False
+        if not self.waiting:
+            self._queue_counts = (0, 0, len(self.running), 0)
+            self._walking = True
+            out = super().schedule(throttle_prefills)
+            self._walking = False
+            return self._finish_schedule(out, None)
+        self._stage = "ordering"
+        waiting = list(self.waiting)
+        online_q, _ = self._ordered_queues(waiting)
+        self._queue_counts = (len(online_q), 0, len(self.running), 0)
+        queue = FCFSRequestQueue()
+        for req in online_q:
+            queue.add_request(req)
+        self._stage = "steer"
+        saved = self.waiting
+        self.waiting = queue
+        try:
+            self._walking = True
+            out = super().schedule(throttle_prefills)
+            self._walking = False
+        finally:  # vLLM's queue again: what the walk left waiting, in vLLM's own order
+            left = list(self.waiting)
+            self.waiting = saved
+            self._rebuild_waiting(left, [])
         return self._finish_schedule(out, None)
 
     def _own_walk(self, throttle_prefills: bool) -> SchedulerOutput:

@@ -63,6 +63,45 @@ def test_hashing_embedder_sums_a_signed_slot_per_word_and_bigram(bigram_weight: 
     np.testing.assert_allclose(e.embed_one(text), want, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("bigram_weight", [1.0, 0.5])
+def test_token_id_embedding_sums_a_signed_slot_per_id_and_id_pair(bigram_weight: float) -> None:
+    """embed_ids by its definition, feature by feature in plain Python: splitmix64 of each id
+    and of each adjacent pair ((a + 1) << 32 | b), slot (h >> 1) % dim, sign from h's low
+    bit; the sum L2-normalised."""
+    mask = (1 << 64) - 1
+
+    def mix(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    e = HashingEmbedder(dim=64, bigram_weight=bigram_weight)
+    ids = [101, 7592, 2088, 101, 7592, 0, 31999, 2088, 2**31 + 5]
+    want = np.zeros(64, dtype=np.float64)
+    features = [(i, 1.0) for i in ids] + [
+        (((a + 1) << 32) | b, bigram_weight) for a, b in itertools.pairwise(ids)
+    ]
+    for key, weight in features:
+        h = mix(key)
+        want[(h >> 1) % 64] += weight if h & 1 else -weight
+    want /= np.linalg.norm(want)
+    np.testing.assert_allclose(e.embed_ids(ids), want, rtol=0, atol=1e-6)
+    assert not e.embed_ids([]).any()
+
+
+def test_token_id_embedding_keeps_shared_prefixes_near() -> None:
+    e = HashingEmbedder()
+    rng = np.random.default_rng(5)
+    prompt = [int(i) for i in rng.integers(0, 32000, 400)]
+    shared = prompt[:300] + [int(i) for i in rng.integers(0, 32000, 100)]
+    other = [int(i) for i in rng.integers(0, 32000, 400)]
+    v, w, u = e.embed_ids(prompt), e.embed_ids(shared), e.embed_ids(other)
+    assert float(v @ v) == pytest.approx(1.0, abs=1e-6)
+    assert float(v @ w) > 0.6 > 0.2 > abs(float(v @ u))
+    np.testing.assert_array_equal(HashingEmbedder().embed_ids(prompt), v)
+
+
 def test_semantic_threshold_selects_similar_prompts() -> None:
     p = SemanticHistoryPredictor(2, SemanticHistoryParams(min_matches=1, top_up="prior"))
     assert isinstance(p, LengthPredictor)

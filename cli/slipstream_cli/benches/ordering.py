@@ -250,7 +250,7 @@ def build_workload(
                     d.prompt_tokens,
                     d.output_tokens,
                     group="arxiv",
-                    vector=emb.embed_one(" ".join(map(str, ids[:EMBED_TOKENS]))),
+                    vector=emb.embed_ids(ids[:EMBED_TOKENS]),
                 )
             )
         rng.shuffle(out)
