@@ -105,7 +105,7 @@ from slipstream_vllm.ordering import PSM_ORDER_TTL_S, OrderingMixin
 from slipstream_vllm.snapshot import SnapshotMixin
 from slipstream_vllm.state import _OFFLINE, _ONLINE, _Meta
 from slipstream_vllm.stats import LATENCY_WINDOW, StatsMixin, _ClassStats, _vllm_version, _Window
-from slipstream_vllm.steering import SteeringMixin
+from slipstream_vllm.steering import SteeringMixin, _pending
 from slipstream_vllm.steps import Counts, StepRecorder
 
 logger = logging.getLogger(__name__)
@@ -451,7 +451,12 @@ class _Slipstream(
             return self._finish_schedule(out, None)
         self._stage = "ordering"
         waiting = list(self.waiting)
-        online_q, _ = self._ordered_queues(waiting)
+        if self.ordering.needs_lengths and self._all_admitted_whole(waiting):
+            # Every arrival gets all its tokens this step, whatever the order: none is
+            # ranked, so none has its lengths predicted now (only if ranking comes to matter).
+            online_q = waiting
+        else:
+            online_q, _ = self._ordered_queues(waiting)
         self._queue_counts = (len(online_q), 0, len(self.running), 0)
         queue = FCFSRequestQueue()
         for req in online_q:
@@ -468,6 +473,22 @@ class _Slipstream(
             self.waiting = saved
             self._rebuild_waiting(left, [])
         return self._finish_schedule(out, None)
+
+    def _all_admitted_whole(self, waiting: list[Request]) -> bool:
+        """Whether the token cap covers every running request's pending tokens and every
+        waiting request's, so that the walk admits all of them whole, in any order (slots and
+        KV blocks are :meth:`_online_only`'s to check)."""
+        room = self.max_num_scheduled_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        for r in waiting:
+            pending = r.num_tokens - r.num_computed_tokens
+            if 0 < threshold < pending:
+                return False  # chunked whatever the order: who goes first matters
+            room -= pending
+        if room < len(self.running):
+            return False
+        room -= sum(_pending(r) for r in self.running)
+        return room >= 0
 
     def _own_walk(self, throttle_prefills: bool) -> SchedulerOutput:
         """vLLM's own walk for this step, running online requests ranked by the ordering."""

@@ -75,6 +75,15 @@ def _lockstep(tmp_path: Path, model: LinearLatencyModel, cfg: EngineConfig,
     engines = [_engine(tmp_path / name, model, cfg, shortcut=name == "shortcut")
                for name in ("shortcut", "planned")]
     seen = {"fast_preempted": 0, "fast_admitted": 0}
+    predicted = [0, 0]  # length predictions made, per engine
+    for i, (eng, _) in enumerate(engines):
+        predict = eng.scheduler._predict
+
+        def counted(*a: Any, _i: int = i, _predict: Any = predict) -> Any:
+            predicted[_i] += 1
+            return _predict(*a)
+
+        eng.scheduler._predict = counted
     try:
         step = 0
         while step == 0 or any(eng.has_work() for eng, _ in engines):
@@ -99,7 +108,7 @@ def _lockstep(tmp_path: Path, model: LinearLatencyModel, cfg: EngineConfig,
             assert step < 5_000
         fast, planned = (eng.scheduler for eng, _ in engines)
         assert planned.online_only_steps == 0
-        seen.update(fast=fast, planned=planned,
+        seen.update(fast=fast, planned=planned, predicted=predicted,
                     preempted=sum(len(r.preempted) for r in engines[0][0].records))
         return seen
     finally:
@@ -156,3 +165,22 @@ def test_online_arrivals_are_admitted_as_planning_would(
     # Planned only while more wait than the free slots take.
     assert fast.online_only_steps >= 0.8 * fast.steps, (fast.online_only_steps, fast.steps)
     assert seen["fast_preempted"] == 0  # displacing for a slot is the planned path's
+
+
+def test_arrivals_admitted_whole_are_not_ranked(
+    tmp_path: Path, model: LinearLatencyModel
+) -> None:
+    """Short prompts arriving one or two a step, into a few running requests: the step's
+    tokens take every arrival whole, in any order, so the shortcut ranks none of them and
+    predicts no lengths, where planning predicts every one; the steps are the same."""
+    def arrivals(step: int) -> list[tuple[str, int, int, bool, tuple[str, ...]]]:
+        if step >= 120 or step % 4:
+            return []
+        k = step // 4
+        return [(f"s{k}-{j}", 30 + (k * 37 + j * 11) % 90, 6 + (k * 7) % 10, False, ())
+                for j in range(1 + k % 2)]
+
+    seen = _lockstep(tmp_path, model, AMPLE, arrivals)
+    fast_predicted, planned_predicted = seen["predicted"]
+    assert planned_predicted >= 40 and fast_predicted == 0, seen["predicted"]
+    assert seen["fast"].online_only_steps == seen["fast"].steps
