@@ -272,9 +272,10 @@ class StatsMixin(_State):
             if meta.first_token_s is None:
                 meta.first_token_s = now
                 req = meta.request
-                ttft = max(now - req.arrival_time, 0.0) if req is not None else 0.0
-                stats.ttft.add(ttft)
-                stats.ttft_hist.add(ttft)
+                if req is not None:  # (a record without vLLM's request has no arrival)
+                    ttft = max(now - req.arrival_time, 0.0)
+                    stats.ttft.add(ttft)
+                    stats.ttft_hist.add(ttft)
             elif last is not None:
                 tbt = (now - last) / n
                 stats.tbt.add(tbt, n)

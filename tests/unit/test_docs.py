@@ -630,11 +630,14 @@ def test_scale_page_figures() -> None:
 
 
 def test_plugin_overhead_page_figures() -> None:
-    rows = {(r["running"], r["config"]): r for r in _load("plugin-overhead.json")["rows"]}
+    rows = {(r["workload"], r["running"], r["config"]): r
+            for r in _load("plugin-overhead.json")["rows"]}
     table = _table((BENCH / "plugin-overhead.md").read_text(), "## Results")
     assert len(table) == len(rows)
     for r in table:
-        row = rows[(int(r["running"]), _plain(r["plugin config"]))]
+        row = rows[(r["workload"], int(r["running"]), _plain(r["plugin config"]))]
+        _shows(r["arrivals / step"], row["arrivals_per_step"])
+        _shows(r["online only"], 100 * row["online_only_share"])
         _shows(r["stock µs"], row["stock_median_us"])
         _shows(r["plugin µs"], row["plugin_median_us"])
         _shows(r["added µs"], row["added_median_us"])
@@ -654,11 +657,13 @@ def test_learning_page_figures() -> None:
         _shows(r["learned MAPE"], 100 * p["mape"])
         _shows(r["shipped x calibration MAPE"], 100 * src["baseline"]["mape"])
         _shows(r["noise floor"], 100 * src["noise_floor"]["mape"])
-    cost = {c["running"]: c["us_per_step"] for c in doc["recording"]}
+    cost = {c["running"]: c for c in doc["recording"]}
     rec = _table(page, "| scheduled requests")
     assert len(rec) == len(cost)
     for r in rec:
-        _shows(r["recording µs per step"], cost[int(r["scheduled requests"])])
+        c = cost[int(r["scheduled requests"])]
+        _shows(r["µs per step, same batch"], c["us_per_step"])
+        _shows(r["µs per step, changing batch"], c["us_per_step_changing"])
 
 
 _LENGTH_SCORES = {

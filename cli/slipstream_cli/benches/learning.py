@@ -9,7 +9,10 @@ Two sources of steps:
 * ``vllm``: real ``vllm serve`` on this CPU with the tiny model and Slipstream's plugin,
   driven by concurrent requests of mixed prompt and output lengths; the plugin's own step
   records (``steps/`` in the channel, read as they come) are the rows, and every fifth
-  block of 200 consecutive steps is held out as the test steps.
+  block of 200 consecutive steps is held out as the test steps. Runs on this host spread
+  widely (the calibrated baseline from 15 % to 67 % between runs), so the source is run
+  ``--vllm-runs`` times (3 by default), each a fresh server, and the report gives every
+  run and their medians and ranges (``vllm_spread``).
 
 For each source, the learner (``slipstream_scheduler.learning.StepLearner``, the sidecar's)
 is fed the training steps in order; after 100, 1,000 and 10,000 steps (those the source has)
@@ -17,9 +20,9 @@ it fits on its reservoir, and the report gives the fit's MAPE on the test steps 
 wall time. The baseline, measured on the same test steps, is what the operator does without
 learning: the shipped llama-2-7b A100 profile, rescaled by calibration's one factor (the
 median of measured over predicted step time over the first 100 steps). The recording cost
-is the plugin's per-step work on vLLM's scheduling thread (``StepRecorder.compose`` and
+is the plugin's per-step work on vLLM's scheduling thread (``StepRecorder.compose_step`` and
 ``record``) timed over N scheduled requests (16, 64, 256) with objects carrying the two
-attributes it reads.
+attributes it reads: the same decoding batch every step, and a batch that changes every step.
 
 Deliberately left out: the plugin's cost inside a real step (see ``bench plugin-overhead``).
 """
@@ -62,6 +65,7 @@ SCHEMA = "slipstream.bench.learning/v1"
 PROFILES = Path(__file__).resolve().parents[3] / "scheduler/slipstream_scheduler/engine/profiles"
 CHECKPOINTS = (100, 1000, 10000)
 PLUGIN = "slipstream_vllm.scheduler.SlipstreamScheduler"
+VLLM_SOURCE = "vllm serve (CPU, tiny model)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=["engine-model", "vllm"], help="where steps come from")
     parser.add_argument("--gpus", nargs="+", default=["a100", "h100"],
                         help="engine-model GPUs (default a100 h100)")
-    parser.add_argument("--vllm-requests", type=int, default=3600,
-                        help="requests sent to vllm serve (default 3600)")
+    parser.add_argument("--vllm-requests", type=int, default=5000,
+                        help="requests sent to vllm serve (default 5000)")
+    parser.add_argument("--vllm-runs", type=int, default=3,
+                        help="separate vllm serve runs (default 3: this host's runs spread "
+                             "widely; the report gives each and their medians)")
     parser.add_argument("--running", type=int, nargs="+", default=[16, 64, 256],
                         help="scheduled requests per step for the recording cost")
     parser.add_argument("--steps-out", type=Path,
@@ -163,8 +170,11 @@ def vllm_source(requests: int, steps_out: Path | None = None,
     if errors:
         raise RuntimeError(f"bad step records: {errors[:3]}")
     train, test = split_blocks(recs)
-    return {"source": "vllm serve (CPU, tiny model)", "train_steps": len(train),
-            "test_steps": len(test), "curve": learning_curve(train, test),
+    stamps = [r.at for r in recs if r.at > 0]
+    traffic_s = max(stamps) - min(stamps) if len(stamps) > 1 else 0.0
+    return {"source": VLLM_SOURCE, "train_steps": len(train),
+            "test_steps": len(test), "traffic_s": traffic_s,
+            "curve": learning_curve(train, test),
             "baseline": calibrated_baseline(train, test),
             "noise_floor": noise_floor(train, test)}
 
@@ -228,30 +238,85 @@ class _Req:
 
 
 def recording_cost(running: int, steps: int = 20000) -> dict[str, float]:
+    """The recorder's time per step (``compose_step`` and ``record``) over ``running``
+    scheduled decodes, each advanced a token between steps as vLLM's ``schedule()`` does
+    (outside the timing): the same batch every step (the steady state, carried from the last
+    step's counts), and a batch that changes every step (one request swapped: a pass over
+    every request)."""
     from slipstream_vllm.steps import StepRecorder
 
-    requests = {f"r{i}": _Req(100 + i + 1, 50) for i in range(running)}
-    scheduled = dict.fromkeys(requests, 1)
-    rec = StepRecorder()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter_ns()
-        for _ in range(steps // 5):
-            rec.record(0.01, StepRecorder.compose(scheduled, requests))
-        samples.append((time.perf_counter_ns() - t0) / (steps // 5) / 1000)
-        rec.drain()
-    return {"running": running, "us_per_step": statistics.median(samples)}
+    requests = {f"r{i}": _Req(100 + i + 1, 50) for i in range(running + 1)}
+    ids = list(requests)
+    batches = {
+        "steady": [dict.fromkeys(ids[:running], 1)],
+        "changing": [dict.fromkeys(ids[:running], 1), dict.fromkeys(ids[1:], 1)],
+    }
+    out: dict[str, float] = {"running": running}
+    for regime, cycle in batches.items():
+        rec = StepRecorder()
+        samples = []
+        for _ in range(5):
+            spent = 0
+            for step in range(steps // 5):
+                scheduled = cycle[step % len(cycle)]
+                for rid in scheduled:
+                    requests[rid].num_computed_tokens += 1
+                t0 = time.perf_counter_ns()
+                rec.record(0.01, rec.compose_step(scheduled, running, False, requests))
+                spent += time.perf_counter_ns() - t0
+            samples.append(spent / (steps // 5) / 1000)
+            rec.drain()
+        key = "us_per_step" if regime == "steady" else "us_per_step_changing"
+        out[key] = statistics.median(samples)
+    return out
+
+
+def spread(sources: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Across several runs of one source: per checkpoint, the median and range of the
+    learned model's MAPE and of its ratio to the run's noise floor; the same for the
+    calibrated baseline and the noise floor. None with fewer than two runs."""
+    if len(sources) < 2:
+        return None
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    checkpoints = sorted({p["steps"] for src in sources for p in src["curve"]})
+    curve = []
+    for steps in checkpoints:
+        pts = [(p, src) for src in sources for p in src["curve"] if p["steps"] == steps]
+        curve.append({
+            "steps": steps, "runs": len(pts),
+            "mape": stats([p["mape"] for p, _ in pts]),
+            "over_noise_floor": stats([p["mape"] / src["noise_floor"]["mape"] for p, src in pts]),
+        })
+    return {"runs": len(sources), "curve": curve,
+            "baseline_mape": stats([src["baseline"]["mape"] for src in sources]),
+            "noise_floor_mape": stats([src["noise_floor"]["mape"] for src in sources])}
 
 
 def run(args: argparse.Namespace) -> int:
+    parser = argparse.ArgumentParser(prog="slipstream bench learning")
+    add_arguments(parser)
+    if args.vllm_runs < 1:
+        parser.error("--vllm-runs must be >= 1")
+    if args.vllm_runs > 1 and (args.steps_in is not None or args.steps_out is not None):
+        parser.error("--steps-in and --steps-out take one vLLM run: add --vllm-runs 1")
     sources: list[dict[str, Any]] = []
+    vllm_runs: list[dict[str, Any]] = []
     for name in args.source:
         if name == "engine-model":
             sources.extend(engine_model_source(g) for g in args.gpus)
-        else:
-            sources.append(vllm_source(args.vllm_requests, args.steps_out, args.steps_in))
+            continue
+        for k in range(args.vllm_runs):
+            src = vllm_source(args.vllm_requests, args.steps_out, args.steps_in)
+            if args.vllm_runs > 1:
+                src["source"] = f"{VLLM_SOURCE}, run {k + 1}"
+            vllm_runs.append(src)
+        sources.extend(vllm_runs)
     cost = [recording_cost(n) for n in args.running]
-    report = {"schema": SCHEMA, "sources": sources, "recording": cost}
+    report = {"schema": SCHEMA, "sources": sources, "recording": cost,
+              "vllm_spread": spread(vllm_runs)}
     _print(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -300,6 +365,18 @@ def _print(report: dict[str, Any]) -> None:
                           f"{pt['mape'] / base['mape']:.2f}",
                           f"{floor['mape']:.2%} (n={floor['steps']})")
     console.print(table)
+    sp = report.get("vllm_spread")
+    if sp:
+        for c in sp["curve"]:
+            m, r = c["mape"], c["over_noise_floor"]
+            console.print(f"vLLM, {sp['runs']} runs, {c['steps']} steps ({c['runs']} runs): "
+                          f"learned MAPE median {m['median']:.2%} ({m['min']:.2%}-{m['max']:.2%}),"
+                          f" {r['median']:.2f}x the noise floor ({r['min']:.2f}-{r['max']:.2f}x)")
+        b, f = sp["baseline_mape"], sp["noise_floor_mape"]
+        console.print(f"vLLM: shipped x calibration median {b['median']:.2%} "
+                      f"({b['min']:.2%}-{b['max']:.2%}); noise floor median {f['median']:.2%} "
+                      f"({f['min']:.2%}-{f['max']:.2%})")
     for c in report["recording"]:
         console.print(f"recording: {c['running']} scheduled requests: "
-                      f"{c['us_per_step']:.1f} us per step")
+                      f"{c['us_per_step']:.1f} us per step, the same batch; "
+                      f"{c['us_per_step_changing']:.1f} us, a changing batch")
