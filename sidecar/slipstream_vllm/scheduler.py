@@ -34,6 +34,8 @@ entry points vLLM calls (``__init__``, ``add_request``, ``schedule``, ``update_f
 * :mod:`slipstream_vllm.snapshot`: the planner's view of vLLM's state;
 * :mod:`slipstream_vllm.steering`: vLLM's walk steered to the plan, online displacement, and
   the approximations where this bends the plan;
+* :mod:`slipstream_vllm.online_only`: the steps whose plan is vLLM's own walk, taken without
+  a snapshot or a plan;
 * :mod:`slipstream_vllm.stats`: each step's and output's bookkeeping, latency windows and
   histograms, the ``EngineReport``;
 * :mod:`slipstream_vllm.state`: the per-request record and the attributes the parts share.
@@ -71,7 +73,6 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
@@ -101,11 +102,12 @@ from slipstream_vllm.channel import (
     write_control,
 )
 from slipstream_vllm.failsafe import FaultGuard
+from slipstream_vllm.online_only import OnlineOnlyMixin
 from slipstream_vllm.ordering import PSM_ORDER_TTL_S, OrderingMixin
 from slipstream_vllm.snapshot import SnapshotMixin
 from slipstream_vllm.state import _OFFLINE, _ONLINE, _Meta
 from slipstream_vllm.stats import LATENCY_WINDOW, StatsMixin, _ClassStats, _vllm_version, _Window
-from slipstream_vllm.steering import SteeringMixin, _pending
+from slipstream_vllm.steering import SteeringMixin
 from slipstream_vllm.steps import Counts, StepRecorder
 
 logger = logging.getLogger(__name__)
@@ -146,7 +148,8 @@ def _carry_notices(first: SchedulerOutput, second: SchedulerOutput) -> None:
 
 
 class _Slipstream(
-    ChannelMixin, OrderingMixin, SnapshotMixin, SteeringMixin, StatsMixin, Scheduler  # type: ignore[misc]
+    ChannelMixin, OrderingMixin, SnapshotMixin, SteeringMixin, OnlineOnlyMixin, StatsMixin,
+    Scheduler,  # type: ignore[misc]
 ):
     """vLLM's scheduler with Slipstream's planner choosing each iteration (module note); the
     two classes vLLM loads (:class:`SlipstreamScheduler`, :class:`SlipstreamSyncScheduler`)
@@ -406,89 +409,6 @@ class _Slipstream(
             _carry_notices(refused, out)
             return out
         return self._finish_schedule(out, plan)
-
-    def _online_only(self) -> bool:
-        """No offline request is in the engine, everything waiting fits the free slots, and
-        the free KV blocks cover the most this walk can take (a block per running request,
-        the token cap in blocks, and every waiting request's tokens in blocks, which covers
-        its prefix-cache hits too): then the plan is vLLM's own walk over the online waiting
-        queue in the ordering's order. Every request is online; the planner gives running
-        requests their tokens first, in running order, as vLLM does, then admits in rank
-        order up to the token cap, as vLLM's walk does over a queue in that order; with KV
-        and slots to spare nobody is preempted or displaced. Only offline work and KV or
-        slot shortage are the planner's choices. O(1) but for the waiting requests, and
-        while offline requests are live: ``any`` stops at the first one vLLM holds."""
-        if self.kv_holding_waiting:
-            return False
-        waiting = self.waiting
-        bs = self.block_size
-        most = self.max_num_scheduled_tokens // bs + len(self.running) + 1
-        if waiting:
-            if len(self.running) + len(waiting) > self.max_num_running_reqs:
-                return False
-            most += sum(-(-r.num_tokens // bs) + 1 for r in waiting)
-        if self.kv_cache_manager.block_pool.get_num_free_blocks() < most:
-            return False
-        ids = self._offline_ids
-        if ids:
-            if any(rid in self.requests for rid in ids):
-                return False
-            ids.clear()
-        return True
-
-    def _online_only_step(self, throttle_prefills: bool) -> SchedulerOutput:
-        """A step with only online requests in the engine and KV and slots to spare
-        (:meth:`_online_only`): vLLM's walk, without building the snapshot or planning,
-        over the waiting requests in the ordering's order."""
-        self.steps += 1
-        self.online_only_steps += 1
-        self._budget_in_force = self.budget_s if self.running else self._idle_budget()
-        if not self.waiting:
-            self._queue_counts = (0, 0, len(self.running), 0)
-            self._walking = True
-            out = super().schedule(throttle_prefills)
-            self._walking = False
-            return self._finish_schedule(out, None)
-        self._stage = "ordering"
-        waiting = list(self.waiting)
-        if self.ordering.needs_lengths and self._all_admitted_whole(waiting):
-            # Every arrival gets all its tokens this step, whatever the order: none is
-            # ranked, so none has its lengths predicted now (only if ranking comes to matter).
-            online_q = waiting
-        else:
-            online_q, _ = self._ordered_queues(waiting)
-        self._queue_counts = (len(online_q), 0, len(self.running), 0)
-        queue = FCFSRequestQueue()
-        for req in online_q:
-            queue.add_request(req)
-        self._stage = "steer"
-        saved = self.waiting
-        self.waiting = queue
-        try:
-            self._walking = True
-            out = super().schedule(throttle_prefills)
-            self._walking = False
-        finally:  # vLLM's queue again: what the walk left waiting, in vLLM's own order
-            left = list(self.waiting)
-            self.waiting = saved
-            self._rebuild_waiting(left, [])
-        return self._finish_schedule(out, None)
-
-    def _all_admitted_whole(self, waiting: list[Request]) -> bool:
-        """Whether the token cap covers every running request's pending tokens and every
-        waiting request's, so that the walk admits all of them whole, in any order (slots and
-        KV blocks are :meth:`_online_only`'s to check)."""
-        room = self.max_num_scheduled_tokens
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        for r in waiting:
-            pending = r.num_tokens - r.num_computed_tokens
-            if 0 < threshold < pending:
-                return False  # chunked whatever the order: who goes first matters
-            room -= pending
-        if room < len(self.running):
-            return False
-        room -= sum(_pending(r) for r in self.running)
-        return room >= 0
 
     def _own_walk(self, throttle_prefills: bool) -> SchedulerOutput:
         """vLLM's own walk for this step, running online requests ranked by the ordering."""
