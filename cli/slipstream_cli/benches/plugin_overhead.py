@@ -59,7 +59,7 @@ plugin's steps are vLLM's walk without a plan (``_online_only``)."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--running", type=int, nargs="+", default=[16, 64, 256],
-                        help="requests decoding at once (default 16 64 256)")
+                        help="requests running at once (default 16 64 256)")
     parser.add_argument("--steps", type=int, default=200,
                         help="timed steps per round (default 200)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -133,13 +133,16 @@ def _engine(
     bs = EngineConfig().block_size
     lives = 2 * WARMUP_STEPS + timed_steps if workload == "steady" else OUTPUT_MAX
     tokens = PROMPT_MAX + lives + n  # n: prefill steps, generously
-    # Under churn a request's blocks are freed when it finishes, its successor's taken when
-    # it arrives: room for two generations of every request at once.
-    # Token room for a step's decodes and, under churn, its arrivals' prompts.
-    cfg = EngineConfig(max_num_seqs=max(n, 16),
-                       max_num_batched_tokens=max(2 * n, 512) + (0 if workload == "steady" else n),
-                       num_gpu_blocks=(1 if workload == "steady" else 2) * n * -(-tokens // bs)
-                       + 64, noise_cv=0.0)
+    churn = workload == "churn"
+    cfg = EngineConfig(
+        max_num_seqs=max(n, 16),
+        # Room for a step's decodes and, under churn, its arrivals' prompts.
+        max_num_batched_tokens=max(2 * n, 512) + (n if churn else 0),
+        # Under churn a request's blocks are freed when it finishes and its successor's
+        # taken when it arrives: room for two generations of every request at once.
+        num_gpu_blocks=(2 if churn else 1) * n * -(-tokens // bs) + 64,
+        noise_cv=0.0,
+    )
     token = "bench-offline-token"
     if channel is not None and control is not None:
         (channel / OFFLINE_TOKEN_FILE).write_text(token)
