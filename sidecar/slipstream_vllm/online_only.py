@@ -37,13 +37,10 @@ class OnlineOnlyMixin(_State):
         if self.kv_holding_waiting:
             return False
         waiting = self.waiting
+        if len(self.running) + len(waiting) > self.max_num_running_reqs:
+            return False
         bs = self.block_size
-        most = self.max_num_scheduled_tokens // bs + len(self.running) + 1
-        if waiting:
-            if len(self.running) + len(waiting) > self.max_num_running_reqs:
-                return False
-            most += sum(-(-r.num_tokens // bs) + 1 for r in waiting)
-        if self.kv_cache_manager.block_pool.get_num_free_blocks() < most:
+        if not self._walk_fits(sum(-(-r.num_tokens // bs) for r in waiting)):
             return False
         ids = self._offline_ids
         if ids:

@@ -82,19 +82,20 @@ class OrderingMixin(_State):
         """What the ordering sees of an online request now (its predicted lengths are drawn
         once, on first sight, for an ordering that reads them; the outliving fallback is the
         global distribution)."""
-        if meta.lengths is None:
-            if not self.ordering.needs_lengths:
-                return RequestView(req.request_id, req.arrival_time, req.num_prompt_tokens,
-                                   _NO_LENGTHS, req.num_output_tokens, _NO_LENGTHS,
-                                   meta.keyed_at, int(getattr(req, "num_preemptions", 0)))
-            meta.lengths = self._predict(meta, req.num_prompt_tokens)
+        lengths, fallback = meta.lengths, _NO_LENGTHS
+        if lengths is None and self.ordering.needs_lengths:
+            lengths = meta.lengths = self._predict(meta, req.num_prompt_tokens)
+        if lengths is None:
+            lengths = _NO_LENGTHS
+        else:
+            fallback = self._global_fallback()
         return RequestView(
             req.request_id,
             req.arrival_time,
             req.num_prompt_tokens,
-            meta.lengths,
+            lengths,
             req.num_output_tokens,
-            self._global_fallback(),
+            fallback,
             meta.keyed_at,
             int(getattr(req, "num_preemptions", 0)),
         )

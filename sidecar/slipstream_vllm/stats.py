@@ -247,7 +247,8 @@ class StatsMixin(_State):
             stats_on.tokens += len(got) - off
             if common:
                 tbt = now - prev_s
-                off = len(common & offline) if offline else 0
+                if common is not got:  # else the same count as the tokens'
+                    off = len(common & offline) if offline else 0
                 for stats, count in ((stats_off, off), (stats_on, len(common) - off)):
                     if count:
                         stats.tbt.add(tbt, count)

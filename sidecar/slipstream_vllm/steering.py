@@ -106,6 +106,14 @@ class SteeringMixin(_State):
             self.online_displacements += 1
         return True
 
+    def _walk_fits(self, blocks_touched: int = 0) -> bool:
+        """Whether the free KV blocks cover the most one walk of vLLM's can take: the token
+        cap in blocks, a partly filled block per running and waiting request, and
+        ``blocks_touched`` more (cached blocks a caller knows the walk may take up)."""
+        most = (self.max_num_scheduled_tokens // self.block_size + len(self.running)
+                + len(self.waiting) + 1 + blocks_touched)
+        return bool(self.kv_cache_manager.block_pool.get_num_free_blocks() >= most)
+
     @contextlib.contextmanager
     def _ranked_online(self, *, plan_fits: bool = False) -> Iterator[None]:
         """For one walk of vLLM's, running online requests carry their rank in the ordering
@@ -117,12 +125,9 @@ class SteeringMixin(_State):
         gets its tokens in any order; then the ranking matters only if the walk can run out
         of KV blocks, and is skipped when the free blocks cover the most this walk can take
         (a block per request plus the cap's tokens in blocks)."""
-        if plan_fits:
-            most = (self.max_num_scheduled_tokens // self.block_size + len(self.running)
-                    + len(self.waiting) + 1)
-            if self.kv_cache_manager.block_pool.get_num_free_blocks() >= most:
-                yield
-                return
+        if plan_fits and self._walk_fits():
+            yield
+            return
         try:
             now = self.clock()
             online = [

@@ -10,7 +10,7 @@ Two sources of steps:
   driven by concurrent requests of mixed prompt and output lengths; the plugin's own step
   records (``steps/`` in the channel, read as they come) are the rows, and every fifth
   block of 200 consecutive steps is held out as the test steps. Runs on this host spread
-  widely (the calibrated baseline from 15 % to 67 % between runs), so the source is run
+  widely (docs/benchmarks/learning.md gives the range), so the source is run
   ``--vllm-runs`` times (3 by default), each a fresh server, and the report gives every
   run and their medians and ranges (``vllm_spread``).
 
@@ -247,12 +247,12 @@ def recording_cost(running: int, steps: int = 20000) -> dict[str, float]:
 
     requests = {f"r{i}": _Req(100 + i + 1, 50) for i in range(running + 1)}
     ids = list(requests)
-    batches = {
-        "steady": [dict.fromkeys(ids[:running], 1)],
-        "changing": [dict.fromkeys(ids[:running], 1), dict.fromkeys(ids[1:], 1)],
+    batches = {  # the report's key: the batches a step cycles through
+        "us_per_step": [dict.fromkeys(ids[:running], 1)],
+        "us_per_step_changing": [dict.fromkeys(ids[:running], 1), dict.fromkeys(ids[1:], 1)],
     }
     out: dict[str, float] = {"running": running}
-    for regime, cycle in batches.items():
+    for key, cycle in batches.items():
         rec = StepRecorder()
         samples = []
         for _ in range(5):
@@ -266,7 +266,6 @@ def recording_cost(running: int, steps: int = 20000) -> dict[str, float]:
                 spent += time.perf_counter_ns() - t0
             samples.append(spent / (steps // 5) / 1000)
             rec.drain()
-        key = "us_per_step" if regime == "steady" else "us_per_step_changing"
         out[key] = statistics.median(samples)
     return out
 

@@ -110,13 +110,12 @@ class _Workload:
                        _output_len(i, self.workload), extra_args=extra)
         self.added += 1
 
-    def step(self) -> int:
-        """One engine step, then a new request for each that finished; returns how many."""
+    def step(self) -> None:
+        """One engine step, then a new request for each that finished."""
         result = self.eng.step()
         self.left_waiting = max(self.left_waiting, len(self.eng.scheduler.waiting))
         for _ in result.finished:
             self.add()
-        return len(result.finished)
 
 
 def _engine(
@@ -131,9 +130,9 @@ def _engine(
     from slipstream_testbed.vllm.inprocess import VllmEngine
 
     bs = EngineConfig().block_size
-    lives = 2 * WARMUP_STEPS + timed_steps if workload == "steady" else OUTPUT_MAX
-    tokens = PROMPT_MAX + lives + n  # n: prefill steps, generously
     churn = workload == "churn"
+    lives = OUTPUT_MAX if churn else 2 * WARMUP_STEPS + timed_steps
+    tokens = PROMPT_MAX + lives + n  # n: prefill steps, generously
     cfg = EngineConfig(
         max_num_seqs=max(n, 16),
         # Room for a step's decodes and, under churn, its arrivals' prompts.
@@ -153,14 +152,14 @@ def _engine(
     work = _Workload(eng, workload, token, mixed)
     for _ in range(n):
         work.add()
-    if workload == "steady":
+    if churn:  # until the first n are all in (some finish meanwhile, and are replaced)
+        while any(int(r.request_id[1:]) < n for r in eng.scheduler.waiting):
+            work.step()
+    else:
         while eng.stats().running < n or any(  # until every request decodes
             r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running
         ):
             eng.step()
-    else:  # until the first n are all in (some finish meanwhile, and are replaced)
-        while any(int(r.request_id[1:]) < n for r in eng.scheduler.waiting):
-            work.step()
     work.left_waiting = 0
     return work
 
