@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,9 @@ _NEEDED_AFTER = pytest.StashKey[dict[Path, set[str]]]()
 
 
 def server_key(options: dict[str, Any]) -> ServerKey:
-    return tuple(sorted(options.items()))
+    """The options as a dict key (an ``env`` mapping as its sorted items)."""
+    return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, Mapping) else v)
+                        for k, v in options.items()))
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,11 +1,14 @@
 """The sidecar in front of real ``vllm serve`` (CPU, the tiny model): online, offline, crashes.
 
-One live vLLM serves the whole module: ``--max-num-seqs 1`` (so the order vLLM serves in is
-observable: one request at a time) and ``--dtype float32`` (greedy decoding is then the same
+Two live vLLM servers serve the module, both ``--max-num-seqs 1`` (so the order vLLM serves in
+is observable: one request at a time) and ``--dtype float32`` (greedy decoding is then the same
 whatever else is in the batch, so a request's uninterrupted answer, asked of vLLM directly, is
-the reference for the same request through the sidecar, preempted or not). Each test starts its
-own sidecar (a real ``slipstream sidecar`` process on loopback) in front of it. The kill -9 test
-restarts that vLLM and runs last.
+the reference for the same request through the sidecar, preempted or not). The tests that need
+a request to arrive at a given moment (behind others in vLLM's queue, or while an offline line
+is mid-answer) use the second, :data:`PAUSABLE`: they hold vLLM's scheduler with its own
+``/pause`` while they set the moment up, so that nothing in them races the host's speed. Each
+test starts its own sidecar (a real ``slipstream sidecar`` process on loopback) in front of its
+server. The kill -9 test restarts the first server and runs last.
 
 Token ids, not text, are compared wherever exactness matters: the tiny model's byte-level
 tokenizer does not round-trip arbitrary generated text.
@@ -18,7 +21,6 @@ import http.client
 import json
 import re
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -417,183 +419,71 @@ def offline_body(i: int, max_tokens: int) -> dict[str, Any]:
 
 LONG = 2000  # tokens: seconds of decoding for the tiny model on this CPU
 
-
-@dataclass
-class Blocker:
-    """One blocker, for the failure message."""
-
-    n: int
-    sent_s: float = 0.0
-    ended_s: float = 0.0
-    tokens: int = 0  # completion tokens vLLM reported
-    finish: str = ""  # the finish_reason vLLM gave, if any
-    end: str = "open"  # open | done (vLLM answered) | released | error: ...
-
-
-class Blockers:
-    """Requests sent straight to vLLM at a priority above both classes (-5), each seconds of
-    decoding, kept topped up to ``outstanding`` from a thread. vLLM runs one sequence at a
-    time, so while they are held its slot is never free, however slow or fast the host:
-    whatever the sidecar sends meanwhile waits in vLLM's queue, for as long as the test needs.
-    :meth:`release` stops the top-ups and closes every blocker's connection; vLLM aborts a
-    request whose client has gone, and the slot goes to what waits behind them, in vLLM's own
-    order.
-
-    The blockers are not streamed: a stream is an event per token for vLLM's API server to
-    write, and on a loaded host that work delays every request the API server has yet to hand
-    to the engine, the sidecar's among them.
-
-    ``changes`` counts every blocker sent and every blocker ended, under ``lock``: a reading
-    of vLLM's gauges is comparable with :meth:`alive` only while it stays the same (a
-    blocker that has just ended is still in a gauge rendered a moment before).
-
-    Eight outstanding, not three: a blocker is topped up when its answer reaches this client,
-    and on a loaded host vLLM's API server hands answers out seconds late (three blockers'
-    answers arriving together), so with three the engine could finish every blocker it held
-    before a replacement came, and an offline line waiting behind them took the slot. With
-    eight, that needs seven blockers' decoding (about 15 s here) of delay."""
-
-    def __init__(self, url: str, outstanding: int = 8) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        self.host, self.port, self.outstanding = host, int(port), outstanding
-        self.lock = threading.Lock()
-        self.released = False
-        self.changes = 0
-        self.conns: set[http.client.HTTPConnection] = set()
-        self.threads: list[threading.Thread] = []
-        self.blockers: list[Blocker] = []
-        self.errors: list[str] = []  # what went wrong in a blocker's thread
-        self.filler = threading.Thread(target=self._fill, daemon=True)
-
-    def _fill(self) -> None:
-        while True:
-            with self.lock:
-                if self.released:
-                    return
-                for _ in range(self.outstanding - self.alive()):
-                    b = Blocker(len(self.blockers))
-                    self.blockers.append(b)
-                    t = threading.Thread(target=self._one, args=(b,), daemon=True)
-                    self.changes += 1
-                    t.start()
-                    self.threads.append(t)
-            time.sleep(0.05)
-
-    def _one(self, b: Blocker) -> None:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
-        body = {**COMPLETION, "max_tokens": LONG, "priority": -5}
-        try:
-            conn.connect()
-            with self.lock:  # release() shuts down every connection registered before it
-                if self.released:
-                    b.end = "released"
-                    return
-                self.conns.add(conn)
-            b.sent_s = time.monotonic()
-            conn.request("POST", "/v1/completions", json.dumps(body),
-                         {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            raw = resp.read()
-            if resp.status != 200:
-                b.end = f"error: {resp.status}"
-                self.errors.append(f"blocker {b.n}: {resp.status} {raw!r}")
-                return
-            doc = json.loads(raw)
-            b.finish = doc["choices"][0]["finish_reason"] or ""
-            b.tokens = int(doc["usage"]["completion_tokens"])
-            b.end = "done"
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            b.end = "released" if self.released else f"error: {exc!r}"
-            if not self.released:  # a released request ends with a read error: expected
-                self.errors.append(f"blocker {b.n}: {exc!r}")
-        finally:
-            b.ended_s = time.monotonic()
-            with self.lock:
-                self.conns.discard(conn)
-                self.changes += 1
-            conn.close()
-
-    def alive(self) -> int:
-        """Blockers sent and not ended (some may not have reached vLLM's engine yet)."""
-        return sum(t.is_alive() for t in self.threads)
-
-    def start(self) -> Blockers:
-        self.filler.start()
-        return self
-
-    def release(self) -> None:
-        with self.lock:
-            self.released = True
-            for conn in self.conns:
-                if conn.sock is not None:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
-        self.filler.join(30)
-        for t in self.threads:
-            t.join(60)
-
-    def timeline(self) -> str:
-        """Each blocker, for a failure message: when it was sent and ended, the tokens vLLM
-        reported and how it ended. vLLM serves one sequence at a time, so a gap between one
-        blocker's end and the next one's means something else held the slot."""
-        t0 = min((b.sent_s for b in self.blockers if b.sent_s), default=0.0)
-        return "; ".join(
-            f"#{b.n} {b.sent_s - t0:.1f}-{(b.ended_s - t0) if b.ended_s else float('nan'):.1f}s "
-            f"{b.tokens} tokens {b.finish or '-'} {b.end}"
-            for b in self.blockers)
+PAUSABLE: dict[str, Any] = {
+    "max_num_seqs": 1, "max_model_len": 2048,
+    "extra_args": ("--dtype", "float32", "--enable-log-requests"),
+    "env": {"VLLM_SERVER_DEV_MODE": "1"},
+}
+"""A one-sequence, float32 server of 2,048 positions whose scheduler the test can hold:
+``VLLM_SERVER_DEV_MODE=1`` mounts vLLM's ``POST /pause`` and ``/resume``, and
+``--enable-log-requests`` logs each request as vLLM's API server hands it to the engine."""
 
 
 @pytest.fixture
-def long_stack4(shared_vllm: Any, tmp_path: Path) -> Iterator[Stack]:
-    """As ``stack4``, before a one-sequence server of 2,048 positions: requests of 2,000
-    tokens keep it busy for seconds each."""
-    s = start_sidecar(shared_vllm(
-        max_num_seqs=1, extra_args=("--dtype", "float32"), max_model_len=2048), tmp_path, seqs=4)
+def pausable(shared_vllm: Any) -> VllmServer:
+    srv: VllmServer = shared_vllm(**PAUSABLE)
+    return srv
+
+
+@contextlib.contextmanager
+def paused(vllm: VllmServer) -> Iterator[None]:
+    """vLLM's scheduler held (``POST /pause?mode=keep``): it takes no step, what runs stays
+    where it is, requests added meanwhile wait in its queue; on leaving, ``/resume``, and the
+    scheduler goes on in its own order. Whatever the host's speed, nothing moves in between."""
+    status, _, raw = post(vllm.url + "/pause?mode=keep", b"")
+    assert status == 200, raw
+    try:
+        yield
+    finally:
+        status, _, raw = post(vllm.url + "/resume", b"")
+        assert status == 200, raw
+
+
+def added(vllm: VllmServer) -> int:
+    """Requests vLLM's API server has handed to the engine (its ``Added request`` lines). The
+    hand-over and ``/resume`` travel on the same socket to the engine, in order: a request
+    counted here before ``/resume`` is sent is in the scheduler's queue when it resumes."""
+    return vllm.log_path.read_text(errors="replace").count("Added request ")
+
+
+@pytest.fixture
+def long_stack4(pausable: VllmServer, tmp_path: Path) -> Iterator[Stack]:
+    """As ``stack4``, before the pausable server: requests of 2,000 tokens keep it busy for
+    seconds each."""
+    s = start_sidecar(pausable, tmp_path, seqs=4)
     yield s
     s.close()
     s.sidecar.stop()
 
 
 def test_vllm_serves_in_the_priority_the_sidecar_assigns(long_stack4: Stack) -> None:
-    """vLLM runs one request at a time. While blockers sent to it directly hold its slot, two
-    offline lines and then one online request, all through the sidecar, wait in vLLM; then
-    the blockers are released. The online request (priority 0) is served before the offline
-    lines (priority 100) that reached vLLM first: it is answered while no offline line has
-    finished (an offline line, once running, holds the slot for seconds).
+    """vLLM runs one request at a time. With its scheduler paused, two offline lines and then
+    one online request, all through the sidecar, are added to vLLM's queue; then it resumes.
+    The online request (priority 0) is served before the offline lines (priority 100) that
+    reached vLLM first: it is answered while no offline line has finished (an offline line,
+    once running, holds the slot for seconds).
 
     Each step of the setup is read twice: the sidecar's Status says it has sent the request,
-    and vLLM's own gauges show it queued beside the blockers. The gauges lag when vLLM's API
-    server is short of CPU, which only makes the test wait: the blockers hold the slot until
-    the setup is seen."""
+    and vLLM's log says its API server handed it to the engine. Neither reading races the
+    engine: while paused, nothing in vLLM moves, however slow the host."""
     stack, vllm = long_stack4, long_stack4.vllm
     tmp = stack.tmp
-    # Offline lines of seconds each in vLLM, so that the online answer reaches the client and
-    # the output file is read before the first offline line could finish behind it.
     write_shard(tmp / "in.jsonl", [offline_body(i, LONG) for i in range(2)])
     out = tmp / "out.jsonl"
     # The shared server must first be idle (an earlier test's requests may still be draining).
     # Each probe of vLLM's gauges is a /metrics request: rendering it runs on vLLM's API server
     # loop, so probing fast slows the server the test is watching.
     wait_until(lambda: gauges(vllm) == (0, 0), "vLLM idle", 300, poll_s=0.5)
-    blockers = Blockers(vllm.url).start()
-
-    seen: list[str] = []  # each reading, for a failure message
-
-    def beyond_blockers() -> float:
-        """Requests in vLLM besides the blockers, or -1 while the reading cannot be trusted.
-        vLLM's gauges are rendered from its last step, so a blocker that has just ended may
-        still be in them: the reading counts only if no blocker was sent or ended from a
-        second before it to its end. A blocker sent but not yet in vLLM lowers the result."""
-        with blockers.lock:
-            before = blockers.changes
-        time.sleep(1.0)
-        # Not under the lock: on a loaded host a /metrics request takes seconds, and holding
-        # the lock that long kept ended blockers from being topped up, so vLLM ran out of them.
-        running, waiting = gauges(vllm)
-        with blockers.lock:
-            alive, steady = blockers.alive(), blockers.changes == before
-        seen.append(f"running {running:.0f} waiting {waiting:.0f} blockers {alive}"
-                    f"{'' if steady else ' (a blocker came or went)'}")
-        return running + waiting - alive if steady else -1.0
 
     def sent(cls: str) -> int:
         return int(getattr(stack.status(), cls).in_flight)
@@ -615,30 +505,21 @@ def test_vllm_serves_in_the_priority_the_sidecar_assigns(long_stack4: Stack) -> 
         return (f"(sidecar: engine ready {status.engine_ready}, offline queued "
                 f"{status.offline.queued} in flight {status.offline.in_flight}, online in flight "
                 f"{status.online.in_flight}; shards (id, state, completed, in flight, message) "
-                f"{shards}; read: {seen[-5:]}; blockers: {blockers.timeline()}; the sidecar's "
+                f"{shards}; vLLM added {added(vllm) - base} since the pause; the sidecar's "
                 f"log ends:\n" + "\n".join(tail) + ")")
 
-    try:
-        # One blocker running and the rest queued behind it: the slot is never free (vLLM
-        # was idle before them, so whatever runs or waits is a blocker).
-        wait_until(lambda: gauges(vllm)[0] >= 1 and gauges(vllm)[1] >= 2,
-                   "blockers holding vLLM", 300, shown, poll_s=0.5)
+    with paused(vllm):
+        base = added(vllm)
         assign(stack, "prio", 2)
-        wait_until(lambda: sent("offline") == 2 and beyond_blockers() >= 2,
-                   "offline lines waiting in vLLM", 300, shown, poll_s=0.5)
+        wait_until(lambda: sent("offline") == 2 and added(vllm) - base >= 2,
+                   "offline lines in vLLM's queue", 300, shown, poll_s=0.5)
         u.start()
-        wait_until(lambda: sent("online") == 1 and beyond_blockers() >= 3,
-                   "online request waiting in vLLM", 300, shown, poll_s=0.5)
-        assert not records(out), (
-            f"an offline line ran past the blockers: {blockers.timeline()}; read: {seen[-5:]}")
-    finally:
-        blockers.release()
+        wait_until(lambda: sent("online") == 1 and added(vllm) - base >= 3,
+                   "online request in vLLM's queue", 300, shown, poll_s=0.5)
+        assert added(vllm) - base == 3 and not records(out), shown()
     u.join(300)
-    assert not blockers.errors, blockers.errors
     assert late, "the online request got no answer"
-    assert late == [0], (f"an offline line was served before the online request; blockers: "
-                         f"{blockers.timeline()}; read: {seen[-5:]}")
-    print(f"\nblockers: {blockers.timeline()}; read: {seen[-3:]}")
+    assert late == [0], f"an offline line was served before the online request: {shown()}"
     progress = wait_shard(stack, "prio")
     assert progress.completed == 2 and progress.preemptions == 0
 
@@ -656,10 +537,10 @@ def chat_offline_body(i: int, max_tokens: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def stack1(vllm: VllmServer, tmp_path: Path) -> Iterator[Stack]:
+def stack1(pausable: VllmServer, tmp_path: Path) -> Iterator[Stack]:
     """A sidecar that knows the engine runs one request at a time: its one offline request
     is the one vLLM is decoding, so an online arrival aborts it mid-answer."""
-    s = start_sidecar(vllm, tmp_path, seqs=1)
+    s = start_sidecar(pausable, tmp_path, seqs=1)
     yield s
     s.close()
     s.sidecar.stop()
@@ -667,26 +548,25 @@ def stack1(vllm: VllmServer, tmp_path: Path) -> Iterator[Stack]:
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_online_burst_preempts_offline_and_continuations_keep_every_token(
-    vllm: VllmServer, stack1: Stack, kind: str
+    stack1: Stack, kind: str
 ) -> None:
     """Every line of the shard is a completion, or every line a chat. Online requests arrive
     while an offline line is mid-answer; the sidecar (one slot) aborts the line at each
     arrival and later resumes it as a continuation. Each line's output is then compared on
     token ids with the same request asked of vLLM directly, uninterrupted."""
-    n = 12  # a chat prompt is longer (the chat template), and the server's context is 512
+    vllm = stack1.vllm
+    n = 12
     line, max_tokens, path = ((offline_body, 480, "/v1/completions") if kind == "completion"
                               else (chat_offline_body, 440, "/v1/chat/completions"))
     bodies: list[dict[str, Any] | bytes] = [line(i, max_tokens) for i in range(n)]
     write_shard(stack1.tmp / "in.jsonl", bodies)
     sc = stack1.sidecar.url
 
-    # Online requests one at a time, each sent once the sidecar has streamed 24 more offline
-    # tokens since the last one's answer (a line is producing tokens again after its restart:
-    # an arrival now cuts it with tokens into it), until one has cut a line that then resumed
-    # from its tokens (or the shard ends; at most 60). Not a fixed cadence: under load an
-    # arrival a fixed time after the last answer kept landing while the cut line was still
-    # restarting. Not the sidecar's Status: on a loaded host a Status call took longer than a
-    # whole line, and lines came and went between two readings.
+    # Each online request arrives while vLLM's scheduler is paused with an offline line in it,
+    # once the sidecar has streamed 24 more offline tokens since the last answer (the line is
+    # producing tokens again after its restart), so the line it cuts is mid-answer however
+    # slow the host: nothing decodes until the cut is made. Requests go one at a time until
+    # one has cut a line that then resumed from its tokens (or the shard ends; at most 60).
     results: list[Streamed] = []
     errors: list[BaseException] = []
     sent_at: list[tuple[float, float]] = []  # (s into the shard, offline tokens) at each send
@@ -694,6 +574,23 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
 
     def offline_tokens() -> float:
         return metric(sc, "slipstream_output_tokens_total", **{"class": "offline"})
+
+    def cut_while_paused(i: int) -> Streamed | None:
+        """One online request sent while vLLM is paused with an offline line in flight; its
+        answer once vLLM resumes (None: no line was in flight at the pause)."""
+        box: list[Streamed] = []
+        with paused(vllm):
+            if metric(sc, "slipstream_in_flight_requests", **{"class": "offline"}) != 1:
+                return None
+            cuts = metric(sc, "slipstream_preemptions_total")
+            u = threading.Thread(target=lambda: box.append(stream(sc + "/v1/completions", {
+                **COMPLETION, "max_tokens": 16, "seed": i, "return_token_ids": True})))
+            u.start()
+            wait_until(lambda: metric(sc, "slipstream_preemptions_total") > cuts,
+                       "the sidecar cutting the offline line", 120, poll_s=0.2)
+        u.join(120)
+        assert box, "the online request got no answer"
+        return box[0]
 
     def online() -> None:
         start = time.monotonic()
@@ -704,8 +601,9 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
                     if shard_done.wait(0.05):
                         return
                 sent_at.append((round(time.monotonic() - start, 2), now))
-                results.append(stream(sc + "/v1/completions", {
-                    **COMPLETION, "max_tokens": 16, "seed": i, "return_token_ids": True}))
+                got = cut_while_paused(i)
+                if got is not None:
+                    results.append(got)
                 if metric(sc, "slipstream_offline_resumed_tokens_total") > 0:
                     return
         except BaseException as e:  # reported by the test's thread
