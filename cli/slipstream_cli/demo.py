@@ -92,6 +92,7 @@ EXAMPLES = REPO / "examples"
 RELEASE = "slipstream"
 SYSTEM_NS = "slipstream-system"
 DEMO_NS = "slipstream-demo"
+HF_TOKEN_SECRET = "hf-token"  # examples/inferenceservice.yaml's modelSource.hfTokenSecret
 SERVICE = "chat"
 
 
@@ -399,6 +400,11 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
                                          name="podrunner")
         runner_thread.start()
         kube.kubectl("create", "namespace", DEMO_NS, check=False)
+        # The example service names a Hugging Face token Secret, as a gated model needs; its
+        # vLLM container reads HF_TOKEN from it. Nothing is downloaded here: the engine is
+        # local, so any value serves.
+        kube.kubectl("create", "secret", "generic", HF_TOKEN_SECRET, "-n", DEMO_NS,
+                     "--from-literal=HF_TOKEN=hf_local_demo", check=False)
         results: dict[str, RunResult] = {}
         timelines: dict[str, Timeline] = {}
         for name in RUNS:

@@ -16,20 +16,23 @@ about. It polls the API server for
   as ``slipstream ...`` with a kubeconfig holding a token of the pod's service account, so
   the operator acts with exactly the chart's RBAC.
 
-Volumes are materialised from the API: a Secret or ConfigMap volume becomes a folder of
-files, and an environment value under the volume's ``mountPath`` is rewritten to the file.
+Volumes and environment are read from the API as a kubelet reads them
+(:mod:`.podmaterials`): Secret, ConfigMap, ``emptyDir``, ``hostPath`` and claim volumes become
+local folders (a claim's those of its bound ``hostPath`` or ``local`` PersistentVolume), a
+value or argument under a mount's ``mountPath`` is rewritten to the folder, and ``env``
+entries from Secrets, ConfigMaps and pod fields are resolved. A pod whose references cannot be
+resolved (a missing Secret, an unbound claim) is not run, and is tried again at the next sync.
 Each process runs in its own session with its log in ``workdir``; a process that exits while
 its pod still runs is restarted (at most once per ``restart_backoff_s``); a pod that is gone,
 no longer Running or being deleted has its processes stopped (SIGTERM, then SIGKILL).
 Only pods whose IP lies in 127.0.0.0/8 are run.
 
-Deliberately left out: probes, resource limits, init containers, other volume types, images
+Deliberately left out: probes, resource limits, init containers, other volume kinds, images
 (the processes run this checkout's ``slipstream``), and pods of other applications.
 """
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import logging
 import os
@@ -46,6 +49,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kubernetes import client
 
+from slipstream_testbed.podmaterials import MaterialError, PodMaterials
 from slipstream_testbed.procgroup import stop_group
 from slipstream_testbed.vllm.server import ENGINE_CORE_NICE, renice_engine_core
 
@@ -134,20 +138,29 @@ def engine_command(container: Mapping[str, Any], ip: str, *, model: str, gpu: st
 
 
 def vllm_engine_command(container: Mapping[str, Any], ip: str, *, model: str, python: str,
-                        model_dir: Path, mounts: Mapping[str, Path] | None = None
+                        model_dir: Path, mounts: Mapping[str, Path] | None = None,
+                        env: Mapping[str, str] | None = None,
                         ) -> tuple[list[str], int, dict[str, str]]:
-    """Real ``vllm serve`` (on CPU, the tiny model in ``model_dir``) for a ``vllm`` container:
-    argv, the port it listens on and the environment it adds. The container's
+    """Real ``vllm serve`` (on CPU) for a ``vllm`` container: argv, the port it listens on and
+    the environment it adds. The model is the container's ``--model`` where that is a model
+    folder on a mount (a ``pvc://`` model source, a hostPath), else the tiny model in
+    ``model_dir`` (a Hugging Face id: nothing is downloaded here). The container's
     ``--max-num-seqs``, ``--max-num-batched-tokens`` and ``--max-model-len`` (up to the tiny
-    model's 2,048 positions; 2,048 when unset) carry over; its model does not. In engine mode
-    the container's ``--scheduler-cls`` and ``--no-async-scheduling`` carry over too, with its
-    environment (``SLIPSTREAM_CHANNEL_DIR``) pointed at the local folders of ``mounts``."""
+    model's 2,048 positions; 2,048 when unset) carry over. In engine mode the container's
+    ``--scheduler-cls`` and ``--no-async-scheduling`` carry over too. ``env`` is the
+    container's resolved environment (its plain ``value`` entries when not given), with paths
+    under a mount (``SLIPSTREAM_CHANNEL_DIR``) pointed at the local folders of ``mounts``."""
     from slipstream_testbed.vllm.server import VllmServerOptions, server_env
     from slipstream_testbed.vllm.tiny_model import TinyModelSpec
 
     tiny_context = TinyModelSpec().max_position_embeddings
     flags = split_flags([str(a) for a in container.get("args") or []])
     port = int(flags.get("--port") or 8000)
+    asked = flags.get("--model")
+    if asked:
+        local = Path(_rewrite_path(asked, mounts or {}))
+        if local != Path(asked) and (local / "config.json").is_file():
+            model_dir = local  # the container's own model, on a volume this host mounts
 
     def number(flag: str) -> int | None:
         value = flags.get(flag)
@@ -155,8 +168,8 @@ def vllm_engine_command(container: Mapping[str, Any], ip: str, *, model: str, py
 
     # The container's context, as far as the tiny model's positions reach.
     context = min(number("--max-model-len") or tiny_context, tiny_context)
-    own_env = {str(e["name"]): _rewrite_path(str(e.get("value", "")), mounts or {})
-               for e in container.get("env") or [] if "value" in e}
+    given = env if env is not None else plain_env(container)
+    own_env = {k: _rewrite_path(v, mounts or {}) for k, v in given.items()}
     opts = VllmServerOptions(model_dir=model_dir, host=ip, port=port, served_model_name=model,
                              max_model_len=context, max_num_seqs=number("--max-num-seqs"),
                              max_num_batched_tokens=number("--max-num-batched-tokens"),
@@ -168,13 +181,21 @@ def vllm_engine_command(container: Mapping[str, Any], ip: str, *, model: str, py
     return [python, "-m", "slipstream_vllm.serve", *opts.argv(port)], port, env
 
 
+def plain_env(container: Mapping[str, Any]) -> dict[str, str]:
+    """A container's environment entries that carry a plain ``value``."""
+    return {str(e["name"]): str(e.get("value", "")) for e in container.get("env") or []
+            if "value" in e}
+
+
 def sidecar_environment(container: Mapping[str, Any], ip: str, engine_port: int,
                         engine_flags: Mapping[str, str | None],
-                        mounts: Mapping[str, Path]) -> dict[str, str]:
-    """The sidecar container's ``SLIPSTREAM_SIDECAR_*`` environment for a process on ``ip``."""
-    env = {str(e["name"]): str(e.get("value", "")) for e in container.get("env") or []
-           if "value" in e}
-    env = {k: _rewrite_path(v, mounts) for k, v in env.items()}
+                        mounts: Mapping[str, Path], *,
+                        env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The sidecar container's environment for a process on ``ip``: ``env`` (its resolved
+    environment; its plain ``value`` entries when not given) with paths under a mount
+    rewritten, the engine's address and limits."""
+    given = env if env is not None else plain_env(container)
+    env = {k: _rewrite_path(v, mounts) for k, v in given.items()}
     engine = urlsplit(env.get("SLIPSTREAM_SIDECAR_ENGINE", f"http://127.0.0.1:{engine_port}"))
     env["SLIPSTREAM_SIDECAR_ENGINE"] = urlunsplit(
         (engine.scheme or "http", f"{ip}:{engine.port or engine_port}", "", "", ""))
@@ -410,40 +431,8 @@ class PodRunner:
         meta = pod["metadata"]
         return self.workdir / f"{meta['namespace']}_{meta['name']}"
 
-    def _volumes(self, pod: Pod, container: Mapping[str, Any]) -> dict[str, Path]:
-        """mountPath -> local folder holding the Secret/ConfigMap volume's files, or the
-        pod's folder for an ``emptyDir`` (one per pod and volume: every container that mounts
-        it shares it, as in a pod)."""
-        namespace = str(pod["metadata"]["namespace"])
-        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
-        mounts: dict[str, Path] = {}
-        for mount in container.get("volumeMounts") or []:
-            volume = volumes.get(mount["name"])
-            if volume is None:
-                continue
-            folder = self._pod_dir(pod) / "volumes" / mount["name"]
-            data: dict[str, bytes] = {}
-            if "secret" in volume:
-                secret = self.core.read_namespaced_secret(volume["secret"]["secretName"],
-                                                          namespace)
-                data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
-            elif "configMap" in volume:
-                cm = self.core.read_namespaced_config_map(volume["configMap"]["name"], namespace)
-                data = {k: v.encode() for k, v in (cm.data or {}).items()}
-            elif "emptyDir" in volume:
-                folder.mkdir(parents=True, exist_ok=True)
-                folder.chmod(0o700)
-                mounts[str(mount["mountPath"])] = folder
-                continue
-            else:
-                continue
-            folder.mkdir(parents=True, exist_ok=True)
-            for key, value in data.items():
-                path = folder / key
-                path.write_bytes(value)
-                path.chmod(0o600)
-            mounts[str(mount["mountPath"])] = folder
-        return mounts
+    def _materials(self, pod: Pod) -> PodMaterials:
+        return PodMaterials(self.core, pod, self._pod_dir(pod))
 
     def _start_pod(self, pod: Pod) -> RunningPod:
         meta = pod["metadata"]
@@ -453,11 +442,14 @@ class PodRunner:
                              pod["status"]["podIP"], kind)
         containers = {c["name"]: c for c in pod["spec"]["containers"]}
         folder = self._pod_dir(pod)
-        if kind == "inference":
-            running.service = labels[SERVICE_LABEL]
-            running.processes = self._inference(pod, containers, folder, running)
-        else:
-            running.processes = self._operator(pod, containers, folder, running)
+        try:
+            if kind == "inference":
+                running.service = labels[SERVICE_LABEL]
+                running.processes = self._inference(pod, containers, folder, running)
+            else:
+                running.processes = self._operator(pod, containers, folder, running)
+        except MaterialError as exc:  # the kubelet would leave the container waiting too
+            raise PodRunnerError(running.key, str(exc)) from exc
         for proc in running.processes:
             proc.start()
         logger.info("pod %s (%s) runs as %d processes on %s", running.key, kind,
@@ -485,13 +477,16 @@ class PodRunner:
             raise PodRunnerError(key, "engine mode (scheduling.enforcement: engine) runs "
                                       "Slipstream's plugin inside vLLM: start the pod runner "
                                       "with engine='vllm'")
+        materials = self._materials(pod)
+        vllm_mounts = materials.volumes(containers["vllm"])
+        vllm_env = materials.environment(containers["vllm"])
         if self.engine == "vllm":
             from slipstream_testbed.vllm import ensure
             from slipstream_testbed.vllm.server import vllm_python
 
             engine_argv, engine_port, extra = vllm_engine_command(
                 containers["vllm"], running.ip, model=model, python=vllm_python(),
-                model_dir=ensure(), mounts=self._volumes(pod, containers["vllm"]))
+                model_dir=ensure(), mounts=vllm_mounts, env=vllm_env)
             engine_env.update(extra)
         else:
             engine_argv, engine_port = engine_command(containers["vllm"], running.ip,
@@ -499,8 +494,9 @@ class PodRunner:
                                                       available=self._profiles, seed=seed)
         engine_flags = split_flags([str(a) for a in containers["vllm"].get("args") or []])
         sidecar = containers["sidecar"]
-        mounts = self._volumes(pod, sidecar)
-        env = sidecar_environment(sidecar, running.ip, engine_port, engine_flags, mounts)
+        mounts = materials.volumes(sidecar)
+        env = sidecar_environment(sidecar, running.ip, engine_port, engine_flags, mounts,
+                                  env=materials.environment(sidecar))
         env.setdefault("SLIPSTREAM_SIDECAR_STATE_DIR", str(folder / "state"))
         running.http_port = int(env.get("SLIPSTREAM_SIDECAR_HTTP_PORT", "8000"))
         running.engine_port = engine_port
@@ -531,6 +527,7 @@ class PodRunner:
         running.http_port = operator_metrics_port(container)
         env = {k: v for k, v in self.base_env.items()
                if not k.startswith("SLIPSTREAM_OPERATOR_") and k != "KUBECONFIG"}
-        env.update({str(e["name"]): str(e.get("value", ""))
-                    for e in container.get("env") or [] if "value" in e})
+        materials = self._materials(pod)
+        materials.volumes(container)  # its Secrets, ConfigMaps and claims, as the kubelet
+        env.update(materials.environment(container))
         return [Process("operator", argv, env, folder / "operator.log")]

@@ -99,6 +99,10 @@ def test_operator_status_agrees_with_prometheus(
                                  rule_files=[rules])
     try:
         prometheus.start()
+        # The example's hfTokenSecret, as its header says to create first (the pod runner, as
+        # a kubelet, resolves the vLLM container's HF_TOKEN from it).
+        kubectl("create", "secret", "generic", "hf-token", "-n", namespace,
+                "--from-literal=HF_TOKEN=hf_local_test")
         kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "inferenceservice.yaml"))
 
         def two_pods() -> list[str] | None:

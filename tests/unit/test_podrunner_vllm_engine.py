@@ -73,3 +73,34 @@ def test_sidecar_args_point_the_engine_channel_at_the_pods_folder(tmp_path: Path
     assert sidecar_args(container, {"/var/run/slipstream/channel": tmp_path}) == [
         "--engine-channel", str(tmp_path)]
     assert sidecar_args({"args": ["sidecar"]}, {}) == []
+
+
+def test_the_containers_model_on_a_mount_is_what_vllm_loads(tmp_path: Path) -> None:
+    """A ``pvc://`` model source renders ``--model /mnt/models/<path>``: where the mount's folder
+    holds a model there, vLLM loads it; a name that is no local model (a Hugging Face id, or a
+    folder without ``config.json``) leaves the tiny model."""
+    claim = tmp_path / "claim"
+    (claim / "tiny").mkdir(parents=True)
+    (claim / "tiny" / "config.json").write_text("{}")
+    (claim / "empty").mkdir()
+    tiny = tmp_path / "tiny-model"
+    mounts = {"/mnt/models": claim}
+    for asked, loads in (("/mnt/models/tiny", claim / "tiny"), ("/mnt/models/empty", tiny),
+                         ("meta-llama/Llama-2-7b-hf", tiny), ("/mnt/other/tiny", tiny)):
+        argv, _, _ = vllm_engine_command({"args": ["--model", asked]}, "127.1.0.7", model="m",
+                                         python="py", model_dir=tiny, mounts=mounts)
+        assert argv[3] == str(loads), asked
+
+
+def test_the_resolved_environment_reaches_vllm_with_paths_on_mounts(tmp_path: Path) -> None:
+    """``env`` (the container's environment as the pod runner resolved it: Secrets included)
+    replaces the container's plain values; a path under a mount points at the local folder."""
+    container = {"args": [], "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "hf-token", "key": "HF_TOKEN"}}}, {"name": "HF_HOME", "value": "/cache"}]}
+    _, _, env = vllm_engine_command(
+        container, "127.1.0.7", model="m", python="py", model_dir=tmp_path,
+        mounts={"/cache": tmp_path / "cache"}, env={"HF_TOKEN": "hf_abc", "HF_HOME": "/cache/x"})
+    assert env["HF_TOKEN"] == "hf_abc" and env["HF_HOME"] == str(tmp_path / "cache" / "x")
+    _, _, plain = vllm_engine_command(container, "127.1.0.7", model="m", python="py",
+                                      model_dir=tmp_path)
+    assert "HF_TOKEN" not in plain and plain["HF_HOME"] == "/cache"

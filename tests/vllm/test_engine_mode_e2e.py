@@ -164,6 +164,9 @@ def test_engine_mode_job_exactly_once_through_a_vllm_kill(
     operator_log.close()
     try:
         service_path, job_path, out, ids = manifests(tmp_path, namespace, requests=JOB_REQUESTS)
+        # The example's hfTokenSecret (the pod runner resolves HF_TOKEN from it, as a kubelet).
+        kubectl("create", "secret", "generic", "hf-token", "-n", namespace,
+                "--from-literal=HF_TOKEN=hf_local_test")
         kubectl("apply", "-n", namespace, "-f", str(service_path))
 
         def serving() -> RunningPod | None:
