@@ -198,21 +198,65 @@ class Streamed:
         return None
 
     def shape(self) -> list[Any]:
-        """The chunks with the generated text and token ids taken out, one per kind in order
-        (the number of token events depends on how vLLM's API server kept up)."""
+        """The chunks with the generated text and token ids taken out, in order, with each run
+        of chunks that carry tokens merged into one. vLLM's API server puts every token
+        produced since the client last read into one chunk, so how many chunks carry tokens
+        depends on how it kept up with the engine (under load all 12 can come in one): merged,
+        a run has the first chunk's prompt ids and the last one's finish reason, as the one
+        chunk vLLM would have sent."""
         out: list[Any] = []
+        merging = False
         for c in strip(self.chunks):
+            tokens = False
             for ch in c.get("choices") or ():
-                ch.pop("token_ids", None)
+                tokens = bool(ch.pop("token_ids", None)) or tokens
                 ch.pop("text", None)
                 (ch.get("delta") or {}).pop("content", None)
-            if not out or out[-1] != c:
+            if tokens and merging and _merged(out[-1], c) is not None:
+                out[-1] = _merged(out[-1], c)
+            elif not out or out[-1] != c:
                 out.append(c)
+            merging = tokens
         return out
 
     def text(self) -> str:
         return "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                        for c in self.chunks for ch in c.get("choices") or ())
+
+
+_EARLY = ("prompt_token_ids",)  # sent with a request's first tokens
+_LATE = ("finish_reason", "stop_reason", "usage")  # sent with its last
+
+
+def _merged(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any] | None:
+    """Two stripped token chunks as one (``first``'s prompt ids, ``then``'s finish and stop
+    reasons and usage), or None when they differ in anything else."""
+
+    def merge(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any] | None:
+        out: dict[str, Any] = {}
+        for k in {*x, *y}:
+            if k in _EARLY:
+                out[k] = x.get(k) if x.get(k) is not None else y.get(k)
+            elif k in _LATE:
+                out[k] = y.get(k)
+            elif k == "choices":
+                a, b = x.get(k) or [], y.get(k) or []
+                if len(a) != len(b):
+                    return None
+                merged = [merge(i, j) for i, j in zip(a, b, strict=True)]
+                if any(m is None for m in merged):
+                    return None
+                out[k] = merged
+            elif x.get(k, _ABSENT) != y.get(k, _ABSENT):
+                return None
+            else:
+                out[k] = x[k]
+        return {k: out[k] for k in [*x, *(k for k in y if k not in x)]}
+
+    return merge(first, then)
+
+
+_ABSENT = object()
 
 
 def stream(url: str, body: dict[str, Any]) -> Streamed:
