@@ -80,16 +80,13 @@ class PodMaterials:
     def _volume_folder(self, name: str, volume: Mapping[str, Any]) -> Path:
         own = self.folder / "volumes" / name
         if "secret" in volume:
-            secret = self._read("Secret", volume["secret"]["secretName"],
-                                bool(volume["secret"].get("optional")))
-            data = {k: base64.b64decode(v) for k, v in ((secret.data if secret else None)
-                                                        or {}).items()}
-            return _write_files(own, data)
+            ref = volume["secret"]
+            return _write_files(own, self._data("Secret", ref["secretName"],
+                                                bool(ref.get("optional"))))
         if "configMap" in volume:
-            cm = self._read("ConfigMap", volume["configMap"]["name"],
-                            bool(volume["configMap"].get("optional")))
-            return _write_files(own, {k: v.encode() for k, v in ((cm.data if cm else None)
-                                                                  or {}).items()})
+            ref = volume["configMap"]
+            return _write_files(own, self._data("ConfigMap", ref["name"],
+                                                bool(ref.get("optional"))))
         if "projected" in volume:
             files: dict[str, bytes] = {}
             for source in volume["projected"].get("sources") or []:
@@ -130,10 +127,7 @@ class PodMaterials:
         if "configMap" in source or "secret" in source:
             ref = source.get("configMap") or source["secret"]
             kind = "ConfigMap" if "configMap" in source else "Secret"
-            obj = self._read(kind, ref["name"], bool(ref.get("optional")))
-            raw = (obj.data if obj else None) or {}
-            data = ({k: v.encode() for k, v in raw.items()} if kind == "ConfigMap"
-                    else {k: base64.b64decode(v) for k, v in raw.items()})
+            data = self._data(kind, ref["name"], bool(ref.get("optional")))
             items = ref.get("items")
             if not items:
                 return data
@@ -200,40 +194,25 @@ class PodMaterials:
         return env
 
     def _env_source(self, source: Mapping[str, Any]) -> dict[str, str]:
-        if "secretRef" in source:
-            ref = source["secretRef"]
-            secret = self._read("Secret", ref["name"], bool(ref.get("optional")))
-            return {k: base64.b64decode(v).decode() for k, v in
-                    ((secret.data if secret else None) or {}).items()}
-        if "configMapRef" in source:
-            ref = source["configMapRef"]
-            cm = self._read("ConfigMap", ref["name"], bool(ref.get("optional")))
-            return dict((cm.data if cm else None) or {})
+        for field, kind in (("secretRef", "Secret"), ("configMapRef", "ConfigMap")):
+            if field in source:
+                ref = source[field]
+                data = self._data(kind, ref["name"], bool(ref.get("optional")))
+                return {k: v.decode() for k, v in data.items()}
         raise MaterialError(f"envFrom: {sorted(source)} names neither secretRef nor configMapRef")
 
     def _value_from(self, name: str, source: Mapping[str, Any]) -> str | None:
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            optional = bool(ref.get("optional"))
-            secret = self._read("Secret", ref["name"], optional)
-            data = (secret.data if secret else None) or {}
-            if ref["key"] not in data:
+        for field, kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
+            if field in source:
+                ref = source[field]
+                optional = bool(ref.get("optional"))
+                data = self._data(kind, ref["name"], optional)
+                if ref["key"] in data:
+                    return data[ref["key"]].decode()
                 if optional:
                     return None
-                raise MaterialError(f"env {name}: key {ref['key']!r} not in Secret "
+                raise MaterialError(f"env {name}: key {ref['key']!r} not in {kind} "
                                     f"{ref['name']!r}")
-            return base64.b64decode(data[ref["key"]]).decode()
-        if "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            optional = bool(ref.get("optional"))
-            cm = self._read("ConfigMap", ref["name"], optional)
-            cm_data = (cm.data if cm else None) or {}
-            if ref["key"] not in cm_data:
-                if optional:
-                    return None
-                raise MaterialError(f"env {name}: key {ref['key']!r} not in ConfigMap "
-                                    f"{ref['name']!r}")
-            return str(cm_data[ref["key"]])
         if "fieldRef" in source:
             return self._field(name, str(source["fieldRef"]["fieldPath"]))
         raise MaterialError(f"env {name}: valueFrom {sorted(source)} is not run here "
@@ -252,18 +231,23 @@ class PodMaterials:
             return str((meta.get(m.group(1)) or {}).get(m.group(2), ""))
         raise MaterialError(f"env {name}: fieldRef {path!r} is not run here")
 
-    def _read(self, kind: str, name: str, optional: bool) -> Any:
+    def _data(self, kind: str, name: str, optional: bool) -> dict[str, bytes]:
+        """A Secret's (decoded) or ConfigMap's data; empty for an absent ``optional`` one."""
         read = (self.core.read_namespaced_secret if kind == "Secret"
                 else self.core.read_namespaced_config_map)
         try:
-            return read(name, self.namespace)
+            obj = read(name, self.namespace)
         except ApiException as exc:
             if exc.status == 404 and optional:
-                return None
+                return {}
             if exc.status == 404:
                 raise MaterialError(f"{kind} {name!r} not found in namespace "
                                     f"{self.namespace!r}") from exc
             raise
+        raw = obj.data or {}
+        if kind == "Secret":
+            return {k: base64.b64decode(v) for k, v in raw.items()}
+        return {k: str(v).encode() for k, v in raw.items()}
 
 
 def _write_files(folder: Path, data: Mapping[str, bytes]) -> Path:

@@ -177,8 +177,8 @@ def vllm_engine_command(container: Mapping[str, Any], ip: str, *, model: str, py
                              extra_args=tuple(f for f in ("--no-async-scheduling",)
                                               if f in flags),
                              env=own_env)
-    env = {k: v for k, v in server_env(opts).items() if os.environ.get(k) != v}
-    return [python, "-m", "slipstream_vllm.serve", *opts.argv(port)], port, env
+    added = {k: v for k, v in server_env(opts).items() if os.environ.get(k) != v}
+    return [python, "-m", "slipstream_vllm.serve", *opts.argv(port)], port, added
 
 
 def plain_env(container: Mapping[str, Any]) -> dict[str, str]:

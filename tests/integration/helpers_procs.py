@@ -200,3 +200,15 @@ def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_ok(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether a GET of ``url`` answers 200 (no proxy: every address here is loopback)."""
+    try:
+        with _NO_PROXY.open(url, timeout=timeout_s) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False

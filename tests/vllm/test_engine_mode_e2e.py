@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from integration.helpers_procs import eventually
+from integration.helpers_procs import eventually, http_ok
 from slipstream_testbed.cluster import LocalCluster
 from slipstream_testbed.podrunner import PodRunner, Process, RunningPod
 from slipstream_testbed.vllm.bench_serve import BenchServeClient, RandomWorkload
@@ -54,14 +54,6 @@ OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MODEL = "tiny-llama-cpu"  # no shipped profile: the learned model prices the budget
 BURST = 256  # concurrent online requests while the job runs (the pod runs 64 sequences)
 JOB_REQUESTS = 150
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with OPENER.open(url, timeout=3) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from integration.helpers_procs import eventually
+from integration.helpers_procs import eventually, http_ok
 from slipstream_testbed.cluster import LocalCluster
 from slipstream_testbed.podrunner import PodRunner, RunningPod
 
@@ -60,14 +60,6 @@ def page_blocks(page: Path) -> dict[str, str]:
     blocks = dict(re.findall(r"<!-- e2e: ([\w-]+) -->\n```[\w]*\n(.*?)\n```", text, re.S))
     assert {"claims", "install", "service", "job", "watch"} <= blocks.keys(), sorted(blocks)
     return blocks
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with OPENER.open(url, timeout=3) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 class Page:
