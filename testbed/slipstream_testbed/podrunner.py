@@ -33,6 +33,7 @@ Deliberately left out: probes, resource limits, init containers, other volume ki
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -41,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -366,6 +367,20 @@ class PodRunner:
                 stop.wait(interval_s)
         finally:
             self.stop_all()
+
+    @contextlib.contextmanager
+    def running(self, interval_s: float = 1.0, join_s: float = 90.0) -> Iterator[PodRunner]:
+        """:meth:`run` in a daemon thread for the ``with`` block; on leaving it, the thread is
+        told to stop (which stops every process) and waited for up to ``join_s``."""
+        stop = threading.Event()
+        thread = threading.Thread(target=self.run, args=(stop, interval_s), daemon=True,
+                                  name="podrunner")
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join(timeout=join_s)
 
     def stop_all(self) -> None:
         with self._lock:

@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,12 +66,8 @@ def seconds(text: str) -> float:
 def runner(admin_api: client.ApiClient, namespace: str,
            tmp_path: Path) -> Iterator[PodRunner]:
     pods = PodRunner(admin_api, tmp_path / "pods", namespace=namespace)
-    stop = threading.Event()
-    thread = threading.Thread(target=pods.run, args=(stop, 0.5), daemon=True)
-    thread.start()
-    yield pods
-    stop.set()
-    thread.join(timeout=60)
+    with pods.running(interval_s=0.5, join_s=60):
+        yield pods
 
 
 def test_operator_status_agrees_with_prometheus(

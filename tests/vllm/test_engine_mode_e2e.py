@@ -61,12 +61,8 @@ def runner(admin_api: client.ApiClient, namespace: str,
            tmp_path: Path) -> Iterator[PodRunner]:
     pods = PodRunner(admin_api, tmp_path / "pods", namespace=namespace, engine="vllm",
                      restart_backoff_s=2.0)
-    stop = threading.Event()
-    thread = threading.Thread(target=pods.run, args=(stop, 0.5), daemon=True)
-    thread.start()
-    yield pods
-    stop.set()
-    thread.join(timeout=90)
+    with pods.running(interval_s=0.5, join_s=90):
+        yield pods
 
 
 def manifests(tmp_path: Path, namespace: str,

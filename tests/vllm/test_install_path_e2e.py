@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from e2e.test_chart_install import adopt_crds
 from integration.helpers_procs import eventually, http_ok
 from slipstream_testbed.cluster import LocalCluster
 from slipstream_testbed.podrunner import PodRunner, RunningPod
@@ -50,7 +51,6 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "install.md"
 SAMPLE = REPO / "examples" / "data" / "offline-sample.jsonl"
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-CRDS = ("inferenceservices.slipstream.dev", "offlinejobs.slipstream.dev")
 JOB_LINES = 24
 
 
@@ -110,12 +110,8 @@ def runner(cluster: LocalCluster, admin_api: client.ApiClient,
            tmp_path: Path) -> Iterator[PodRunner]:
     pods = PodRunner(admin_api, tmp_path / "pods", engine="vllm", restart_backoff_s=2.0,
                      service_account_kubeconfig=cluster.service_account_kubeconfig)
-    stop = threading.Event()
-    thread = threading.Thread(target=pods.run, args=(stop, 0.5), daemon=True)
-    thread.start()
-    yield pods
-    stop.set()
-    thread.join(timeout=90)
+    with pods.running(interval_s=0.5, join_s=90):
+        yield pods
 
 
 def stand_in_volumes(core: client.CoreV1Api, system: str, tenant: str, jobs: Path,
@@ -135,16 +131,6 @@ def stand_in_volumes(core: client.CoreV1Api, system: str, tenant: str, jobs: Pat
                      "hostPath": {"path": str(folder), "type": "Directory"}}})
         names.append(name)
     return names
-
-
-def adopt_crds(page: Page, release: str) -> None:
-    """CRDs an earlier test applied with kubectl are handed to the release (Helm's adoption
-    annotations, as docs/upgrade.md tells a cluster that has them already)."""
-    present = page.kubectl("get", "crd", *CRDS, "-o", "name", check=False).split()
-    for crd in present:
-        page.kubectl("annotate", "--overwrite", crd, f"meta.helm.sh/release-name={release}",
-                     f"meta.helm.sh/release-namespace={page.system}")
-        page.kubectl("label", "--overwrite", crd, "app.kubernetes.io/managed-by=Helm")
 
 
 def admits(policy: dict[str, Any], pod: dict[str, Any], port: int) -> bool:
@@ -195,7 +181,7 @@ def test_install_md_step_by_step_on_the_local_cluster(
     installed = False
     try:
         page.run("claims")
-        adopt_crds(page, "slipstream")
+        adopt_crds(cluster, "slipstream", system)  # CRDs an earlier test applied
         installed = True
         page.run("install")
         page.run("service")
