@@ -43,9 +43,12 @@ plugin's step records; docs/concepts/learned-latency-model.md); the replay start
 model is in force, for up to three minutes. The operator accepts a learned model up to 50 %
 held-out error here (``learned_max_mape``; the default is 10 %). On a 2-core host running
 two engines, the cluster and the load generator, the engines' step times follow the host's
-contention more than their batches (docs/benchmarks/learning.md), no fit passes, and the
-run goes on without a budget: the summary says which model was in force. With ``--mode
-sidecar`` nothing is learned from served steps, and the run says so. The model's context
+contention more than their batches (docs/benchmarks/learning.md): a fit that misses even
+that bar leaves the run without a budget, and the summary says which model was in force.
+With ``--mode sidecar`` no byte of a step crosses the plugin, so the Slipstream run sets
+``scheduling.profileAtStart`` (:data:`PROFILE_AT_START_S`): each sidecar profiles its own vLLM
+through the OpenAI API before it reports ready (``slipstream profile engine``), and the
+operator prices the budget with that profiled model, under the same bar. The model's context
 is 2,048 tokens, so the trace's prompts are capped at 480 words.
 
 Deliberately left out: real GPUs (see docs/install.md), Grafana (the dashboard JSON is in the
@@ -105,6 +108,8 @@ NAIVE_MODEL = "llama-2-7b-unprofiled"  # same engine profile; no operator latenc
 VLLM_MODEL = "tiny-llama-cpu"  # real vLLM's model: no shipped profile, so it is learned
 LEARNED_MAX_MAPE = 0.5  # the operator's bar for a learned model on this noisy host
 LEARN_WAIT_S = 180.0  # how long the Slipstream run waits for a learned model
+PROFILE_AT_START_S = 60.0  # sidecar mode under real vLLM: each pod profiles its engine first
+PROFILE_GRACE_S = 60.0  # slipstream_sidecar.startprofile.GRACE_S: the profile's hard limit
 ENGINES = ("model", "vllm")
 MODES = ("sidecar", "engine")
 ENGINE_NAMES = {
@@ -215,6 +220,8 @@ def manifests(out: Path, run: str, input_path: Path, max_tokens: int, slo: Slo, 
     service["spec"].setdefault("scheduling", {})["enforcement"] = mode
     if run == "naive":
         service["spec"]["scheduling"]["latencyModel"] = "none"
+    elif engine == "vllm" and mode == "sidecar":
+        service["spec"]["scheduling"]["profileAtStart"] = f"{PROFILE_AT_START_S:g}s"
     job["metadata"]["name"] = job_name(run)
     job["spec"]["model"] = model
     job["spec"]["input"]["uri"] = f"file://{input_path}"
@@ -232,6 +239,13 @@ def served_model(run: str, engine: str = "model") -> str:
     if run == "naive":
         return NAIVE_MODEL
     return VLLM_MODEL if engine == "vllm" else SLIPSTREAM_MODEL
+
+
+def startup_s(run: str, engine: str, mode: str) -> float:
+    """Seconds to wait for both pods to serve: the engine's start, and in a run that profiles
+    at start the profile's budget and its grace (the sidecar reports ready after it)."""
+    profiles = run != "naive" and engine == "vllm" and mode == "sidecar"
+    return STARTUP_S[engine] + (PROFILE_AT_START_S + PROFILE_GRACE_S if profiles else 0.0)
 
 
 def job_name(run: str) -> str:
@@ -260,6 +274,20 @@ class Kube:
 
     def helm(self, *args: str, timeout: float = 180.0) -> str:
         return self._run([str(self.helm_bin), *args], timeout, True)
+
+
+def install_chart(kube: Kube) -> None:
+    """``helm upgrade --install`` of charts/slipstream, tuned for a short local run (2 s
+    reconciles, a 30 s window, the learned model's bar for this noisy host)."""
+    # The CRDs are cluster-wide: on a cluster where another release (or kubectl) installed
+    # them, this release takes them over.
+    kube.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
+              "--create-namespace", "--take-ownership", "--force-conflicts",
+              "--set", "operator.reconcileIntervalSeconds=2",
+              "--set", "operator.windowSeconds=30", "--set", "operator.logLevel=info",
+              "--set", "operator.stallTimeoutSeconds=60",
+              "--set", "operator.extraEnv[0].name=SLIPSTREAM_OPERATOR_LEARNED_MAX_MAPE",
+              "--set-string", f"operator.extraEnv[0].value={LEARNED_MAX_MAPE}")
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, hint: str) -> Any:
@@ -372,15 +400,7 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
 
         phases.begin("install: helm chart, Prometheus, the operator pod")
         with console.status("helm install charts/slipstream ..."):
-            # The CRDs are cluster-wide: on a cluster where another release (or kubectl)
-            # installed them, the demo's release takes them over.
-            kube.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                      "--create-namespace", "--take-ownership", "--force-conflicts",
-                      "--set", "operator.reconcileIntervalSeconds=2",
-                      "--set", "operator.windowSeconds=30", "--set", "operator.logLevel=info",
-                      "--set", "operator.stallTimeoutSeconds=60",
-                      "--set", "operator.extraEnv[0].name=SLIPSTREAM_OPERATOR_LEARNED_MAX_MAPE",
-                      "--set-string", f"operator.extraEnv[0].value={LEARNED_MAX_MAPE}")
+            install_chart(kube)
         console.print("[green]✓[/] helm release 'slipstream' installed in "
                       f"{SYSTEM_NS} (CRDs, operator Deployment, RBAC, dashboard)")
         (out / "helm-status.txt").write_text(kube.helm("status", RELEASE, "-n", SYSTEM_NS))
@@ -439,9 +459,15 @@ def _demo(args: argparse.Namespace, console: Console, out: Path) -> int:
 
 
 def _ready_sidecars(runner: Any, prometheus: Any, count: int) -> list[str] | None:
+    _update_targets(prometheus, runner)
+    return ready_urls(runner, count)
+
+
+def ready_urls(runner: Any, count: int) -> list[str] | None:
+    """The online URLs of the runner's inference pods whose sidecar is ready, if ``count``
+    or more are; else None."""
     import urllib.request
 
-    _update_targets(prometheus, runner)
     urls = []
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for pod in runner.snapshot():
@@ -472,21 +498,25 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
     kube.kubectl("apply", "-n", DEMO_NS, "-f", str(manifest))
     how = ("naive co-location: no latency model, no budget" if name == "naive"
            else "Slipstream: latency model and iteration budget" if served != VLLM_MODEL
-           else "Slipstream: the latency model learned from the engine, and its budget")
+           else "Slipstream: the latency model learned from the engine, and its budget"
+           if args.mode == "engine"
+           else "Slipstream: the latency model profiled from the engine at start, and its "
+                "budget")
     console.print(f"[green]✓[/] {name}: applied InferenceService/{SERVICE} ({how}; TTFT p99 "
                   f"{slo.ttft_p99_s:g}s, TBT p99 {slo.tbt_p99_s * 1000:.0f}ms) and "
                   f"OfflineJob/{job} ({total} MMLU requests)")
     with console.status("Waiting for the operator to create the pods and for their "
                         "engines and sidecars to come up ..."):
         urls = wait_for("two ready sidecars", lambda: _ready_sidecars(runner, prometheus, 2),
-                        STARTUP_S[args.engine], f"see the pod logs under {out / 'pods'}")
+                        startup_s(name, args.engine, args.mode),
+                        f"see the pod logs under {out / 'pods'}")
     console.print(f"[green]✓[/] {len(urls)} pods serving: {', '.join(urls)}")
     with console.status("Waiting for the offline job's shards to start ..."):
         wait_for("offline shards on the pods",
-                 lambda: (_job_status(kube, job).get("shards") or {}).get("assigned"), 90.0,
+                 lambda: (job_status(kube, job).get("shards") or {}).get("assigned"), 90.0,
                  f"see the operator log under {out / 'pods'}")
     if served == VLLM_MODEL:
-        _await_learned_model(console, kube, args.mode, out)
+        await_learned_model(console, kube, args.mode, out)
     load_config = LoadConfig(model=served, speedup=args.speedup, duration_s=args.duration,
                              max_requests=100_000, max_output_tokens=args.max_output_tokens,
                              max_prompt_tokens=PROMPT_WORDS_CAP[args.engine],
@@ -519,7 +549,7 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
     preemptions = _scalar(prometheus, f"(sum(increase(slipstream_preemptions_total[{window}]))"
                           " or vector(0)) + (sum(increase(slipstream_engine_preemptions"
                           f'{{class="offline"}}[{window}])) or vector(0))')
-    status = _job_status(kube, job)
+    status = job_status(kube, job)
     service = json.loads(kube.kubectl("get", "-n", DEMO_NS, "inferenceservices.slipstream.dev",
                                       SERVICE, "-o", "json", check=False) or "{}")
     budget = str(((service.get("status") or {}).get("budget") or {}).get("iteration", ""))
@@ -548,19 +578,19 @@ def describe_model(status: dict[str, Any]) -> str:
     """``status.latencyModel`` in a few words: its source, and for a learned model its steps
     and held-out error."""
     source = str(status.get("source") or "none")
-    if source != "learned":
+    if source not in ("learned", "profiled"):
         return source
-    return (f"learned r{status.get('revision', 0)}: {status.get('steps', 0)} steps, "
+    return (f"{source} r{status.get('revision', 0)}: {status.get('steps', 0)} steps, "
             f"held-out {100 * float(status.get('heldoutMAPE', 0.0)):.1f} %")
 
 
-def _await_learned_model(console: Console, kube: Kube, mode: str, out: Path) -> None:
-    """Under real vLLM the Slipstream run's model is learned: wait for it (engine mode), for
-    up to :data:`LEARN_WAIT_S`; without one the run goes on, and the summary says so."""
-    if mode != "engine":
-        console.print("[yellow]![/] sidecar mode learns no latency model from served steps: "
-                      "this run has no budget (try --mode engine)")
-        return
+def await_learned_model(console: Console, kube: Kube, mode: str, out: Path) -> None:
+    """Under real vLLM the Slipstream run's model comes from the engine: learned from the
+    plugin's step records (engine mode) or profiled by each sidecar at start (sidecar mode).
+    Wait for it for up to :data:`LEARN_WAIT_S`; without one the run goes on, and the summary
+    says so."""
+    how = ("learn the latency model from their engine's steps" if mode == "engine"
+           else "report the latency model profiled from their engine at start")
 
     def budget_ready() -> dict[str, Any]:
         doc = json.loads(kube.kubectl("get", "-n", DEMO_NS, "inferenceservices.slipstream.dev",
@@ -568,19 +598,22 @@ def _await_learned_model(console: Console, kube: Kube, mode: str, out: Path) -> 
         conds = (doc.get("status") or {}).get("conditions") or []
         return next((c for c in conds if c.get("type") == "BudgetReady"), {})
 
-    with console.status("Waiting for the pods to learn the latency model from their "
-                        "engine's steps ..."):
+    with console.status(f"Waiting for the pods to {how} ..."):
         deadline = time.monotonic() + LEARN_WAIT_S
         cond = budget_ready()
-        while time.monotonic() < deadline and cond.get("reason") == "NoLatencyModel":
+        while time.monotonic() < deadline and cond.get("reason") in (None, "NoLatencyModel"):
             time.sleep(2.0)
             cond = budget_ready()
-    if cond.get("reason") == "NoLatencyModel":
-        console.print(f"[yellow]![/] no learned latency model after {LEARN_WAIT_S:.0f}s: "
-                      f"{cond.get('message', '')}; this run has no budget (the sidecars' "
-                      f"slipstream_learned_* series are under {out / 'prometheus'})")
+    if cond.get("reason") in (None, "NoLatencyModel"):
+        series = ("slipstream_learned_* series are under " + str(out / "prometheus")
+                  if mode == "engine" else f"profile reports are in the pod logs under "
+                  f"{out / 'pods'}")
+        console.print(f"[yellow]![/] no latency model from the engine after "
+                      f"{LEARN_WAIT_S:.0f}s: {cond.get('message', '')}; this run has no budget "
+                      f"(the sidecars' {series})")
         return
-    console.print("[green]✓[/] the latency model learned from the engine's steps is in force")
+    what = "learned from the engine's steps" if mode == "engine" else "profiled at start"
+    console.print(f"[green]✓[/] the latency model {what} is in force")
 
 
 def _sample_size() -> int:
@@ -640,7 +673,7 @@ def _update_targets(prometheus: Any, runner: Any) -> None:
     prometheus.set_targets(targets)
 
 
-def _job_status(kube: Kube, job: str) -> dict[str, Any]:
+def job_status(kube: Kube, job: str) -> dict[str, Any]:
     text = kube.kubectl("get", "-n", DEMO_NS, "offlinejob", job, "-o", "json", check=False)
     try:
         status: dict[str, Any] = json.loads(text).get("status") or {}

@@ -116,7 +116,35 @@ def test_the_naive_run_turns_the_latency_model_off_and_real_vllm_learns_it(
     assert demo.describe_model({"source": "learned", "revision": 2, "steps": 812,
                                 "heldoutMAPE": 0.0813}) == (
         "learned r2: 812 steps, held-out 8.1 %")
+    assert demo.describe_model({"source": "profiled", "revision": 1, "steps": 240,
+                                "heldoutMAPE": 0.125}) == (
+        "profiled r1: 240 steps, held-out 12.5 %")
     assert demo.describe_model({}) == "none"
+
+
+def test_sidecar_mode_on_real_vllm_profiles_the_engine_at_start(tmp_path: Path) -> None:
+    """With no plugin to learn from, the Slipstream run's sidecars profile their vLLM before
+    they report ready; the naive run and the engine model never do, and the pods' start-up
+    wait covers the profile."""
+    import yaml
+
+    def scheduling(run: str, engine: str, mode: str) -> dict[str, str]:
+        path = demo.manifests(tmp_path, run, tmp_path / "in.jsonl", 64, SLO, mode=mode,
+                              engine=engine)
+        service, _ = yaml.safe_load_all(path.read_text())
+        return dict(service["spec"]["scheduling"])
+
+    assert scheduling("slipstream", "vllm", "sidecar")["profileAtStart"] == (
+        f"{demo.PROFILE_AT_START_S:g}s")
+    for run, engine, mode in (("naive", "vllm", "sidecar"), ("slipstream", "vllm", "engine"),
+                              ("slipstream", "model", "sidecar")):
+        assert "profileAtStart" not in scheduling(run, engine, mode), (run, engine, mode)
+    assert demo.startup_s("slipstream", "vllm", "sidecar") == (
+        demo.STARTUP_S["vllm"] + demo.PROFILE_AT_START_S + demo.PROFILE_GRACE_S)
+    assert demo.startup_s("naive", "vllm", "sidecar") == demo.STARTUP_S["vllm"]
+    from slipstream_sidecar.startprofile import GRACE_S
+
+    assert demo.PROFILE_GRACE_S == GRACE_S
     good = run_result("slipstream", [], SLO, offline_tokens_per_s=1.0,
                       offline_requests_done=0, preemptions=None, latency_model="shipped")
     rows = {row[0]: row[1:] for row in side_by_side({"slipstream": good}, SLO)}
