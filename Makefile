@@ -27,7 +27,7 @@ PYTEST_ARGS ?=
 DURATIONS := --durations=15 --durations-min=5
 
 .DEFAULT_GOAL := help
-.PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench lock images clean
+.PHONY: help venv vllm-env vllm-official-env front system-deps cluster-build lint typecheck verify test test-fast demo demo-sim crds proto bench soak lock images clean
 
 help:
 	@echo "make demo        run the main job (builds what it needs)"
@@ -39,6 +39,7 @@ help:
 	@echo "make lint        ruff, mypy --strict, import-linter"
 	@echo "make crds        regenerate CRDs, the chart's copy and the API reference"
 	@echo "make bench       rerun every benchmark into docs/benchmarks/"
+	@echo "make soak        30 min per mode of real vLLM under kill -9 (docs/reliability.md)"
 	@echo "make proto       regenerate the sidecar's gRPC code (with the locked grpcio-tools)"
 	@echo "make lock        refresh the locks in locks/ (UPGRADE=1: every package to its newest)"
 	@echo "make images      build the slipstream and engine-mode vLLM images (docker, podman or buildah)"
@@ -161,6 +162,12 @@ bench: venv
 	@$(BIN)/slipstream bench sidecar --json docs/benchmarks/sidecar.json
 	@$(BIN)/slipstream bench plugin-overhead --json docs/benchmarks/plugin-overhead.json
 	@$(BIN)/slipstream bench learning --json docs/benchmarks/learning.json --plot docs/benchmarks/learning.png
+
+# The soak of docs/reliability.md ("Soak"): 30 minutes of online and offline work through
+# real vLLM per mode while its processes are killed (about 75 minutes; not in `make test`).
+soak: venv vllm-env cluster-build
+	@$(BIN)/slipstream bench soak --mode engine --seed 1 --json docs/benchmarks/soak-engine.json
+	@$(BIN)/slipstream bench soak --mode sidecar --seed 2 --json docs/benchmarks/soak-sidecar.json
 
 proto: venv
 	@bash hack/gen-proto.sh

@@ -118,6 +118,8 @@ class RequestResult:
     gaps_s: tuple[float, ...]
     output_tokens: int
     error: str = ""
+    ended_s: float = 0.0  # when the client saw the end: the last byte, the error or the status
+    done: bool = False  # the stream ended with ``data: [DONE]``
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +203,19 @@ def prompt_text(tokens: int, rng: random.Random) -> str:
     from slipstream_scheduler.textgen import Tokenizer
 
     return Tokenizer().decode([rng.choice(_WORD_IDS) for _ in range(tokens)])
+
+
+def stream_error(line: bytes) -> bool:
+    """Whether one SSE line is an error event (``{"error": ...}`` or ``"object": "error"``),
+    as vLLM and the sidecar send when a stream fails after its 200."""
+    text = line.strip()
+    if not text.startswith(b"data:") or b"error" not in text:
+        return False
+    try:
+        chunk = json.loads(text[5:].strip())
+    except ValueError:
+        return False
+    return isinstance(chunk, dict) and ("error" in chunk or chunk.get("object") == "error")
 
 
 def stream_tokens(line: bytes) -> int | None:
@@ -309,6 +324,7 @@ class LoadGenerator:
         tokens = 0
         status = 0
         error = ""
+        done = False
         try:
             async with session.post(f"{target}/v1/completions", json=body) as response:
                 status = response.status
@@ -316,6 +332,11 @@ class LoadGenerator:
                     error = (await response.text())[:300]
                 else:
                     async for line in response.content:
+                        if line.strip() == b"data: [DONE]":
+                            done = True
+                            continue
+                        if stream_error(line):
+                            error = line.decode(errors="replace").strip()[:300]
                         n = stream_tokens(line)
                         if not n:
                             continue
@@ -335,4 +356,5 @@ class LoadGenerator:
             index=index, target=target, scheduled_s=req.arrival_s, sent_s=sent - begin, ok=ok,
             status=status, ttft_s=(first - sent) if first is not None else None,
             gaps_s=tuple(gaps), output_tokens=tokens, error=error,
+            ended_s=time.monotonic() - begin, done=done,
         ))

@@ -13,9 +13,12 @@ Two things live here:
   again. It only ever signals PIDs the cluster itself recorded and that still
   run the component's binary.
 
+* :func:`plan_timed_faults` does the same for a soak: ``kill -9`` of an engine, a sidecar
+  or the operator at seeded times of a long run (``slipstream bench soak``).
+
 Deliberately left out: killing the sidecar, engine and operator processes
-(tests own those ``Popen`` objects and kill them directly), and any
-assertion about what a fault did (the tests judge that).
+(tests and the soak own those processes and kill them directly), and any
+assertion about what a fault did (the tests and the soak judge that).
 """
 
 from __future__ import annotations
@@ -110,6 +113,51 @@ def plan_faults(
         for kind, p in zip(order, points, strict=True)
     )
     return FaultPlan(seed, faults)
+
+
+POD_KILLS: tuple[FaultKind, ...] = ("kill-engine", "kill-sidecar", "kill-operator")
+"""The faults of a soak: ``kill -9`` of a pod's process, which its pod runner restarts."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimedFault:
+    """One fault of a soak: what, when (seconds after the load starts) and which pod."""
+
+    kind: FaultKind
+    at_s: float
+    target: int = 0
+
+
+def plan_timed_faults(
+    seed: int,
+    duration_s: float,
+    every_s: float,
+    kinds: tuple[FaultKind, ...] = POD_KILLS,
+    *,
+    pods: int = 2,
+) -> tuple[TimedFault, ...]:
+    """A fault about every ``every_s`` seconds in ``(every_s / 2, duration_s - every_s / 2)``.
+
+    Each fault strikes at a seeded point of its own slot (the slot's middle half, so two
+    faults are at least ``every_s / 2`` apart and each is seen on its own); the kinds come
+    in seeded rounds that hold every kind once, so a soak strikes each as often as the
+    others, and each fault names a seeded pod.
+    """
+    if every_s <= 0 or duration_s < every_s:
+        raise ValueError(f"no fault fits: duration {duration_s:g}s, one every {every_s:g}s")
+    if not kinds or pods < 1:
+        raise ValueError("a plan needs at least one kind of fault and one pod")
+    rng = random.Random(seed)
+    slots = int(duration_s // every_s)
+    order: list[FaultKind] = []
+    while len(order) < slots:
+        round_ = list(kinds)
+        rng.shuffle(round_)
+        order.extend(round_)
+    return tuple(
+        TimedFault(kind, round(every_s * (i + rng.uniform(0.25, 0.75)), 1), rng.randrange(pods))
+        for i, kind in enumerate(order[:slots])
+    )
 
 
 COMPONENT_OF: dict[FaultKind, str] = {

@@ -6,7 +6,14 @@ import itertools
 
 import pytest
 
-from slipstream_testbed.faults import ALL_FAULTS, ControlPlane, FaultError, plan_faults
+from slipstream_testbed.faults import (
+    ALL_FAULTS,
+    POD_KILLS,
+    ControlPlane,
+    FaultError,
+    plan_faults,
+    plan_timed_faults,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -32,3 +39,25 @@ def test_bad_window_and_unknown_component_are_refused() -> None:
         plan_faults(0, first=0.9, last=0.5)
     with pytest.raises(FaultError, match="not a component"):
         ControlPlane.__new__(ControlPlane)._component("kubelet")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_timed_plan_strikes_every_kind_in_turn_spaced_and_inside_the_run(seed: int) -> None:
+    plan = plan_timed_faults(seed, duration_s=1800, every_s=150, pods=2)
+    assert len(plan) == 12
+    kinds = [f.kind for f in plan]
+    for i in range(0, 12, 3):  # rounds of every kind once
+        assert sorted(kinds[i:i + 3]) == sorted(POD_KILLS)
+    times = [f.at_s for f in plan]
+    assert all(b - a >= 75 - 0.2 for a, b in itertools.pairwise(times))
+    assert 37.5 - 0.1 <= times[0] and times[-1] <= 1800 - 37.5 + 0.1
+    assert {f.target for f in plan} <= {0, 1}
+    assert plan_timed_faults(seed, 1800, 150) == plan
+
+
+def test_a_timed_plan_needs_room_for_one_fault() -> None:
+    with pytest.raises(ValueError, match="no fault fits"):
+        plan_timed_faults(0, duration_s=60, every_s=120)
+    with pytest.raises(ValueError, match="one kind"):
+        plan_timed_faults(0, duration_s=600, every_s=120, kinds=())
+    assert len({tuple(plan_timed_faults(s, 600, 100)) for s in range(8)}) == 8

@@ -61,3 +61,14 @@ def test_a_missing_alpacaeval_file_is_an_error_too(
     err = capsys.readouterr().err
     assert "data file not found" in err and str(tmp_path / "prompts") in err
     assert "Traceback" not in err
+
+
+def test_a_soak_too_short_for_one_fault_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "soak", "--duration", "60", "--every", "120"]) == 2
+    err = capsys.readouterr().err
+    assert "--duration 60" in err and "--every" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "soak", "--mode", "kernel"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'kernel'" in capsys.readouterr().err

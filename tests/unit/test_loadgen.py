@@ -24,6 +24,7 @@ from slipstream_cli.loadgen import (
     parse_azure,
     prompt_text,
     schedule,
+    stream_error,
     stream_tokens,
     summarize,
 )
@@ -123,9 +124,10 @@ def test_summary_and_attainment() -> None:
 class FakeServer:
     """An OpenAI completions endpoint that streams ``max_tokens`` chunks ``gap_s`` apart."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, error_after: int | None = None) -> None:
         self.bodies: list[dict[str, object]] = []
         self.fail = fail
+        self.error_after = error_after  # send an error event after this many chunks
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -136,6 +138,10 @@ class FakeServer:
         await response.prepare(request)
         await asyncio.sleep(0.05)
         for i in range(int(body["max_tokens"])):
+            if i == self.error_after:
+                error = {"error": {"message": "engine gone", "code": 503}}
+                await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                return response
             if i:
                 await asyncio.sleep(0.01)
             chunk = {"choices": [{"index": 0, "text": f" t{i}"}]}
@@ -181,7 +187,8 @@ async def test_replay_round_robin_measures_ttft_and_gaps(
         if result.target == urls[2]:
             assert not result.ok and result.status == 503 and "overloaded" in result.error
             continue
-        assert result.ok
+        assert result.ok and result.done
+        assert result.ended_s >= result.sent_s + (result.ttft_s or 0.0)
         want = requests[result.index].output_tokens
         assert result.output_tokens == want and len(result.gaps_s) == want - 1
         assert result.ttft_s is not None and result.ttft_s >= 0.05  # the server's first sleep
@@ -202,3 +209,27 @@ async def test_stop_and_bounds_end_the_replay(
     gen.stop()
     summary = await asyncio.wait_for(task, timeout=30)
     assert summary.sent == 2 and len(fakes[0].bodies) == 2
+
+
+@pytest.mark.unit
+def test_stream_error_events_are_told_from_tokens() -> None:
+    assert stream_error(b'data: {"error": {"message": "engine gone"}}\n')
+    assert stream_error(b'data: {"object": "error", "message": "x"}\n')
+    assert not stream_error(b'data: {"choices": [{"text": "error"}]}\n')
+    assert not stream_error(b"data: [DONE]\n")
+    assert not stream_error(b"data: {not json error\n")
+
+
+@pytest.mark.integration
+async def test_a_stream_that_fails_after_its_200_is_a_visible_failure() -> None:
+    fake = FakeServer(error_after=2)
+    runner, url = await _start(fake)
+    try:
+        gen = LoadGenerator([url], [TraceRequest(0.0, 5, 6)], LoadConfig(model="m"))
+        summary = await gen.run()
+    finally:
+        await runner.cleanup()
+    (result,) = gen.results
+    assert summary.failed == 1 and not result.ok and not result.done
+    assert result.status == 200 and result.output_tokens == 2
+    assert "engine gone" in result.error

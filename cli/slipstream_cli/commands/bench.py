@@ -36,6 +36,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                      "vllm serve with the plugin against stock, by vllm bench serve"),
     "learning": ("slipstream_cli.benches.learning",
                  "the latency model learned from engine steps: error, fit time, cost"),
+    "soak": ("slipstream_cli.benches.soak",
+             "online and offline work through real vLLM while its processes are killed"),
 }
 
 
