@@ -46,6 +46,14 @@ AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
 _WORD_IDS = range(16, 200)
 
 
+KEEPALIVE_S = 2.0
+"""An idle connection is reused for this long at most: below vLLM's own keep-alive
+(``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s), as the sidecar's front and its Python client keep
+theirs. With aiohttp's default (15 s) a request can go out on a connection vLLM is closing
+at that moment, and fail with a reset or a disconnect that the engine never saw: three of
+2,594 requests straight to vLLM in an engine-mode soak (docs/reliability.md, "Soak")."""
+
+
 class LoadgenError(Exception):
     """The load generator cannot run as asked.
 
@@ -287,7 +295,8 @@ class LoadGenerator:
         rng = random.Random(self.config.seed)
         limit = asyncio.Semaphore(self.config.concurrency)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        connector = aiohttp.TCPConnector(limit=self.config.concurrency)
+        connector = aiohttp.TCPConnector(limit=self.config.concurrency,
+                                         keepalive_timeout=KEEPALIVE_S)
         begin = time.monotonic()
         tasks: list[asyncio.Task[None]] = []
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

@@ -3,6 +3,8 @@ and the verdict (``slipstream_cli.benches.soak_verdict``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from slipstream_cli.benches.soak import thin
@@ -98,3 +100,17 @@ def test_thinning_keeps_a_seeded_share_with_the_times_unchanged() -> None:
     assert kept == thin(requests, 0.25, seed=3) != thin(requests, 0.25, seed=4)
     assert 400 <= len(kept) <= 600
     assert set(kept) <= set(requests)
+
+
+def test_a_soak_thread_that_dies_leaves_its_error_for_the_verdict(tmp_path: Path) -> None:
+    from slipstream_cli.benches.soak import Soak
+
+    soak = Soak(runner=None, kube=None, mode="engine", out=tmp_path)
+
+    def broken(n: int, *, why: str) -> None:
+        raise RuntimeError(f"{why} {n}")
+
+    thread = soak.guarded("jobs", broken, 3, why="kubectl timed out")
+    thread.start()
+    thread.join(timeout=10)
+    assert soak.errors == ["jobs: RuntimeError: kubectl timed out 3"]

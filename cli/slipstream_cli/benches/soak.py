@@ -134,7 +134,19 @@ class Soak:
     strikes: list[Strike] = field(default_factory=list)
     jobs: list[JobCheck] = field(default_factory=list)
     unfinished: int = 0
+    errors: list[str] = field(default_factory=list)  # a thread's failure fails the soak
     stop: threading.Event = field(default_factory=threading.Event)
+
+    def guarded(self, name: str, body: Any, *args: Any, **kwargs: Any) -> threading.Thread:
+        """A daemon thread running ``body``; what it raises is kept in :attr:`errors`."""
+
+        def target() -> None:
+            try:
+                body(*args, **kwargs)
+            except Exception as exc:  # reported in the verdict, not lost
+                self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+
+        return threading.Thread(target=target, name=name, daemon=True)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -341,12 +353,9 @@ def _with_pods(args: argparse.Namespace, console: Console, out: Path, *, kube: A
     load_done = threading.Event()
     generator = LoadGenerator(urls, requests, load_config)
     threads = [
-        threading.Thread(target=_jobs, args=(soak, job, input_path),
-                         kwargs={"load_done": load_done, "job_timeout_s": args.job_timeout,
-                                 "console": console},
-                         name="jobs", daemon=True),
-        threading.Thread(target=_faults, args=(soak, plan, args.recovery_timeout, console),
-                         name="faults", daemon=True),
+        soak.guarded("jobs", _jobs, soak, job, input_path, load_done=load_done,
+                     job_timeout_s=args.job_timeout, console=console),
+        soak.guarded("faults", _faults, soak, plan, args.recovery_timeout, console),
     ]
     # Offline work first: in engine mode the pods learn their latency model from its steps.
     threads[0].start()
@@ -358,6 +367,9 @@ def _with_pods(args: argparse.Namespace, console: Console, out: Path, *, kube: A
                   highlight=False)
     try:
         summary = asyncio.run(generator.run())
+    except BaseException:  # interrupted: the threads stop now, not after their waits
+        soak.stop.set()
+        raise
     finally:
         end_s = soak.now()
         load_done.set()
@@ -366,6 +378,10 @@ def _with_pods(args: argparse.Namespace, console: Console, out: Path, *, kube: A
         soak.stop.set()
     verdict = judge(generator.results, soak.strikes, soak.jobs, mode=args.mode,
                     grace_s=args.grace, end_s=end_s, unfinished_jobs=soak.unfinished)
+    if len(soak.strikes) < len(plan) or soak.errors:
+        verdict["held"] = False
+    verdict["errors"] = soak.errors
+    verdict["planned_faults"] = len(plan)
     status = json.loads(kube.kubectl("get", "-n", ns, "inferenceservices.slipstream.dev",
                                      demo.SERVICE, "-o", "json", check=False) or "{}")
     return {
