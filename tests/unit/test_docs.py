@@ -924,3 +924,45 @@ def test_length_predictor_per_generator_figures() -> None:
         _shows(r["semantic vs global"], semantic / scores["global"][g])
     gains = [scores["semantic (nearest top-up)"][g] / scores["global"][g] for g in scores["global"]]
     assert max(gains) < 1.5  # "No generator reaches 1.5×"
+
+
+_SOAK_KINDS = {"vLLM": "kill-engine", "sidecar": "kill-sidecar", "operator": "kill-operator"}
+
+
+def test_reliability_soak_figures() -> None:
+    """docs/reliability.md's soak table is the two soak reports, column by column."""
+    table = _table((DOCS / "reliability.md").read_text(), "| soak |")
+    rows = {_plain(r["soak"]): r for r in table}
+    for column, name in (("engine mode", "soak-engine.json"),
+                         ("sidecar mode", "soak-sidecar.json")):
+        doc = _load(name)
+        verdict, config = doc["verdict"], doc["config"]
+        assert config["mode"] == column.split()[0] and config["duration_s"] == 1800
+        cell = {label: row[column] for label, row in rows.items()}
+        _shows(cell["seed"], config["seed"])
+        strikes = verdict["strikes"]
+        counts = [sum(s["kind"] == kind for s in strikes) for kind in _SOAK_KINDS.values()]
+        faults = cell["faults: vLLM / sidecar / operator"]
+        assert [int(n) for n in _NUMBER.findall(faults)] == counts
+        for who, kind in _SOAK_KINDS.items():
+            downs = [s["down_s"] for s in strikes if s["kind"] == kind]
+            low, high = _NUMBER.findall(cell[f"{who} served again after"])[:2]
+            _shows(low, min(downs))
+            _shows(high, max(downs))
+        online = verdict["online"]
+        _shows(cell["online requests"], online["sent"])
+        for outcome in ("ok", "refused", "cut"):
+            _shows(cell[outcome], online["outcomes"].get(outcome, 0))
+        clean = sum(n for k, n in online["outcomes"].items()
+                    if k.startswith("http_") or k == "stream_error")
+        _shows(cell["HTTP error or error event"], clean)
+        _shows(cell["failures a fault explains"], sum(online["failures_explained_by"].values()))
+        _shows(cell["failures no fault explains"], len(online["unexplained"]))
+        offline = verdict["offline"]
+        _shows(cell["OfflineJobs finished"], offline["jobs_finished"])
+        assert offline["jobs_unfinished"] == 0
+        _shows(cell["offline requests checked"], offline["requests"])
+        lost, duplicated = _NUMBER.findall(cell["custom_ids lost / duplicated"])[:2]
+        _shows(lost, offline["lost"])
+        _shows(duplicated, offline["duplicated"])
+        assert _plain(cell["held"]).startswith("yes" if verdict["held"] else "no")
