@@ -463,24 +463,24 @@ def _ready_sidecars(runner: Any, prometheus: Any, count: int) -> list[str] | Non
     return ready_urls(runner, count)
 
 
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether a GET of ``url`` (no proxy) answers 200 within ``timeout``."""
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
 def ready_urls(runner: Any, count: int) -> list[str] | None:
     """The online URLs of the runner's inference pods whose sidecar is ready, if ``count``
     or more are; else None."""
-    import urllib.request
-
-    urls = []
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    for pod in runner.snapshot():
-        if pod.kind != "inference":
-            continue
-        try:
-            with opener.open(f"http://{pod.ip}:{pod.http_port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    # Where the pod's Service sends online traffic: the sidecar, or vLLM
-                    # itself in engine mode.
-                    urls.append(f"http://{pod.ip}:{pod.online_port}")
-        except OSError:
-            continue
+    # Where the pod's Service sends online traffic: the sidecar, or vLLM itself in engine mode.
+    urls = [f"http://{pod.ip}:{pod.online_port}" for pod in runner.snapshot()
+            if pod.kind == "inference" and http_ok(f"http://{pod.ip}:{pod.http_port}/ready")]
     return urls if len(urls) >= count else None
 
 

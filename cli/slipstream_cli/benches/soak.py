@@ -39,7 +39,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from rich.table import Table
 
 from slipstream_cli.argtypes import positive, share, whole
 from slipstream_cli.benches.soak_verdict import JobCheck, Strike, check_job, judge
+from slipstream_cli.demo import http_ok
 
 SCHEMA = "slipstream.bench.soak/v1"
 MODES = ("sidecar", "engine")
@@ -113,15 +113,6 @@ def thin(requests: list[Any], keep: float, seed: int) -> list[Any]:
     return [r for r in requests if rng.random() < keep]
 
 
-def _get(url: str, timeout: float = 2.0) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
-
-
 @dataclass
 class Soak:
     """The running soak: the runner's pods, the clock, what was struck and finished."""
@@ -159,11 +150,11 @@ class Soak:
         if kind == "kill-operator":
             proc = next(p for p in pod.processes if p.name == "operator")
             return bool(proc.alive() and (pod.http_port == 0
-                                          or _get(f"http://{pod.ip}:{pod.http_port}/metrics")))
-        sidecar_ready = _get(f"http://{pod.ip}:{pod.http_port}/ready")
+                                          or http_ok(f"http://{pod.ip}:{pod.http_port}/metrics")))
+        sidecar_ready = http_ok(f"http://{pod.ip}:{pod.http_port}/ready")
         if kind == "kill-sidecar":
             return sidecar_ready
-        return sidecar_ready and _get(f"http://{pod.ip}:{pod.engine_port}/health")
+        return sidecar_ready and http_ok(f"http://{pod.ip}:{pod.engine_port}/health")
 
     def strike(self, kind: str, target: int, recovery_timeout_s: float) -> Strike:
         """``kill -9`` one process group; wait until its pod serves again."""
