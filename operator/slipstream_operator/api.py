@@ -928,6 +928,13 @@ class LatencyModelStatus(ApiModel):
         "increases it and makes a new budget search.",
         ge=0,
     )
+    held: str | None = Field(
+        default=None,
+        description="Learned models: set while no ready pod reports an acceptable model (its "
+        "pod restarting or not ready, or its newest fit not passing): the model last in force "
+        "and its budget stay, and this says why it is held.",
+        max_length=1024,
+    )
     scale: float | None = Field(
         default=None,
         description="Profiles: the calibration factor on every coefficient, when not 1 "
@@ -1017,9 +1024,13 @@ class InputSpec(ApiModel):
 class OutputSpec(ApiModel):
     """Where results go (OpenAI Batch API output JSONL)."""
 
-    uri: Uri = Field(description="URI of the output JSONL file (written atomically at the end).")
+    uri: Uri = Field(
+        description="file:// or s3:// URI of the output JSONL file, written whole at the end "
+        "(a non-file:// output is staged on the operator's job-storage claim)."
+    )
     error_uri: Uri | None = Field(
-        default=None, description="URI of the error JSONL file. Default: <uri> with .errors.jsonl."
+        default=None, description="URI of the error JSONL file (file:// or s3://, like uri). "
+        "Default: <uri> with .errors.jsonl."
     )
 
     @property

@@ -97,7 +97,7 @@ from slipstream_operator.reconcile_job import (
     candidate_pod,
     job_prefix,
     reconcile_job,
-    storage_scope_error,
+    storage_error,
 )
 from slipstream_operator.reconcile_service import (
     SERVICE_LABEL,
@@ -127,6 +127,7 @@ from slipstream_operator.sidecar_client import (
     SidecarControl,
     SidecarStatus,
 )
+from slipstream_operator.staging import work_dir_for
 from slipstream_operator.statusfeed import StatusFeed, TickPacer
 
 logger = logging.getLogger(__name__)
@@ -717,8 +718,11 @@ class Handlers:
             options = PlanOptions(shard_size=spec.shard_size,
                                   prefix_chars=self.settings.prefix_chars,
                                   run_lines=self.settings.plan_run_lines)
+            work = work_dir_for(spec.output.uri, namespace=namespace, name=name,
+                                staging_root=self.settings.job_storage.staging_root())
             plan = await self._files(
-                plan_input, spec.input.uri, spec.output.uri, job_prefix(namespace, name), options
+                functools.partial(plan_input, work_dir=work),
+                spec.input.uri, spec.output.uri, job_prefix(namespace, name), options,
             )
             self.state.plans[uid] = plan
         return plan
@@ -746,8 +750,9 @@ class Handlers:
         settings = JobSettings(max_shards_per_pod=self.settings.max_shards_per_pod,
                                stall_timeout_s=self.settings.stall_timeout_s,
                                preempt_after_s=self.settings.preempt_after_s,
-                               storage_roots=roots)
-        if storage_scope_error(spec, namespace, roots):
+                               storage_roots=roots,
+                               staging_root=self.settings.job_storage.staging_root())
+        if storage_error(spec, namespace, name, settings)[1]:
             # Refused before planning: nothing is read or staged for this job.
             refused = reconcile_job(namespace, name, generation, spec,
                                     observed=JobObserved(plan=None, pods=(), done={}),

@@ -14,7 +14,11 @@ The budget search, the ``BudgetReady`` condition and the Configure calls all use
    see) is at most ``max_mape``. Of the pods that report an acceptable model, the one in
    force keeps it (its new revisions replace it); otherwise the one learned from the most
    steps wins, ties going to the lower held-out error, then the pod name. A learned model is
-   not calibrated: it is already fitted to this engine's step times.
+   not calibrated: it is already fitted to this engine's step times;
+3. else the learned model in force at the last reconcile, *held*: when its pod restarts, is
+   not ready, or its sidecar's newest fit does not pass, the pods keep running with the
+   budget searched from it, so that model stays in force (and says so, with why it is
+   held) until a ready pod reports an acceptable one. It is not re-searched while held.
 
 A learned model's key (``budget.profile``, the budget search's model key) names the pod and
 the revision, so a refit the sidecar publishes (it does so only past its drift threshold, or
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from slipstream_operator.sidecar_client import LearnedLatency
@@ -56,6 +60,7 @@ class ModelInForce:
     steps: int = 0  # from a pod: steps the fit used
     heldout_mape: float = math.inf  # from a pod: held-out error (fraction)
     revision: int = 0  # from a pod: its revision
+    held: str = ""  # from a pod, kept in force though no ready pod reports it now: why
 
     @property
     def calibrated(self) -> bool:
@@ -72,8 +77,9 @@ class ModelInForce:
     def describe(self) -> str:
         """For condition messages and events."""
         if self.from_pod:
+            held = f"; held: {self.held}" if self.held else ""
             return (f"{self.source} by pod {self.name} (revision {self.revision}, "
-                    f"{self.steps} steps, held-out error {_percent(self.heldout_mape)})")
+                    f"{self.steps} steps, held-out error {_percent(self.heldout_mape)}{held})")
         return f"{self.source} profile {self.name.split(':', 1)[-1]}"
 
     def status(self, scale: float = 1.0) -> dict[str, Any]:
@@ -82,6 +88,8 @@ class ModelInForce:
         if self.from_pod:
             out.update(steps=self.steps, heldoutMAPE=round(self.heldout_mape, 4),
                        revision=self.revision)
+            if self.held:
+                out["held"] = self.held[:1024]
         elif scale != 1.0:
             out["scale"] = round(scale, 4)
         return out
@@ -148,7 +156,8 @@ def choose_model(
     """The model in force (see the module docstring).
 
     ``reports``: (pod name, what it learned) of the service's ready pods; ``held``: the model
-    in force at the last reconcile; ``what``: the (model, GPU) for messages.
+    in force at the last reconcile (kept when no report is acceptable; pass None where learned
+    models are off); ``what``: the (model, GPU) for messages.
     """
     if profile is not None:
         return ModelChoice(ModelInForce(profile, profile_source(profile_name, profile),
@@ -156,7 +165,10 @@ def choose_model(
     reported = sorted((pod, learned) for pod, learned in reports if learned is not None)
     good = [(pod, learned) for pod, learned in reported if _good(learned, params)]
     if not good:
-        return ModelChoice(None, f"no latency profile for {what}; {_learning(reported, params)}")
+        waiting = f"no latency profile for {what}; {_learning(reported, params)}"
+        if held is not None and held.from_pod:
+            return ModelChoice(replace(held, held=_learning(reported, params)), waiting)
+        return ModelChoice(None, waiting)
     kept = [r for r in good if held is not None and held.from_pod and r[0] == held.name]
     pod, learned = kept[0] if kept else min(
         good, key=lambda r: (-r[1].seen_steps, r[1].heldout_mape, r[0]))

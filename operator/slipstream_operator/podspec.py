@@ -201,6 +201,12 @@ class JobStorage(BaseModel):
             raise ValueError("; ".join(problems))
         return self
 
+    def staging_root(self) -> str | None:
+        """Where object-store outputs' work folders live: the claim's mount path when a
+        writable claim is set (the operator and every sidecar see it there), else None."""
+        pvc = self.pvc
+        return pvc.mount_path if pvc.claim_name and not pvc.read_only else None
+
     def sidecar_env(self) -> list[dict[str, Any]]:
         """The sidecar's S3 endpoint variables (none without an endpoint)."""
         url = self.s3.endpoint_url

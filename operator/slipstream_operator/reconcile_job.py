@@ -32,7 +32,11 @@ output logs, and passes all of it in; this module decides
   not admitted (``Admitted=False``, reason ``StorageOutOfScope``, a Warning
   event once) and stays **Pending**, not Failed, so that correcting the spec
   admits it without recreating it. The handler asks the same function before
-  planning, so nothing is staged for such a job;
+  planning, so nothing is staged for such a job. An output that is not
+  ``file://`` needs a staging folder on the shared claim
+  (:mod:`slipstream_operator.staging`): without one, or with one outside the
+  namespace's roots, the job is not admitted either (reason
+  ``NoStagingFolder``) (:func:`storage_error` asks both);
 * **completion**: when every shard's log is complete the handler merges
   (``merge=True``); once the merge reports exact counts the job Succeeded. A
   job past its completion window Failed (``DeadlineExceeded``).
@@ -54,6 +58,7 @@ from slipstream_operator.conditions import rfc3339, set_condition
 from slipstream_operator.rates import TokenMeter, format_eta
 from slipstream_operator.shards import MergeResult, Plan, ShardPlan
 from slipstream_operator.sidecar_client import ACTIVE_STATES, JobShards, ShardReport
+from slipstream_operator.staging import is_local, staging_problem, work_dir_for
 from slipstream_scheduler.storage_scope import ScopeError, check_uri
 
 
@@ -140,6 +145,7 @@ class JobSettings:
     rate_window_s: float = 60.0
     preempt_after_s: float = 30.0  # slot shortage (s) before preempting lower priorities
     storage_roots: tuple[str, ...] = ()  # empty: no namespace scoping of the URIs
+    staging_root: str | None = None  # shared folder for object-store outputs' work folders
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +179,31 @@ def storage_scope_error(
         except ScopeError as exc:
             return str(exc)
     return ""
+
+
+def storage_error(
+    spec: OfflineJobSpec, namespace: str, name: str, settings: JobSettings
+) -> tuple[str, str]:
+    """Why the job cannot be admitted for its storage, as (reason, message); ("", "") when it
+    can: a URI out of the namespace's scope (``StorageOutOfScope``), or an object-store output
+    with no staging folder, or one outside the namespace's roots (``NoStagingFolder``)."""
+    scope = storage_scope_error(spec, namespace, settings.storage_roots)
+    if scope:
+        return "StorageOutOfScope", scope
+    problem = staging_problem(spec.output.uri, settings.staging_root)
+    if problem:
+        return "NoStagingFolder", problem
+    if settings.staging_root and settings.storage_roots and not is_local(spec.output.uri):
+        work = work_dir_for(spec.output.uri, namespace=namespace, name=name,
+                            staging_root=settings.staging_root)
+        try:
+            check_uri(f"file://{work}/plan.json", namespace=namespace,
+                      roots=settings.storage_roots, field="jobStorage.pvc.mountPath")
+        except ScopeError as exc:
+            return "NoStagingFolder", (f"spec.output.uri: its staging folder is outside the "
+                                       f"storage roots ({exc}); add file://<mount path> to "
+                                       "the operator's storageRoots")
+    return "", ""
 
 
 def _parse_time(value: Any) -> datetime | None:
@@ -230,12 +261,12 @@ def reconcile_job(
                 status[key] = previous_status[key]
         return finish(Phase(prev_phase))
 
-    scope_error = storage_scope_error(spec, ref_namespace, settings.storage_roots)
+    reason, scope_error = storage_error(spec, ref_namespace, ref_name, settings)
     if scope_error:
         was = next((c for c in conditions if c.get("type") == "Admitted"), {})
-        if was.get("reason") != "StorageOutOfScope" or was.get("message") != scope_error:
-            events.append(("Warning", "StorageOutOfScope", scope_error))
-        cond("Admitted", False, "StorageOutOfScope", scope_error)
+        if was.get("reason") != reason or was.get("message") != scope_error:
+            events.append(("Warning", reason, scope_error))
+        cond("Admitted", False, reason, scope_error)
         # Roots configured after the job started: take back what it placed.
         held = tuple((p.pod, sid) for sid, p in memory.placements.items())
         return finish(Phase.PENDING, revoke=held, mem=replace(memory, placements={}))

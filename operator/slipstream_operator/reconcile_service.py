@@ -411,7 +411,8 @@ def _latency(
                    and policy is LatencyModelPolicy.AUTO)
         what = f"{spec.model} on {spec.engine.gpu_type}"
         choice = choose_model(observed.latency_model, observed.profile, reports, learned,
-                              held=memory.in_force, what=what)
+                              held=memory.in_force if policy is LatencyModelPolicy.AUTO
+                              else None, what=what)
         if choice.in_force is None and policy is LatencyModelPolicy.PROFILE:
             choice = ModelChoice(None, f"no latency profile for {what}; "
                                  "spec.scheduling.latencyModel is profile (learned models off)")

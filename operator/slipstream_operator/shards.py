@@ -38,11 +38,15 @@ custom_ids already present in them, so a moved shard resumes where it stopped.
 within each shard (each custom_id belongs to exactly one shard, so per-shard
 sets bound the memory), a success beating an error for the same id; the
 result is written to temporary files next to the targets and renamed into
-place atomically. Counts are exact or the merge refuses (:class:`OutputError`).
+place atomically, or, for an object-store output, written in the work folder
+and uploaded whole (:mod:`slipstream_operator.staging`, which also says where
+such a job's work folder lives). Counts are exact or the merge refuses
+(:class:`OutputError`).
 
-Deliberately left out: object stores for the work folder (``file://`` only;
-inputs may be any fsspec URI), and detecting duplicate custom_ids across
-shards (OpenAI requires them unique; a duplicate is counted twice).
+Deliberately left out: object stores for the work folder itself (it is on a
+shared file system; inputs and outputs may be any fsspec URI), and detecting
+duplicate custom_ids across shards (OpenAI requires them unique; a duplicate
+is counted twice).
 """
 
 from __future__ import annotations
@@ -63,11 +67,11 @@ from typing import IO, Any
 from urllib.parse import urlparse
 
 from slipstream_operator.errors import InputError, OutputError
+from slipstream_operator.staging import MergeTarget, local_path, work_dir_for
 
 logger = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
-WORK_SUFFIX = ".slipstream"
 _REC = struct.Struct(">IQI")  # key length, input line number, line length
 
 
@@ -119,20 +123,6 @@ class Plan:
             raise ValueError("unsupported plan version")
         doc["shards"] = tuple(ShardPlan(**s) for s in doc["shards"])
         return cls(**doc)
-
-
-def local_path(uri: str) -> Path:
-    """The filesystem path of a ``file://`` URI."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        raise InputError("only file:// URIs are supported for this path", uri=uri)
-    return Path(parsed.netloc + parsed.path) if parsed.netloc else Path(parsed.path)
-
-
-def work_dir_for(output_uri: str) -> Path:
-    """The job's work folder on shared storage: ``<output path>.slipstream``."""
-    path = local_path(output_uri)
-    return path.with_name(path.name + WORK_SUFFIX)
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -228,13 +218,16 @@ def _read_run(path: Path) -> Iterator[tuple[bytes, int, bytes]]:
             yield data[:key_len], line_no, data[key_len:]
 
 
-def plan_input(input_uri: str, output_uri: str, job_id: str, options: PlanOptions) -> Plan:
+def plan_input(input_uri: str, output_uri: str, job_id: str, options: PlanOptions, *,
+               work_dir: Path | None = None) -> Plan:
     """Stage the input in PSM order and cut it into shards; writes ``plan.json`` last.
 
-    Idempotent: when ``plan.json`` exists for the same input fingerprint it is
-    returned as is (an operator restart does not re-plan and move shards).
+    The work folder is ``work_dir``, or ``<output>.slipstream`` for a ``file://``
+    output (:mod:`slipstream_operator.staging`). Idempotent: when ``plan.json``
+    exists for the same input fingerprint it is returned as is (an operator
+    restart does not re-plan and move shards).
     """
-    work = work_dir_for(output_uri)
+    work = work_dir if work_dir is not None else work_dir_for(output_uri)
     work.mkdir(parents=True, exist_ok=True)
     (work / "shards").mkdir(exist_ok=True)
     manifest = work / "plan.json"
@@ -417,13 +410,16 @@ class MergeResult:
 
 def merge_outputs(plan: Plan, output_uri: str, error_uri: str) -> MergeResult:
     """Merge shard logs into the job's output and error files, exactly once per custom_id."""
-    out_path, err_path = local_path(output_uri), local_path(error_uri)
-    out_tmp = out_path.with_name(out_path.name + ".tmp")
-    err_tmp = err_path.with_name(err_path.name + ".tmp")
+    work = Path(plan.work_dir)
+    out_target = MergeTarget.of(output_uri, work, "output")
+    err_target = MergeTarget.of(error_uri, work, "errors")
     completed = failed = 0
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    err_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_tmp, "w", encoding="utf-8") as out, open(err_tmp, "w", encoding="utf-8") as err:
+    out_target.tmp.parent.mkdir(parents=True, exist_ok=True)
+    err_target.tmp.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        open(out_target.tmp, "w", encoding="utf-8") as out,
+        open(err_target.tmp, "w", encoding="utf-8") as err,
+    ):
         for shard in plan.shards:
             seen: set[str] = set()
             for cid, line in _records(local_path(plan.shard_output_uri(shard.shard_id))):
@@ -454,6 +450,6 @@ def merge_outputs(plan: Plan, output_uri: str, error_uri: str) -> MergeResult:
         raise OutputError(
             f"{completed} results + {failed} errors != {plan.total} input lines", uri=output_uri
         )
-    os.replace(err_tmp, err_path)
-    os.replace(out_tmp, out_path)
+    err_target.commit()
+    out_target.commit()  # last: the output's presence means both are complete
     return MergeResult(completed=completed, failed=failed, total=plan.total)

@@ -155,8 +155,10 @@ def procs() -> Iterator[list[Proc]]:
         proc.stop()
 
 
-def start_operator(cluster: LocalCluster, namespace: str, tmp_path: Path, stall_s: int) -> Proc:
-    """``slipstream operator`` as a process, watching ``namespace`` only (not waited for)."""
+def start_operator(cluster: LocalCluster, namespace: str, tmp_path: Path, stall_s: int,
+                   env: dict[str, str] | None = None) -> Proc:
+    """``slipstream operator`` as a process, watching ``namespace`` only (not waited for), with
+    ``env`` added to this process's environment."""
     operator = Proc(
         "operator",
         [
@@ -180,7 +182,8 @@ def start_operator(cluster: LocalCluster, namespace: str, tmp_path: Path, stall_
     )
     log = operator.log_path.open("ab")
     operator.popen = subprocess.Popen(
-        operator.args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        operator.args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     log.close()
     return operator

@@ -119,6 +119,9 @@ def test_the_naive_run_turns_the_latency_model_off_and_real_vllm_learns_it(
     assert demo.describe_model({"source": "profiled", "revision": 1, "steps": 240,
                                 "heldoutMAPE": 0.125}) == (
         "profiled r1: 240 steps, held-out 12.5 %")
+    assert demo.describe_model({"source": "learned", "revision": 2, "steps": 812,
+                                "heldoutMAPE": 0.0813, "held": "no ready pod reports"}) == (
+        "learned r2: 812 steps, held-out 8.1 %, held")
     assert demo.describe_model({}) == "none"
 
 

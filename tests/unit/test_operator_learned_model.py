@@ -322,17 +322,50 @@ def test_a_new_revision_changes_the_model_key_and_searches_again() -> None:
     assert call.generation == 2 and call.latency_coefficients == coefficients(REFIT)
 
 
-def test_a_pod_missing_one_reconcile_does_not_announce_its_model_again() -> None:
+def test_a_pod_missing_one_reconcile_holds_its_model_and_does_not_announce_it_again() -> None:
     search = Recorder()
     first = run(observed((pod("chat-0", learned()),)), search=search)
     blip = run(observed((pod("chat-0", learned(), generation=1, ready=False),)), first.memory,
                previous=first.status, at_s=5.0, search=search)
-    assert conditions(blip)["BudgetReady"]["reason"] == "NoLatencyModel"
+    # The pods still run with the budget searched from it: it stays in force, and says why.
+    assert blip.status["latencyModel"]["source"] == "learned"
+    assert blip.status["latencyModel"]["held"] == (
+        "learning from the engine: no ready pod reports a fitted model yet")
+    assert blip.status["budget"]["profile"] == first.status["budget"]["profile"]
+    assert "held: learning from the engine" in conditions(blip)["BudgetReady"]["message"]
     back = run(observed((pod("chat-0", learned(), generation=blip.memory.config_generation),)),
                blip.memory, previous=blip.status, at_s=10.0, search=search)
     assert back.status["latencyModel"]["source"] == "learned"
+    assert "held" not in back.status["latencyModel"]
     assert all(e[1] != "LatencyModelLearned" for e in back.events)
     assert search.searched == ["learned:chat-0 r3"]
+
+
+def test_a_newest_fit_that_does_not_pass_holds_the_model_in_force_until_one_does() -> None:
+    search = Recorder()
+    first = run(observed((pod("chat-0", learned()),)), search=search)
+    worse = learned(REFIT, mape=0.25, revision=4)
+    held = run(observed((pod("chat-0", worse, generation=1),)), first.memory,
+               previous=first.status, at_s=5.0, search=search)
+    model = held.status["latencyModel"]
+    assert (model["revision"], model["heldoutMAPE"]) == (3, 0.031)  # the one that passed
+    assert model["held"].startswith("learning from the engine: held-out error 25 % > 10 %")
+    assert conditions(held)["BudgetReady"]["status"] == "True"
+    assert held.pushes == () and search.searched == ["learned:chat-0 r3"]  # nothing re-searched
+    better = learned(REFIT, mape=0.04, revision=5)
+    fixed = run(observed((pod("chat-0", better, generation=1),)), held.memory,
+                previous=held.status, at_s=10.0, search=search)
+    assert fixed.status["latencyModel"]["revision"] == 5
+    assert "held" not in fixed.status["latencyModel"]
+    assert search.searched == ["learned:chat-0 r3", "learned:chat-0 r5"]
+
+
+def test_turning_learned_models_off_does_not_hold_one() -> None:
+    first = run(observed((pod("chat-0", learned()),)))
+    off = run(observed((pod("chat-0", learned(), generation=1),)), first.memory,
+              previous=first.status, at_s=5.0, s=spec(scheduling={"latencyModel": "profile"}))
+    assert off.status["latencyModel"] == {"source": "none"}
+    assert conditions(off)["BudgetReady"]["reason"] == "NoLatencyModel"
 
 
 # ------------------------------------------------------------------ the simulated mode

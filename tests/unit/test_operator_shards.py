@@ -16,12 +16,11 @@ from slipstream_operator.shards import (
     Plan,
     PlanOptions,
     count_shard,
-    local_path,
     merge_outputs,
     plan_input,
     prompt_text,
-    work_dir_for,
 )
+from slipstream_operator.staging import local_path, work_dir_for
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("SLIPSTREAM_DATA", REPO.parent / "shared" / "data"))
