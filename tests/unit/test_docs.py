@@ -951,7 +951,7 @@ def test_reliability_soak_figures() -> None:
             _shows(high, max(downs))
         online = verdict["online"]
         _shows(cell["online requests"], online["sent"])
-        for outcome in ("ok", "refused", "cut"):
+        for outcome in ("ok", "refused", "cut", "timeout"):
             _shows(cell[outcome], online["outcomes"].get(outcome, 0))
         clean = sum(n for k, n in online["outcomes"].items()
                     if k.startswith("http_") or k == "stream_error")
