@@ -165,9 +165,10 @@ def choose_model(
     reported = sorted((pod, learned) for pod, learned in reports if learned is not None)
     good = [(pod, learned) for pod, learned in reported if _good(learned, params)]
     if not good:
-        waiting = f"no latency profile for {what}; {_learning(reported, params)}"
+        learning = _learning(reported, params)
+        waiting = f"no latency profile for {what}; {learning}"
         if held is not None and held.from_pod:
-            return ModelChoice(replace(held, held=_learning(reported, params)), waiting)
+            return ModelChoice(replace(held, held=learning), waiting)
         return ModelChoice(None, waiting)
     kept = [r for r in good if held is not None and held.from_pod and r[0] == held.name]
     pod, learned = kept[0] if kept else min(

@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,14 +145,6 @@ def replay(
             if delay > 0 and stop.wait(delay):
                 break
             pool.submit(send, i, prompt, output)
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop()
 
 
 def start_operator(cluster: LocalCluster, namespace: str, tmp_path: Path, stall_s: int,

@@ -65,14 +65,6 @@ def claim_folder() -> Iterator[Path]:
     shutil.rmtree(folder.parent, ignore_errors=True)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop()
-
-
 @contextlib.contextmanager
 def bound_claim(core: client.CoreV1Api, namespace: str, folder: Path) -> Iterator[None]:
     """A hostPath PersistentVolume reserved for the namespace's ``jobs`` claim, and the claim
