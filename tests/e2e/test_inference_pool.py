@@ -16,7 +16,6 @@ account, the operator makes the pool when ``gateway.inferencePool.enabled`` is o
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +64,6 @@ def remove_pool_crd(cluster: LocalCluster, admin_api: client.ApiClient) -> None:
         return None
 
     eventually("inference.networking.k8s.io/v1 no longer served", gone, timeout=60)
-
-
-@pytest.fixture
-def started() -> Iterator[list[Proc]]:
-    procs: list[Proc] = []
-    yield procs
-    for proc in reversed(procs):
-        proc.stop()
 
 
 @pytest.fixture
@@ -133,7 +124,7 @@ def running_pods(core: client.CoreV1Api, namespace: str, selector: str) -> set[s
 
 def test_pool_follows_the_service(
     cluster: LocalCluster, admin_api: client.ApiClient, namespace: str, tmp_path: Path,
-    shared_data: Path, started: list[Proc], operator_env: None,
+    shared_data: Path, procs: list[Proc], operator_env: None,
 ) -> None:
     kubectl(cluster, "apply", "-f", str(REPO / "crds"))
     install_pool_crd(cluster, admin_api, crd_file(shared_data))
@@ -146,7 +137,7 @@ def test_pool_follows_the_service(
     core.create_namespaced_pod(namespace, client.V1Pod(
         metadata=client.V1ObjectMeta(name="borrowed", labels={"slipstream.dev/service": "chat"}),
         spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="busybox")])))
-    started.append(start_operator(cluster, namespace, tmp_path, stall_s=60))
+    procs.append(start_operator(cluster, namespace, tmp_path, stall_s=60))
 
     pool = eventually("the chat InferencePool", lambda: read_pool(objects, namespace, "chat"))
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
@@ -227,7 +218,7 @@ def test_pool_follows_the_service(
 
 def test_condition_when_the_crd_is_absent(
     cluster: LocalCluster, admin_api: client.ApiClient, namespace: str, tmp_path: Path,
-    shared_data: Path, started: list[Proc], operator_env: None,
+    shared_data: Path, procs: list[Proc], operator_env: None,
 ) -> None:
     kubectl(cluster, "apply", "-f", str(REPO / "crds"))
     remove_pool_crd(cluster, admin_api)
@@ -235,7 +226,7 @@ def test_condition_when_the_crd_is_absent(
     try:
         create(objects, namespace, service("chat", replicas=1,
                                            pool={"enabled": True, "endpointPickerRef": PICKER}))
-        started.append(start_operator(cluster, namespace, tmp_path, stall_s=60))
+        procs.append(start_operator(cluster, namespace, tmp_path, stall_s=60))
         missing = eventually("InferencePool condition",
                              lambda: condition(objects, namespace, "chat", "InferencePool"))
         assert (missing["status"], missing["reason"]) == ("False", "CRDNotInstalled"), missing
@@ -274,7 +265,7 @@ def operator_as(cluster: LocalCluster, namespace: str, kubeconfig: Path, log: Pa
 @pytest.mark.parametrize("granted", [True, False], ids=["pools-granted", "pools-not-granted"])
 def test_the_charts_rbac_is_what_the_pool_needs(
     cluster: LocalCluster, admin_api: client.ApiClient, namespace: str, tmp_path: Path,
-    shared_data: Path, started: list[Proc], operator_env: None, granted: bool,
+    shared_data: Path, procs: list[Proc], operator_env: None, granted: bool,
 ) -> None:
     kubectl(cluster, "apply", "-f", str(REPO / "crds"))
     install_pool_crd(cluster, admin_api, crd_file(shared_data))
@@ -292,7 +283,7 @@ def test_the_charts_rbac_is_what_the_pool_needs(
     objects = client.CustomObjectsApi(admin_api)
     create(objects, namespace, service("chat", replicas=1,
                                        pool={"enabled": True, "endpointPickerRef": PICKER}))
-    started.append(operator_as(cluster, namespace, kubeconfig, tmp_path / "operator.log"))
+    procs.append(operator_as(cluster, namespace, kubeconfig, tmp_path / "operator.log"))
 
     said = eventually("InferencePool condition",
                       lambda: condition(objects, namespace, "chat", "InferencePool"))

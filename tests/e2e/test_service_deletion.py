@@ -12,7 +12,6 @@ finishes on ``spare`` with every ``custom_id`` exactly once.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,6 @@ from e2e.test_operator_e2e import (
 from slipstream_testbed.cluster import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
-
-
-@pytest.fixture
-def started() -> Iterator[list[Proc]]:
-    procs: list[Proc] = []
-    yield procs
-    for proc in reversed(procs):
-        proc.stop()
 
 
 def service(name: str) -> dict[str, Any]:
@@ -118,18 +109,18 @@ def test_deleting_a_service_moves_its_shards_and_the_job_finishes_exactly_once(
     admin_api: client.ApiClient,
     namespace: str,
     tmp_path: Path,
-    started: list[Proc],
+    procs: list[Proc],
 ) -> None:
     from slipstream_sidecar.proto import sidecar_pb2
 
     core = client.CoreV1Api(admin_api)
     kubectl(cluster, "apply", "-f", str(REPO / "crds"))
-    started.append(start_operator(cluster, namespace, tmp_path, stall_s=60))
+    procs.append(start_operator(cluster, namespace, tmp_path, stall_s=60))
     for name in ("chat", "spare"):
         (tmp_path / f"{name}.json").write_text(json.dumps(service(name)))
         kubectl(cluster, "apply", "-n", namespace, "-f", str(tmp_path / f"{name}.json"))
-    chat_ip, chat_token = start_pod(core, namespace, "chat", tmp_path, started)
-    start_pod(core, namespace, "spare", tmp_path, started)
+    chat_ip, chat_token = start_pod(core, namespace, "chat", tmp_path, procs)
+    start_pod(core, namespace, "spare", tmp_path, procs)
 
     wanted = mmlu_batch(tmp_path / "big.jsonl", subjects=8, per_subject=40, max_tokens=24)
     job = {
