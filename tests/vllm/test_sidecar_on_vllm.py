@@ -606,38 +606,59 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
     write_shard(stack1.tmp / "in.jsonl", bodies)
     sc = stack1.sidecar.url
 
-    # Each online request arrives while vLLM's scheduler is paused with an offline line in it,
-    # once the sidecar has streamed 24 more offline tokens since the last answer (the line is
-    # producing tokens again after its restart), so the line it cuts is mid-answer however
-    # slow the host: nothing decodes until the cut is made. Requests go one at a time until
-    # one has cut a line that then resumed from its tokens (or the shard ends; at most 60).
+    # The online request goes while vLLM's scheduler is paused with an offline line mid-answer
+    # in it, so the line it cuts has tokens to resume from, however slow the host: nothing
+    # decodes until the cut is made. Mid-answer is read once the sidecar has every token vLLM
+    # produced before the pause (what was still in the stream's buffers is in: the sidecar's
+    # offline tokens equal vLLM's generated tokens since the test began), so a line that had
+    # already ended in the engine is never taken for one in flight. One line at a time, all of
+    # max_tokens each: the tokens of the current line are the count modulo max_tokens. Until
+    # such a pause is found, the test retries every 24 offline tokens (at most 60 times).
     results: list[Streamed] = []
     errors: list[BaseException] = []
     sent_at: list[tuple[float, float]] = []  # (s into the shard, offline tokens) at each send
+    skipped: list[str] = []  # why each pause found no line mid-answer
     shard_done = threading.Event()
+    generated_before = metric(vllm.url, "vllm:generation_tokens_total")
 
     def offline_tokens() -> float:
         return metric(sc, "slipstream_output_tokens_total", **{"class": "offline"})
 
+    def resumed_tokens() -> float:
+        return metric(sc, "slipstream_offline_resumed_tokens_total")
+
+    def line_mid_answer() -> str | None:
+        """While vLLM is paused: None when one offline line is in flight with tokens produced
+        and tokens to go, else why not. Waits for the sidecar to read what vLLM produced."""
+        deadline = time.monotonic() + 30
+        while True:
+            generated = metric(vllm.url, "vllm:generation_tokens_total") - generated_before
+            seen = offline_tokens()
+            if seen == generated or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if seen != generated:
+            return f"the sidecar has {seen} offline tokens, vLLM generated {generated}"
+        if (n_in := metric(sc, "slipstream_in_flight_requests", **{"class": "offline"})) != 1:
+            return f"{n_in} offline lines in flight"
+        if seen % max_tokens == 0:
+            return f"a line ended at {seen} tokens"
+        return None
+
     def cut_while_paused(i: int) -> Streamed | None:
-        """One online request sent while vLLM is paused with an offline line in flight; its
-        answer once vLLM resumes (None: no line was in flight at the pause). The sidecar cuts
-        the line to send it, unless the line turns out to have ended in the engine just
-        before the pause (its last tokens still on their way): then the slot frees and the
-        request goes without a cut, and the caller tries again."""
+        """One online request sent while vLLM is paused with an offline line mid-answer; its
+        answer once vLLM resumes (None: no line was mid-answer at the pause)."""
         box: list[Streamed] = []
         with paused(vllm):
-            if metric(sc, "slipstream_in_flight_requests", **{"class": "offline"}) != 1:
+            if (why := line_mid_answer()) is not None:
+                skipped.append(why)
                 return None
             cuts = metric(sc, "slipstream_preemptions_total")
             u = threading.Thread(target=lambda: box.append(stream(sc + "/v1/completions", {
                 **COMPLETION, "max_tokens": 16, "seed": i, "return_token_ids": True})))
             u.start()
-            wait_until(lambda: (metric(sc, "slipstream_preemptions_total") > cuts
-                                or metric(sc, "slipstream_in_flight_requests",
-                                          **{"class": "online"}) >= 1),
-                       "the sidecar cutting the offline line or sending the online request",
-                       120, poll_s=0.2)
+            wait_until(lambda: metric(sc, "slipstream_preemptions_total") > cuts,
+                       "the sidecar cutting the offline line", 120, poll_s=0.2)
         u.join(120)
         assert box, "the online request got no answer"
         return box[0]
@@ -651,11 +672,15 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
                     if shard_done.wait(0.05):
                         return
                 sent_at.append((round(time.monotonic() - start, 2), now))
+                before = resumed_tokens()
                 got = cut_while_paused(i)
-                if got is not None:
-                    results.append(got)
-                if metric(sc, "slipstream_offline_resumed_tokens_total") > 0:
-                    return
+                if got is None:
+                    continue
+                results.append(got)
+                # The cut line had tokens and tokens to go: it is resumed from them.
+                wait_until(lambda b=before: resumed_tokens() > b,
+                           "the cut line resumed from its tokens", 120, poll_s=0.2)
+                return
         except BaseException as e:  # reported by the test's thread
             errors.append(e)
 
@@ -669,13 +694,13 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
         took = time.monotonic() - started
         shard_done.set()
         u.join(150)
-    assert not errors, errors
-    assert results and all(r.done for r in results), (len(results), sent_at)
+    seen = (f"(s into the shard, offline tokens) at each pause: {sent_at}; pauses without a "
+            f"line mid-answer: {skipped}; the shard took {took:.1f} s; the sidecar's warnings: "
+            f"{warnings(stack1)}")
+    assert not errors, (errors, seen)
+    assert len(results) == 1 and results[0].done, (len(results), seen)
     assert progress.state == pb.SHARD_STATE_SUCCEEDED and progress.completed == n
     assert progress.preemptions > 0, "the online requests must abort offline work"
-    assert metric(sc, "slipstream_offline_resumed_tokens_total") > 0, (
-        f"no offline line was resumed mid-answer; (s into the shard, offline tokens) when each "
-        f"online request went: {sent_at}; the shard took {took:.1f} s")
     out = {r["custom_id"]: r for r in records(stack1.tmp / "out.jsonl")}
     assert set(out) == {f"req-{i}" for i in range(n)} and len(out) == n
     for i in range(n):
@@ -695,6 +720,13 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
             assert gc["message"]["content"] == rc["message"]["content"], (
                 i, first_difference(gc["message"]["content"], rc["message"]["content"]))
             assert gc["message"]["role"] == "assistant"
+
+
+def warnings(stack: Stack) -> list[str]:
+    """The sidecar's log lines at WARNING or above, for an assertion message."""
+    log = stack.sidecar.log_path
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [ln for ln in text.splitlines() if " WARNING " in ln or " ERROR " in ln][-20:]
 
 
 def first_difference(got: str, want: str) -> str:
