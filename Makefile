@@ -166,7 +166,7 @@ bench: venv
 # The soak of docs/reliability.md ("Soak"): 30 minutes of online and offline work through
 # real vLLM per mode while its processes are killed (about 75 minutes; not in `make test`).
 soak: venv vllm-env cluster-build
-	@$(BIN)/slipstream bench soak --mode engine --seed 1 --json docs/benchmarks/soak-engine.json
+	@$(BIN)/slipstream bench soak --mode engine --seed 1 --keep 0.15 --json docs/benchmarks/soak-engine-keep-0.15.json
 	@$(BIN)/slipstream bench soak --mode sidecar --seed 2 --json docs/benchmarks/soak-sidecar.json
 
 proto: venv
