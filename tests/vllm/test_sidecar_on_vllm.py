@@ -627,21 +627,22 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
     def resumed_tokens() -> float:
         return metric(sc, "slipstream_offline_resumed_tokens_total")
 
-    lost = [0.0]  # tokens vLLM generated that never reached the sidecar (a stream that broke)
+    lost = 0.0  # tokens vLLM generated that never reached the sidecar (a stream that broke)
 
     def line_mid_answer() -> str | None:
         """While vLLM is paused: None when one offline line is in flight with tokens produced
         and tokens to go, else why not. Waits for the sidecar to read what vLLM produced; what
         it still lacks after 10 s is taken as lost, and this pause is skipped."""
+        nonlocal lost
         deadline = time.monotonic() + 10
         while True:
             generated = metric(vllm.url, "vllm:generation_tokens_total") - generated_before
             seen = offline_tokens()
-            if seen + lost[0] == generated or time.monotonic() > deadline:
+            if seen + lost == generated or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        if seen + lost[0] != generated:
-            lost[0] = generated - seen
+        if seen + lost != generated:
+            lost = generated - seen
             return f"the sidecar has {seen} offline tokens, vLLM generated {generated}"
         if (n_in := metric(sc, "slipstream_in_flight_requests", **{"class": "offline"})) != 1:
             return f"{n_in} offline lines in flight"
@@ -728,8 +729,7 @@ def test_online_burst_preempts_offline_and_continuations_keep_every_token(
 
 def warnings(stack: Stack) -> list[str]:
     """The sidecar's log lines at WARNING or above, for an assertion message."""
-    log = stack.sidecar.log_path
-    text = log.read_text(errors="replace") if log.exists() else ""
+    text = stack.sidecar.log_tail(1 << 20)
     return [ln for ln in text.splitlines() if " WARNING " in ln or " ERROR " in ln][-20:]
 
 
